@@ -1,0 +1,37 @@
+"""shardlang: declarative sharding plans for PyTorch, compiled to parallelize_module / fully_shard calls.
+
+    import shardlang
+    plan = shardlang.load("plan.sl", params={"tp": 4})   # raises shardlang.PlanError(diagnostics)
+    plan.lint(model, world_size=8)                        # -> list[Diagnostic]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .diagnostics import CODES, Diagnostic, PlanError, Severity
+from .frontend import compile_file, compile_source
+from .plan import Plan
+from .source import Source
+
+__all__ = ["CODES", "Diagnostic", "Plan", "PlanError", "Severity", "load", "loads"]
+__version__ = "0.1.0"
+
+
+def load(path: str | Path, params: Mapping[str, Any] | None = None, *, world_size: int | None = None) -> Plan:
+    """Read, parse and check a plan file. `params` override its `param`s; `world_size` resolves `auto` dims."""
+    plan, found, sources = compile_file(path, params, world_size)
+    if plan is None:
+        raise PlanError(found, sources)
+    return plan
+
+
+def loads(text: str, params: Mapping[str, Any] | None = None, *, name: str = "<string>", world_size: int | None = None) -> Plan:
+    """Parse and check plan text, as `load` does for a file."""
+    source = Source(name, text)
+    plan, found = compile_source(source, params, world_size)
+    if plan is None:
+        raise PlanError(found, {name: source})
+    return plan
