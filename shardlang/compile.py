@@ -1,0 +1,39 @@
+"""`compile --emit python`: a plan lowered for a model and world size, printed as plain torch code."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from . import plan as ir
+from .diagnostics import PlanError
+from .lint import lint
+from .lower import lower
+from .program import Program, to_python
+
+
+def compile_program(plan: ir.Plan, model: nn.Module, world_size: int) -> Program:
+    """Lint and lower; PlanError if the plan does not fit the model."""
+    linted = lint(plan, model, world_size)
+    if not linted.ok:
+        raise PlanError(linted.diagnostics, {plan.source.name: plan.source})
+    return lower(plan, linted.resolution, world_size)
+
+
+def compile_python(plan: ir.Plan, model: nn.Module, world_size: int | None, command: str = "") -> str:
+    world_size = world_size or default_world_size(plan)
+    return to_python(compile_program(plan, model, world_size), command)
+
+
+def default_world_size(plan: ir.Plan) -> int:
+    """The world a plan's meshes fix when none of their dims is `auto`; ValueError otherwise."""
+    sizes = set()
+    for mesh in plan.meshes:
+        if any(d.size is None for d in mesh.dims):
+            raise ValueError(f"mesh '{mesh.name}' has an auto dim: give the world size")
+        n = 1
+        for d in mesh.dims:
+            n *= d.size
+        sizes.add(n)
+    if len(sizes) != 1:
+        raise ValueError("give the world size")
+    return sizes.pop()
