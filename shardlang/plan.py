@@ -42,6 +42,17 @@ class Partial:
 
 
 @frozen
+class StridedShard:
+    """FSDP's shard of a tensor already sharded on the same dim by a later mesh dim (torch's `_StridedShard`)."""
+
+    dim: int
+    split_factor: int
+
+    def __str__(self) -> str:
+        return f"_StridedShard(dim={self.dim}, sf={self.split_factor})"
+
+
+@frozen
 class NonTensor:
     """`_`: a positional input that is not a tensor and is passed through untouched."""
 
@@ -237,6 +248,32 @@ class Plan:
         from .check import check_world
 
         return check_world(self, world_size)
+
+    def lint(self, model: Any, world_size: int) -> list[Diagnostic]:
+        """Every diagnostic of this plan against `model` (built on the meta device is enough) at `world_size`."""
+        from .lint import lint
+
+        return [*self.diagnostics, *lint(self, model, world_size).diagnostics]
+
+    def build(self, build_model: Any) -> Any:
+        """Call `build_model()` where this plan's `init` says: on meta (`meta`; `rank0` except on rank 0),
+        on the CPU (`cpu`, rank 0 of `rank0`) or on the mesh device (`auto`)."""
+        from .runtime import build_for
+
+        return build_for(self.init.mode, self.meshes[0].device if self.meshes else "auto", build_model)
+
+    def apply(self, model: Any) -> Any:
+        """Shard `model` in place by this plan; call on every rank inside an initialised process group.
+        Raises PlanError (nothing changed) if the plan does not fit the model or a step fails."""
+        from .apply import apply_plan
+
+        return apply_plan(self, model).model
+
+    def to_python(self, model: Any = None, world_size: int | None = None) -> str:
+        """The program as plain torch code; resolved against `model` (any device, meta is enough) if given."""
+        from .compile import compile_python
+
+        return compile_python(self, model, world_size)
 
 
 def to_data(value: Any) -> Any:

@@ -1,0 +1,157 @@
+"""Local worker processes in one process group: started once, given jobs, results collected.
+
+`shardlang apply --nproc N` runs its one job on such a pool, and the test suite keeps a pool per world
+size so that a process group is not spawned per test. A job is a function every rank runs; its
+return values come back in rank order. A job that raises on any rank, or a worker that dies, stops
+the whole pool within a bounded time and raises WorkerError naming the rank and its traceback: the
+other ranks may be waiting in a collective that will never complete, so they are not waited for.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+class WorkerError(RuntimeError):
+    """A job failed on a worker (or a worker died)."""
+
+    def __init__(self, rank: int, message: str, details: str = ""):
+        super().__init__(f"rank {rank}: {message}")
+        self.rank, self.message, self.details = rank, message, details
+
+    def __str__(self) -> str:
+        text = f"rank {self.rank}: {self.message}"
+        return f"{text}\n{self.details.rstrip()}" if self.details else text
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, jobs, results, timeout_s: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )  # fmt: skip
+    logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    except Exception as e:  # noqa: BLE001
+        results.put((None, rank, "error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+        return
+    results.put((None, rank, "ready", None, ""))
+    while True:
+        job = jobs.get()
+        if job is None:
+            break
+        job_id, payload = job
+        try:
+            fn, args, kwargs = pickle.loads(payload)
+            value = pickle.dumps(fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - report anything, including SystemExit
+            results.put((job_id, rank, "error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+            continue
+        results.put((job_id, rank, "ok", value, ""))
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - teardown problems after the last job are not the job's
+        pass
+
+
+class WorkerPool:
+    """`world_size` processes, each rank of one process group (gloo on CPU, nccl with one GPU each)."""
+
+    def __init__(self, world_size: int, backend: str = "gloo", timeout_s: float = 300.0, start_timeout_s: float = 120.0):
+        self.world_size, self.backend = world_size, backend
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._jobs = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        self._procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, backend, self._jobs[r], self._results, timeout_s), daemon=True)
+            for r in range(world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
+        self._next = 0
+        self.broken = False
+        self._collect(None, start_timeout_s, "ready")
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 600.0, **kwargs: Any) -> list[Any]:
+        """Run `fn(*args, **kwargs)` on every rank; the return values in rank order."""
+        if self.broken:
+            raise WorkerError(-1, "the worker pool was stopped by an earlier failure")
+        payload = pickle.dumps((fn, args, kwargs))  # fails here, not silently in a queue's feeder thread
+        self._next += 1
+        for q in self._jobs:
+            q.put((self._next, payload))
+        return [pickle.loads(v) for v in self._collect(self._next, timeout_s, "ok")]
+
+    def _collect(self, job_id: int | None, timeout_s: float, expect: str) -> list[Any]:
+        values: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(values) < self.world_size:
+            try:
+                got_id, rank, status, value, details = self._results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead:
+                    code = self._procs[dead[0]].exitcode
+                    self.stop()
+                    raise WorkerError(dead[0], f"worker exited with code {code}") from None
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(self.world_size)) - set(values))
+                    self.stop()
+                    raise WorkerError(missing[0], f"no result within {timeout_s:.0f} s (ranks {missing} still running)") from None
+                continue
+            if got_id != job_id:
+                continue  # a late result of an earlier, failed job
+            if status == "error":
+                self.stop()
+                raise WorkerError(rank, value, details)
+            values[rank] = value
+        return [values[r] for r in range(self.world_size)]
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Stop every worker: politely when idle, by force when not done within `grace_s`."""
+        self.broken = True
+        for q in self._jobs:
+            try:
+                q.put_nowait(None)
+            except Exception:  # noqa: BLE001
+                pass
+        deadline = time.monotonic() + grace_s
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+    def close(self) -> None:
+        if not self.broken:
+            self.stop(grace_s=30.0)
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
