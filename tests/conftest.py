@@ -26,3 +26,30 @@ def golden(request):
         assert actual == path.read_text(encoding="utf-8"), f"output differs from {path}; rerun with --update-goldens if intended"
 
     return check
+
+
+class Pools:
+    """One worker pool per world size for the whole session (spawning a gloo world costs seconds);
+    a pool stopped by a failing job is replaced on next use."""
+
+    def __init__(self):
+        self._pools = {}
+
+    def __call__(self, world_size: int):
+        from shardlang.launch import WorkerPool
+
+        pool = self._pools.get(world_size)
+        if pool is None or pool.broken:
+            pool = self._pools[world_size] = WorkerPool(world_size, timeout_s=120)
+        return pool
+
+    def close(self):
+        for pool in self._pools.values():
+            pool.close()
+
+
+@pytest.fixture(scope="session")
+def pools():
+    pools = Pools()
+    yield pools
+    pools.close()

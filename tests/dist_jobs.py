@@ -1,0 +1,414 @@
+"""Jobs the distributed tests run on every rank of a worker pool, and the hand-written torch code each
+plan is compared with. Everything here runs inside a worker process with an initialised gloo group."""
+
+from __future__ import annotations
+
+import importlib
+
+import attrs
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+import shardlang
+from shardlang.apply import apply_plan
+from shardlang.runtime import distribute_with_layouts
+from shardlang.torchcompat import composable_checkpoint, composable_replicate
+
+
+def load(ref: str):
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name or "build_model")
+
+
+def rank() -> int:
+    return dist.get_rank()
+
+
+def world() -> int:
+    return dist.get_world_size()
+
+
+def local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def describe(p) -> str:
+    if isinstance(p, DTensor):
+        return f"{p.device_mesh.mesh_dim_names} {tuple(p.placements)}"
+    return "plain"
+
+
+# --- inputs ------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class features:
+    """Random inputs (batch, [seq,] dim): the same on the ranks of one data-parallel group (`dp` groups
+    of consecutive ranks), and each TP rank's own slice along `shard_dim` if given."""
+
+    dim: int
+    batch: int = 4
+    seq: int | None = None
+    shard_dim: int | None = None
+    dp: int = 1
+
+    def __call__(self, r: int, w: int):
+        tp = w // self.dp
+        g = torch.Generator().manual_seed(100 + r // tp)
+        shape = (self.batch, self.seq, self.dim) if self.seq else (self.batch, self.dim)
+        x = torch.randn(*shape, generator=g)
+        return x.chunk(tp, dim=self.shard_dim)[r % tp] if self.shard_dim is not None else x
+
+
+@attrs.frozen
+class tokens:
+    vocab: int
+    batch: int = 4
+    seq: int = 5
+
+    def __call__(self, r: int, w: int):
+        return torch.randint(0, self.vocab, (self.batch, self.seq), generator=torch.Generator().manual_seed(7))
+
+
+# --- the comparison job -------------------------------------------------------------------------
+
+
+def same_as_handwritten(plan_text: str, model: str, hand: str, make_input, params=None, steps: int = 2) -> dict:
+    """Apply the plan to one copy of the model and the hand-written calls to another, then require the
+    same parameter types, meshes, placements and local shards, and the same outputs and gradients for
+    `steps` forward/backward passes. Also requires the actual placements to equal the prediction."""
+    plan = shardlang.loads(plan_text, params)
+    build = load(model)
+    torch.manual_seed(0)
+    a = plan.build(build)
+    applied = apply_plan(plan, a)
+    torch.manual_seed(0)
+    b = build()
+    load(hand)(b)
+
+    names_a = [n for n, _ in a.named_parameters()]
+    names_b = [n for n, _ in b.named_parameters()]
+    assert names_a == names_b, (names_a, names_b)
+    assert [type(m).__name__ for m in a.modules()] == [type(m).__name__ for m in b.modules()]
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert describe(pa) == describe(pb), f"{name}: shardlang {describe(pa)} vs hand-written {describe(pb)}"
+        assert torch.equal(local(pa), local(pb)), f"{name}: local shards differ"
+    for (name, ba), bb in zip(a.named_buffers(), b.buffers()):
+        assert torch.equal(local(ba), local(bb)), f"buffer {name} differs"
+
+    for step in range(steps):
+        x = make_input(rank(), world())
+        out_a, out_b = a(x), b(x)
+        assert torch.equal(local(out_a), local(out_b)), f"step {step}: outputs differ"
+        local(out_a).float().sum().backward()
+        local(out_b).float().sum().backward()
+        for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+            assert (pa.grad is None) == (pb.grad is None), f"{name}: one gradient is missing"
+            if pa.grad is not None:
+                assert torch.equal(local(pa.grad), local(pb.grad)), f"step {step}: gradient of {name} differs"
+
+    actual = {n: describe(p) for n, p in a.named_parameters()}
+    predicted = applied.predictions
+    for name, p in a.named_parameters():
+        expect = predicted[name]
+        if expect.known and expect.mesh is None:
+            assert actual[name] == "plain", f"{name}: predicted a plain tensor, got {actual[name]}"
+        elif expect.known:
+            want = f"{expect.dims} {tuple(_torch_placement(x) for x in expect.placements)}"
+            assert actual[name] == want, f"{name}: predicted {want}, got {actual[name]}"
+    return actual
+
+
+def _torch_placement(p):
+    from shardlang import plan as ir
+    from shardlang.torchcompat import strided_shard_class
+
+    if isinstance(p, ir.StridedShard):
+        return strided_shard_class()(p.dim, split_factor=p.split_factor)
+    return {ir.Replicate: Replicate()}.get(type(p)) or Shard(p.dim)
+
+
+# --- hand-written equivalents -------------------------------------------------------------------
+
+
+def mesh1(name="tp"):
+    return init_device_mesh("cpu", (world(),), mesh_dim_names=(name,))
+
+
+def mesh2(names=("dp", "tp"), inner=2):
+    return init_device_mesh("cpu", (world() // inner, inner), mesh_dim_names=names)
+
+
+def hand_mlp_tp(model):
+    parallelize_module(model, mesh1(), {"net1": ColwiseParallel(), "net2": RowwiseParallel()})
+
+
+def hand_seq_mlp(model):
+    tp = mesh1()
+    parallelize_module(model, tp, {
+        "norm": SequenceParallel(),
+        "mlp.w1": ColwiseParallel(input_layouts=Shard(1)),
+        "mlp.w2": RowwiseParallel(output_layouts=Shard(1)),
+    })  # fmt: skip
+
+
+def hand_rmsnorm(model):
+    tp = mesh1()
+    parallelize_module(model, tp, {"mlp.net1": ColwiseParallel(input_layouts=Shard(0)), "mlp.net2": RowwiseParallel(output_layouts=Shard(0))})
+
+    def prepare_input_fn(mod, inputs, device_mesh):
+        return DTensor.from_local(inputs[0], device_mesh, [Shard(0)], run_check=False)
+
+    def prepare_output_fn(mod, outputs, device_mesh):
+        return outputs.to_local()
+
+    from torch.distributed.tensor import distribute_module
+
+    distribute_module(model.mlp_norm, tp, input_fn=prepare_input_fn, output_fn=prepare_output_fn)
+
+
+def hand_embed_colwise(model):
+    parallelize_module(model, mesh1(), {"embedding": ColwiseParallel(), "fc": RowwiseParallel()})
+
+
+def hand_embed_rowwise(model):
+    parallelize_module(model, mesh1(), {"embedding": RowwiseParallel(), "fc": ColwiseParallel()})
+
+
+def hand_tied(model):
+    parallelize_module(model, mesh1(), {"embedding": ColwiseParallel(), "fc": RowwiseParallel()})
+    model.fc.weight = model.embedding.weight
+
+
+def hand_2d(model):
+    mesh = mesh2()
+    parallelize_module(model, mesh["tp"], {"net1": ColwiseParallel(), "net2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+
+
+def hand_hsdp(model):
+    mesh = mesh2(("replicate", "shard"))
+    for unit in (model.u1, model.u2):
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def hand_mixed_precision(model):
+    mesh = mesh1("dp")
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(model.u1, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model.u2, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def hand_replicate_and_fully_shard(model):
+    mesh = mesh1("dp")
+    composable_replicate()(model.u1, device_mesh=mesh)
+    fully_shard(model.u2, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def hand_checkpoint_fully_shard(model):
+    mesh = mesh1("dp")
+    for unit in (model.u1, model.u2):
+        composable_checkpoint()(unit)
+    for unit in (model.u1, model.u2):
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def hand_options(model):
+    mesh = mesh1("dp")
+    fully_shard(model.u1[0], mesh=mesh, reshard_after_forward=2)
+    fully_shard(model.u1[2], mesh=mesh, reshard_after_forward=False)
+    fully_shard(model.u2, mesh=mesh, reshard_after_forward=True, offload_policy=CPUOffloadPolicy(pin_memory=False))
+    composable_replicate()(model.head, device_mesh=mesh)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+
+
+def hand_prepare_output(model):
+    tp = mesh1()
+    parallelize_module(model, tp, {
+        "mlp": PrepareModuleInput(input_layouts=Shard(0), desired_input_layouts=Replicate()),
+        "mlp.w1": ColwiseParallel(),
+        "mlp.w2": RowwiseParallel(output_layouts=Partial()),
+    })  # fmt: skip
+    parallelize_module(model.mlp, tp, PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Shard(0)))
+    parallelize_module(model, tp, {"norm": SequenceParallel(sequence_dim=0, use_local_output=True)})
+
+
+def hand_user_styles(model):
+    from examples.styles import rowwise_scaled
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    mesh = mesh1()
+    parallelize_module(model, mesh, {"net1": ColwiseParallel()})
+    rowwise_scaled(model.net2, mesh, scale=0.5)
+    parallelize_module(model, mesh, PrepareModuleInputOutput(
+        input_layouts=Replicate(), desired_input_layouts=Replicate(), output_layouts=Replicate(), desired_output_layouts=Replicate(),
+    ))  # fmt: skip
+
+
+def hand_class_targets(model):
+    mesh = mesh1("dp")
+    for unit in (model.u1, model.u2):
+        composable_checkpoint()(unit)
+    for unit in (model.u1, model.u2):
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def hand_distribute_output(model):
+    tp = mesh1()
+    distribute_with_layouts(model.norm, tp, Replicate(), Replicate())
+    parallelize_module(model, tp, {"mlp.w1": ColwiseParallel(), "mlp.w2": RowwiseParallel()})
+
+
+# --- other jobs --------------------------------------------------------------------------------
+
+
+def meta_init_matches_unsharded(plan_text: str, model: str, seed: int = 1234) -> dict:
+    """`init meta`: every shard gets its own values, and the whole equals an unsharded model
+    initialised with the same seed (reset_parameters on each module in order)."""
+    plan = shardlang.loads(plan_text)
+    build = load(model)
+    torch.manual_seed(seed)
+    sharded = plan.build(build)
+    apply_plan(plan, sharded)
+    torch.manual_seed(seed)
+    reference = build()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for module in reference.modules():
+            if callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+    report = {}
+    for (name, p), ref in zip(sharded.named_parameters(), reference.parameters()):
+        assert p.device.type == "cpu", f"{name} is on {p.device}"
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        assert torch.equal(full, ref), f"{name}: sharded init differs from the unsharded one"
+        report[name] = describe(p)
+        # Shards of one tensor must not repeat each other (DTensor's CPU RNG would make them equal).
+        if isinstance(p, DTensor) and not all(pl.is_replicate() for pl in p.placements):
+            mine = local(p).detach().flatten()
+            sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world())]
+            dist.all_gather(sizes, torch.tensor([mine.numel()]))
+            if len({int(n) for n in sizes}) == 1 and mine.numel() > 1:
+                gathered = [torch.empty_like(mine) for _ in range(world())]
+                dist.all_gather(gathered, mine)
+                assert len({tuple(t.tolist()) for t in gathered}) > 1, f"{name}: every shard holds the same values"
+    return report
+
+
+def rank0_init_is_bitwise(plan_text: str, model: str) -> dict:
+    """`init rank0`: the sharded model equals rank 0's unsharded model bitwise, buffers included."""
+    plan = shardlang.loads(plan_text)
+    build = load(model)
+    torch.manual_seed(rank() + 10)  # ranks build different models: only rank 0's may count
+    sharded = plan.build(build)
+    reference = [t.clone() for t in sharded.state_dict().values()] if rank() == 0 else None
+    buffers = {n: b.clone() for n, b in sharded.named_buffers()} if rank() == 0 else None
+    apply_plan(plan, sharded)
+    objects = [reference, buffers]
+    dist.broadcast_object_list(objects, src=0)
+    reference, buffers = objects
+    for (name, t), ref in zip(sharded.state_dict().items(), reference):
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        assert torch.equal(full.cpu(), ref), f"{name} differs from rank 0's model"
+    for name, b in sharded.named_buffers():
+        assert torch.equal(local(b).cpu(), buffers[name]), f"buffer {name} differs from rank 0's"
+    return {n: describe(p) for n, p in sharded.named_parameters()}
+
+
+def sync_makes_replicas_equal(plan_text: str, model: str) -> list:
+    """`sync over`: buffers built differently on each rank are equal after apply along the synced dim."""
+    plan = shardlang.loads(plan_text)
+    torch.manual_seed(rank())
+    model_ = plan.build(load(model))
+    apply_plan(plan, model_)
+    mine = torch.cat([local(b).float().flatten() for b in model_.buffers()] + [local(p).detach().flatten() for p in model_.parameters()])
+    gathered = [torch.empty_like(mine) for _ in range(world())]
+    dist.all_gather(gathered, mine)
+    return [torch.equal(gathered[0], g) for g in gathered]
+
+
+def failing_apply_leaves_model_unchanged(plan_text: str, model: str) -> str:
+    """A step that fails mid-program: PlanError(SL300) on every rank and the model exactly as before."""
+    plan = shardlang.loads(plan_text)
+    torch.manual_seed(0)
+    m = plan.build(load(model))
+    before, before_values = _fingerprint(m), _values(m)
+    try:
+        apply_plan(plan, m)
+    except shardlang.PlanError as e:
+        (d,) = e.diagnostics
+        assert d.code == "SL300", d
+        after = _fingerprint(m)
+        for key in before:
+            assert before[key] == after[key], f"{key} changed by a failed apply"
+        for (name, value), (_, now) in zip(before_values, _values(m)):
+            assert torch.equal(value, now), f"the value of {name} changed by a failed apply"
+        if next(m.parameters()).device.type != "meta":
+            m(torch.randn(2, 8)).sum().backward()  # still a working, unsharded model
+        return d.message
+    raise AssertionError("apply did not fail")
+
+
+def _values(model: nn.Module) -> list:
+    return [(n, t.detach().clone()) for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != "meta"]
+
+
+def _fingerprint(model: nn.Module) -> dict:
+    from shardlang.torchcompat import composable_state_mapping
+
+    mapping = composable_state_mapping()
+    return {
+        "types": [type(m) for m in model.modules()],
+        "params": [(n, id(p), type(p), p.device, p.shape, p.data.data_ptr() if p.device.type != "meta" else 0)
+                   for n, p in model.named_parameters()],
+        "buffers": [(n, id(b), b.device) for n, b in model.named_buffers()],
+        "hooks": [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks), len(m._state_dict_hooks),
+                   len(m._load_state_dict_pre_hooks)) for m in model.modules()],
+        "dict_keys": [sorted(m.__dict__) for m in model.modules()],
+        "composable": [m in mapping for m in model.modules()] if mapping is not None else None,
+    }  # fmt: skip
+
+
+def raise_after_change(module, mesh, **kwargs):
+    """A user style that changes its module, then fails."""
+    parallelize_module(module, mesh, ColwiseParallel())
+    raise RuntimeError("planted failure in a user style")
+
+
+def emitted_code_matches_apply(plan_text: str, model: str, world_size: int) -> dict:
+    """The code `compile --emit python` prints, run on its own, gives the placements and shards apply gives."""
+    plan = shardlang.loads(plan_text)
+    build = load(model)
+    with torch.device("meta"):
+        meta_model = build()
+    code = plan.to_python(meta_model, world_size)
+    namespace: dict = {}
+    exec(compile(code, "<emitted>", "exec"), namespace)
+    torch.manual_seed(0)
+    a = plan.build(build)
+    apply_plan(plan, a)
+    torch.manual_seed(0)
+    b = namespace["build"](build)
+    namespace["apply_plan"](b)
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
+        assert describe(pa) == describe(pb), f"{name}: apply {describe(pa)} vs emitted {describe(pb)}"
+        assert torch.equal(local(pa), local(pb)), f"{name}: shards differ"
+    return {n: describe(p) for n, p in a.named_parameters()}
