@@ -6,13 +6,17 @@ import argparse
 import re
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from rich.console import Console
 from rich.text import Text
 
 from . import __version__
-from .diagnostics import Diagnostic, render_all, render_json
+from .compile import compile_python, default_world_size
+from .diagnostics import Diagnostic, PlanError, render_all, render_json, sort_key
 from .frontend import compile_file
+from .lint import lint
+from .modelfile import ModelFile, ModelFileError, load_model_file
 from .plan import Plan
 from .source import Source
 
@@ -43,11 +47,44 @@ def _parser() -> argparse.ArgumentParser:
 
     lint = commands.add_parser("lint", help="check a plan (and, given a model, the plan against it)")
     lint.add_argument("plan", metavar="PLAN", help="the .sl plan file")
+    _add_model(lint, required=False)
     lint.add_argument("--world", type=_positive, metavar="N", help="world size: resolves `auto` mesh dims and checks the meshes fit")
     _add_params(lint)
     lint.add_argument("--format", choices=("text", "json"), default="text", help="how to print diagnostics (default text)")
     lint.set_defaults(run=run_lint)
+
+    compile_ = commands.add_parser("compile", help="print the plan as plain torch code")
+    compile_.add_argument("plan", metavar="PLAN", help="the .sl plan file")
+    _add_model(compile_, required=False)
+    compile_.add_argument("--world", type=_positive, metavar="N", help="world size (default: what the meshes fix)")
+    _add_params(compile_)
+    compile_.add_argument("--emit", choices=("python",), required=True, help="what to print: python")
+    compile_.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+    compile_.set_defaults(run=run_compile)
     return parser
+
+
+def _add_model(parser: argparse.ArgumentParser, required: bool) -> None:
+    parser.add_argument("model", metavar="MODEL", nargs=None if required else "?", help="model file defining build_model() (SPEC §6)")
+    parser.add_argument("--entry", metavar="PKG.MODULE:FUNCTION", help="build_model as an importable function instead of MODEL")
+
+
+def _model_file(args: argparse.Namespace) -> ModelFile | None:
+    if args.model is None and args.entry is None:
+        return None
+    try:
+        return load_model_file(args.model, args.entry)
+    except ModelFileError as e:
+        raise UsageError(str(e)) from None
+
+
+def _world(plan: Plan, given: int | None) -> int:
+    if given is not None:
+        return given
+    try:
+        return default_world_size(plan)
+    except ValueError as e:
+        raise UsageError(f"{e} with --world N") from None
 
 
 def _add_params(parser: argparse.ArgumentParser) -> None:
@@ -83,13 +120,49 @@ def compile_plan(path: str, params: list[str], world_size: int | None) -> tuple[
 
 
 def run_lint(args: argparse.Namespace) -> int:
+    """Static checks; with a model, SL2xx too. SL1xx errors: exit 2 (no plan); SL2xx errors: exit 1."""
     plan, found, sources = compile_plan(args.plan, args.params, args.world)
+    model_file = _model_file(args)
+    if plan is not None and model_file is not None:
+        model = _meta_model(model_file)
+        found = sorted([*found, *lint(plan, model, _world(plan, args.world)).diagnostics], key=sort_key)
     emit_diagnostics(found, sources, args.format)
     if plan is None:
         return UNUSABLE
     if args.format == "text" and not found:
         print(f"{args.plan}: no problems found")
     return FOUND if any(d.is_error for d in found) else OK
+
+
+def run_compile(args: argparse.Namespace) -> int:
+    """The program as Python on stdout (or -o); diagnostics on stderr. A plan that does not compile: 2."""
+    plan, found, sources = compile_plan(args.plan, args.params, args.world)
+    model_file = _model_file(args)
+    code = None
+    if plan is not None:
+        model = _meta_model(model_file) if model_file is not None else None
+        model_arg = f" {args.model}" if args.model else f" --entry {args.entry}" if args.entry else ""
+        world_arg = f" --world {args.world}" if args.world else ""
+        command = f"shardlang compile {args.plan}{model_arg}{world_arg} --emit python"
+        try:
+            code = compile_python(plan, model, _world(plan, args.world) if model is not None else args.world, command)
+        except PlanError as e:
+            found = sorted([*found, *e.diagnostics], key=sort_key)
+    emit_diagnostics(found, sources, "text", stream=sys.stderr)
+    if code is None:
+        return UNUSABLE
+    if args.output:
+        Path(args.output).write_text(code)
+    else:
+        sys.stdout.write(code)
+    return OK
+
+
+def _meta_model(model_file: ModelFile):
+    try:
+        return model_file.build_on_meta()
+    except ModelFileError as e:
+        raise UsageError(str(e)) from None
 
 
 def emit_diagnostics(found: list[Diagnostic], sources: dict[str, Source], form: str, stream=None) -> None:

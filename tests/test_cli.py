@@ -20,6 +20,11 @@ CASES = {
     "lint_unknown_param": ["lint", "plans/llama_2d.sl", "-D", "pt=4"],
     "lint_bad_define": ["lint", "plans/llama_2d.sl", "-D", "tp"],
     "lint_missing_file": ["lint", "plans/does_not_exist.sl"],
+    "lint_model_ok": ["lint", "plans/llama_2d.sl", "examples/llama.py", "--world", "8"],
+    "lint_model_missing": ["lint", "plans/llama_2d.sl", "examples/nope.py", "--world", "8"],
+    "compile_model": ["compile", "plans/mlp_norm_2d.sl", "examples/mlp_norm.py", "--world", "4", "--emit", "python"],
+    "compile_any_model": ["compile", "plans/mlp_tp.sl", "--emit", "python"],
+    "compile_lint_error": ["compile", "plans/llama_2d.sl", "examples/mlp.py", "--world", "4", "--emit", "python"],
 }
 
 
