@@ -12,6 +12,7 @@ import re
 from lark import Token, Transformer
 
 from . import syntax as s
+from .runtime import split_pattern
 from .source import Span
 
 #: Tokens that carry a value; all others (keywords, punctuation) only mark positions.
@@ -161,7 +162,8 @@ class Build(Transformer):
 
     def pattern(self, children):
         (token,) = children
-        return s.Pattern(split_pattern(token.value), self._tok(token))
+        segments = tuple(tuple(seg) if isinstance(seg, list) else seg for seg in split_pattern(token.value))
+        return s.Pattern(segments, self._tok(token))
 
     def root(self, children):
         return s.Pattern((), self._cover(children))
@@ -189,17 +191,6 @@ class Build(Transformer):
 
     def tuple(self, children):
         return s.Tuple(tuple(_parts(children)), self._cover(children))
-
-
-_SEGMENTS = re.compile(r"\{[^{}]*\}|[^.{}]+")
-
-
-def split_pattern(text: str) -> tuple[s.Segment, ...]:
-    """`attention.{wq, wk}.weight` -> ("attention", ("wq", "wk"), "weight"); check.py validates each part."""
-    return tuple(
-        tuple(a.strip() for a in seg[1:-1].split(",")) if seg.startswith("{") else seg
-        for seg in _SEGMENTS.findall(text)
-    )
 
 
 def _unquote(token: Token) -> str:

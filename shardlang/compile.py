@@ -19,7 +19,15 @@ def compile_program(plan: ir.Plan, model: nn.Module, world_size: int) -> Program
     return lower(plan, linted.resolution, world_size)
 
 
-def compile_python(plan: ir.Plan, model: nn.Module, world_size: int | None, command: str = "") -> str:
+def compile_python(plan: ir.Plan, model: nn.Module | None, world_size: int | None, command: str = "") -> str:
+    """The program as Python: for `model` at `world_size` (default: what the meshes fix), or, without a
+    model, for any model, matching the plan's targets when it runs."""
+    if model is None:
+        if world_size is not None:
+            problems = plan.with_world(world_size)
+            if problems:
+                raise PlanError(problems, {plan.source.name: plan.source})
+        return to_python(lower(plan, None, world_size), command)
     world_size = world_size or default_world_size(plan)
     return to_python(compile_program(plan, model, world_size), command)
 

@@ -2,6 +2,10 @@
 
 meshes -> (rank 0's values kept) -> parallelize / distribute -> re-tie -> checkpoint ->
 fully_shard and replicate units (children first, root last) -> materialise -> sync -> move leftovers.
+
+With a resolution (a model) every step names its module; without one (`plan.to_python()`, `compile`
+without MODEL) steps name the targets to match when the program runs, and mesh dims left `auto`
+are sized from the world size then.
 """
 
 from __future__ import annotations
@@ -10,23 +14,36 @@ from collections import defaultdict
 
 from . import plan as ir
 from . import program as p
+from . import runtime
 from .predict import owned
-from .resolve import Resolution
+from .resolve import Resolution, UnitMatch
 from .styles import Constructor, constructor
 
 FSDP = "torch.distributed.fsdp"
 
 
-def lower(plan: ir.Plan, resolution: Resolution, world_size: int) -> p.Program:
-    steps: list[p.Step] = [p.MakeMesh(m.name, m.device, m.shape(world_size), m.dim_names, m.span) for m in plan.meshes]
+def lower(plan: ir.Plan, resolution: Resolution | None, world_size: int | None) -> p.Program:
+    steps: list[p.Step] = [
+        p.MakeMesh(m.name, m.device, m.shape(world_size) if world_size else tuple(d.size for d in m.dims), m.dim_names, m.span)
+        for m in plan.meshes
+    ]
     if plan.init.mode == "rank0":
         steps.append(p.TakeRank0Values(plan.init.span))
     steps += _parallelize(plan, resolution)
-    ties = _ties(resolution)
-    if ties and plan.parallelize:
-        steps.append(p.Retie(ties))
-    steps += [p.Checkpoint(fqn, _checkpoint_origin(plan)) for fqn in resolution.checkpoint]
-    steps += _units(plan, resolution)
+    if plan.parallelize:
+        ties = _ties(resolution) if resolution is not None else None
+        if ties is None or ties:
+            steps.append(p.Retie(ties))
+    origin = plan.checkpoint[0].span if plan.checkpoint else None
+    if resolution is not None:
+        steps += [p.Checkpoint(fqn, origin) for fqn in resolution.checkpoint]
+        steps += [_unit(plan, plan.units[u.block], u.unit, u.fqn) for u in resolution.units]
+    else:
+        steps += [p.Checkpoint(p.Matching(str(target)), target.span) for target in plan.checkpoint]
+        for block in plan.units:
+            steps += [_unit(plan, block, unit, p.Matching(str(unit.target))) for unit in block.units]
+            if block.root:
+                steps.append(_unit(plan, block, None, p.Matching("root")))
     device = _device(plan)
     if plan.init.mode == "meta":
         steps.append(p.InitOnMesh(device, plan.init.method, plan.init.span))
@@ -44,30 +61,37 @@ def _device(plan: ir.Plan) -> str:
     return plan.mesh(used[0]).device if used else plan.meshes[0].device if plan.meshes else "auto"
 
 
-def _checkpoint_origin(plan: ir.Plan):
-    return plan.checkpoint[0].span if plan.checkpoint else None
-
-
-def _parallelize(plan: ir.Plan, resolution: Resolution) -> list[p.Step]:
+def _parallelize(plan: ir.Plan, resolution: Resolution | None) -> list[p.Step]:
     """Per block: one parallelize_module call per scope for the built-in ParallelStyles, then the
-    distribute and user-style calls, one per module (their order among modules does not matter)."""
+    distribute and user-style calls, one per module (their order among modules does not matter).
+    Without a model, one call per rule on the modules it matches."""
     steps: list[p.Step] = []
     for b, block in enumerate(plan.parallelize):
+        if resolution is None:
+            scope = str(block.scope) if block.scope is not None else None
+            steps += [_rule(r, p.Matching(str(r.target), scope), block.mesh) for r in block.rules]
+            continue
         by_scope: dict[str, list] = defaultdict(list)
         calls: list[p.Step] = []
         for m in (m for m in resolution.rules if m.block == b):
             style = m.rule.style
-            if style.use is not None:
-                calls.append(p.UserStyle(m.fqn, block.mesh, style.name, constructor(style).kwargs, m.rule.span))
-            elif style.name == "distribute":
-                output = style.get("output", ir.Local())
-                calls.append(p.Distribute(m.fqn, block.mesh, style.get("input", ir.Replicate()),
-                                          None if isinstance(output, ir.Local) else output, m.rule.span))  # fmt: skip
-            else:
+            if style.use is None and style.name != "distribute":
                 by_scope[m.scope].append((m.relative, constructor(style)))
+            else:
+                calls.append(_rule(m.rule, m.fqn, block.mesh))
         steps += [p.Parallelize(scope, block.mesh, tuple(styles), block.span) for scope, styles in by_scope.items()]
         steps += sorted(calls, key=lambda c: (type(c).__name__, c.origin.line, c.origin.col))
     return steps
+
+
+def _rule(rule: ir.Rule, module: p.Module, mesh: ir.MeshRef) -> p.Step:
+    style = rule.style
+    if style.use is not None:
+        return p.UserStyle(module, mesh, style.name, constructor(style).kwargs, rule.span)
+    if style.name == "distribute":
+        output = style.get("output", ir.Local())
+        return p.Distribute(module, mesh, style.get("input", ir.Replicate()), None if isinstance(output, ir.Local) else output, rule.span)
+    return p.Parallelize(module, mesh, (("", constructor(style)),), rule.span)
 
 
 def _ties(resolution: Resolution) -> tuple[tuple[str, ...], ...]:
@@ -77,19 +101,15 @@ def _ties(resolution: Resolution) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(names) for names in groups.values() if len(names) > 1)
 
 
-def _units(plan: ir.Plan, resolution: Resolution) -> list[p.Step]:
-    steps: list[p.Step] = []
-    for unit in resolution.units:
-        block = plan.units[unit.block]
-        get = (lambda name, default=None: unit.option(block, name, default))  # noqa: E731
-        origin = unit.unit.span if unit.unit is not None else block.span
-        if block.kind == "replicate":
-            steps.append(p.Replicate(unit.fqn, block.mesh, unit.options(block), origin))
-        elif unit.kind(block) == "replicate":  # FSDP1's NO_SHARD is plain data parallelism
-            steps.append(p.Replicate(unit.fqn, block.mesh, (), origin))
-        else:
-            steps.append(p.FullyShard(unit.fqn, block.mesh, _fsdp_kwargs(plan, block, get), origin))
-    return steps
+def _unit(plan: ir.Plan, block: ir.Units, unit: ir.Unit | None, module: p.Module) -> p.Step:
+    """One fully_shard or replicate unit (`unit` None: the block's root unit)."""
+    match = UnitMatch(0, "", unit)
+    origin = unit.span if unit is not None else block.span
+    if block.kind == "replicate":
+        return p.Replicate(module, block.mesh, match.options(block), origin)
+    if match.kind(block) == "replicate":  # FSDP1's NO_SHARD is plain data parallelism
+        return p.Replicate(module, block.mesh, (), origin)
+    return p.FullyShard(module, block.mesh, _fsdp_kwargs(plan, block, lambda name: match.option(block, name)), origin)
 
 
 def _fsdp_kwargs(plan: ir.Plan, block: ir.Units, get) -> tuple:
@@ -108,7 +128,7 @@ def _fsdp_kwargs(plan: ir.Plan, block: ir.Units, get) -> tuple:
             args += (("cast_forward_inputs", False),)
         kwargs.append(("mp_policy", Constructor(f"{FSDP}.MixedPrecisionPolicy", args)))
     if get("offload") == "cpu":
-        # Pinned memory needs a GPU; on a CPU mesh the policy still moves nothing but keeps the flow.
-        pin = plan.mesh(block.mesh.mesh).device != "cpu"
+        # Pinned memory needs a GPU (an `auto` mesh is judged where the program is lowered).
+        pin = runtime.mesh_device(plan.mesh(block.mesh.mesh).device) == "cuda"
         kwargs.append(("offload_policy", Constructor(f"{FSDP}.CPUOffloadPolicy", () if pin else (("pin_memory", False),))))
     return tuple(kwargs)

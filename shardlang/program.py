@@ -19,10 +19,23 @@ from .styles import Constructor, names_used, source, value_source
 
 
 @frozen
+class Matching:
+    """The modules a target matches when the program runs: for a program lowered without a model.
+    `target` is a pattern, `root` or `class NAME`; with `scope` it is relative to each scope match."""
+
+    target: str
+    scope: str | None = None
+
+
+#: What a step acts on: a module FQN ("" the model), or the modules a target matches at run time.
+Module = str | Matching
+
+
+@frozen
 class MakeMesh:
     name: str
     device: str  # cuda | cpu | auto
-    shape: tuple[int, ...]
+    shape: tuple[int | None, ...]  # None: `auto`, left to the world size at run time
     dims: tuple[str, ...]
     origin: Span | None = None
 
@@ -31,7 +44,7 @@ class MakeMesh:
 class Parallelize:
     """`parallelize_module(module, mesh, {relative fqn: style})`; the key "" is the module itself."""
 
-    module: str
+    module: Module
     mesh: ir.MeshRef
     plan: tuple[tuple[str, Constructor], ...]
     origin: Span | None = None
@@ -41,7 +54,7 @@ class Parallelize:
 class Distribute:
     """`distribute_module` with DTensor inputs of `input` and local (`output` None) or `output` outputs."""
 
-    module: str
+    module: Module
     mesh: ir.MeshRef
     input: Any
     output: Any
@@ -52,7 +65,7 @@ class Distribute:
 class UserStyle:
     """A `use` style: a ParallelStyle subclass or a callable (module, mesh, **kwargs)."""
 
-    module: str
+    module: Module
     mesh: ir.MeshRef
     alias: str
     kwargs: tuple[tuple[str, Any], ...]
@@ -61,21 +74,22 @@ class UserStyle:
 
 @frozen
 class Retie:
-    """Re-share tied parameters that parallelize_module replaced one by one."""
+    """Re-share tied parameters that parallelize_module replaced one by one (`groups` None: the ties
+    the model had before the program started, found when it runs)."""
 
-    groups: tuple[tuple[str, ...], ...]
+    groups: tuple[tuple[str, ...], ...] | None
     origin: Span | None = None
 
 
 @frozen
 class Checkpoint:
-    module: str
+    module: Module
     origin: Span | None = None
 
 
 @frozen
 class FullyShard:
-    module: str
+    module: Module
     mesh: ir.MeshRef
     kwargs: tuple[tuple[str, Any], ...]
     origin: Span | None = None
@@ -85,7 +99,7 @@ class FullyShard:
 class Replicate:
     """DDP-style composable replicate; a 2-D mesh is flattened to the 1-D mesh DDP needs."""
 
-    module: str
+    module: Module
     mesh: ir.MeshRef
     kwargs: tuple[tuple[str, Any], ...]
     origin: Span | None = None
@@ -133,10 +147,11 @@ Step = (
 
 @frozen
 class Program:
-    """A plan lowered for one model and world size (`modules` resolved) or for any model (patterns)."""
+    """A plan lowered for one model and world size (steps act on module FQNs), or for any model and
+    world (`world_size` None; steps act on `Matching` targets)."""
 
     plan: ir.Plan
-    world_size: int
+    world_size: int | None
     steps: tuple[Step, ...]
 
     @property
@@ -191,7 +206,7 @@ def _device(device: str) -> str:
 def _call(step: Step, program: Program, module: str) -> list[str]:
     """The Python lines of one step, with `module` the expression of the module it acts on."""
     if isinstance(step, MakeMesh):
-        return [f"{_var(step.name)} = init_device_mesh({_device(step.device)}, {step.shape!r}, mesh_dim_names={step.dims!r})"]
+        return [f"{_var(step.name)} = init_device_mesh({_device(step.device)}, {_shape(step.shape)}, mesh_dim_names={step.dims!r})"]
     if isinstance(step, Parallelize):
         mesh = mesh_expr(step.mesh, program)
         lines = []
@@ -209,7 +224,7 @@ def _call(step: Step, program: Program, module: str) -> list[str]:
     if isinstance(step, UserStyle):
         return [f"apply_user_style({module}, {mesh_expr(step.mesh, program)}, {step.alias}{_kwargs(step.kwargs)})"]
     if isinstance(step, Retie):
-        return [f"retie(model, {step.groups!r})"]
+        return [f"retie(model, {step.groups!r})" if step.groups is not None else "retie(model, ties)"]
     if isinstance(step, Checkpoint):
         return [f"checkpoint({module})"]
     if isinstance(step, FullyShard):
@@ -235,17 +250,50 @@ def _call(step: Step, program: Program, module: str) -> list[str]:
     raise TypeError(step)
 
 
+def _shape(shape: tuple[int | None, ...]) -> str:
+    """A mesh shape; an `auto` dim (None) takes what the world size leaves."""
+    if None not in shape:
+        return repr(shape)
+    fixed = 1
+    for n in shape:
+        fixed *= n or 1
+    parts = [str(n) if n is not None else f"dist.get_world_size() // {fixed}" for n in shape]
+    return f"({', '.join(parts)},)" if len(parts) == 1 else f"({', '.join(parts)})"
+
+
 def _loopable(a: Step, b: Step) -> bool:
     """Steps that differ only in the module they act on print as one `for` loop."""
-    if type(a) is not type(b) or not hasattr(a, "module"):
+    if type(a) is not type(b) or not isinstance(getattr(a, "module", None), str) or not isinstance(b.module, str):
         return False
     return attrs.evolve(a, module="", origin=None) == attrs.evolve(b, module="", origin=None)
 
 
+def _matching(step: Step) -> bool:
+    return isinstance(getattr(step, "module", None), Matching)
+
+
+def _matching_loop(step: Step, program: Program) -> list[str]:
+    """A step on the modules a target matches at run time, as a loop (two, inside a scope)."""
+    where: Matching = step.module
+    if where.scope is None:
+        lines = [f"for name in modules_matching(model, {where.target!r}):"]
+        module = "model.get_submodule(name)"
+    else:
+        lines = [f"for scope in modules_matching(model, {where.scope!r}):",
+                 f"    for name in modules_matching(model.get_submodule(scope), {where.target!r}):"]  # fmt: skip
+        module = "model.get_submodule(scope).get_submodule(name)"
+    pad = "    " * len(lines)
+    return lines + [pad + line for line in _call(step, program, module)]
+
+
 def _groups(steps: tuple[Step, ...]) -> list[list[Step]]:
+    """Consecutive steps that print as one loop: the same call on several modules, or (without a
+    model) all the fully_shard and replicate units, wrapped children first at run time."""
     groups: list[list[Step]] = []
     for step in steps:
-        if groups and _loopable(groups[-1][-1], step) and groups[-1][-1].origin == step.origin:
+        last = groups[-1][-1] if groups else None
+        units = last is not None and all(_matching(s) and isinstance(s, (FullyShard, Replicate)) for s in (last, step))
+        if last is not None and (units or _loopable(last, step) and last.origin == step.origin):
             groups[-1].append(step)
         else:
             groups.append([step])
@@ -296,24 +344,38 @@ def _helpers(program: Program) -> list[str]:
 def to_python(program: Program, command: str = "") -> str:
     """The program as a Python module with `build(build_model)` and `apply_plan(model)`."""
     plan = program.plan
+    world = f"a world of {program.world_size}" if program.world_size else "any model and world size"
     header = [
-        f"# Generated by shardlang from {plan.source.name} for a world of {program.world_size}"
-        + (f" (`{command}`)." if command else "."),
+        f"# Generated by shardlang from {plan.source.name} for {world}" + (f" (`{command}`)." if command else "."),
         "# Call apply_plan(model) on every rank inside an initialised process group; build(build_model)",
         "# builds the model the way the plan's `init` says.",
     ]
-    body = []
+    body = ["ties = tied_parameter_groups(model)"] if any(isinstance(s, Retie) and s.groups is None for s in program.steps) else []
     for group in _groups(program.steps):
         step = group[0]
-        if step.origin is not None:
+        units = _matching(step) and isinstance(step, (FullyShard, Replicate))
+        if step.origin is not None and not units:
             body.append(f"# {plan.source.name}:{step.origin.line}: {_origin_text(plan, step.origin)}")
-        if len(group) > 1:
+        if units:
+            body.append("# fully_shard and replicate units, children before parents")
+            body.append("wrap_children_first(model, [")
+            for unit in group:
+                (line,) = _call(unit, program, "module")
+                body.append(f"    ({unit.module.target!r}, lambda module: {line}),  # line {unit.origin.line}")
+            body.append("])")
+        elif _matching(step):
+            body += _matching_loop(step, program)
+        elif len(group) > 1:
             names = ", ".join(repr(s.module) for s in group)
             body.append(f"for name in ({names}):")
             body += ["    " + line for line in _call(step, program, "model.get_submodule(name)")]
         else:
             body += _call(step, program, _module(getattr(step, "module", "")))
     helpers = [inspect.getsource(h).rstrip() for h in (runtime.build_for, runtime.mesh_device)] + _helpers(program)
+    if any(_matching(s) for s in program.steps) or "tied_parameter_groups" in "\n".join(body):
+        matching = (runtime.split_pattern, runtime.pattern_regex, runtime.class_matches, runtime.modules_matching,
+                    runtime.depth, runtime.wrap_children_first, runtime.tied_parameter_groups)  # fmt: skip
+        helpers += [inspect.getsource(h).rstrip() for h in matching]
     parts = ["\n".join(header), "\n".join(_imports(program)), *helpers, _build_function(plan)]
     parts.append("def apply_plan(model):\n" + "\n".join("    " + line for line in body) + "\n    return model")
     return "\n\n\n".join(parts) + "\n"

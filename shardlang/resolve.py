@@ -1,13 +1,13 @@
 """Patterns and targets -> module FQNs on a model (the meta device is enough): the plan resolved.
 
 Pattern semantics (SPEC §4.1): `*` is exactly one segment, `**` zero or more, globs and alternations
-match inside one segment, `root` is the model itself, `class NAME` matches by class. Rules of a
+match inside one segment, `root` is the model itself, `class NAME` matches by class. The matching
+is runtime.pattern_regex and class_matches, which the printed program uses too. Rules of a
 `parallelize SCOPE` block are matched relative to each module the scope matches.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from functools import cache
 
@@ -15,6 +15,7 @@ import torch.nn as nn
 from attrs import field, frozen
 
 from . import plan as ir
+from . import runtime
 from .diagnostics import Diagnostic, did_you_mean
 from .syntax import ClassTarget, Pattern, Target
 
@@ -101,12 +102,8 @@ def resolve(plan: ir.Plan, model: nn.Module) -> tuple[Resolution, list[Diagnosti
         checkpoint += [f for f in fqns if f not in checkpoint]
 
     order = {fqn: i for i, (fqn, _) in enumerate(modules)}
-    units.sort(key=lambda u: (-_depth(u.fqn), order.get(u.fqn, 0)))
+    units.sort(key=lambda u: (-runtime.depth(u.fqn), order.get(u.fqn, 0)))
     return Resolution(dict(modules), tuple(rules), tuple(units), tuple(checkpoint)), found
-
-
-def _depth(fqn: str) -> int:
-    return fqn.count(".") + 1 if fqn else 0
 
 
 def _subtree(module: nn.Module, prefix: str) -> tuple[tuple[str, nn.Module], ...]:
@@ -119,46 +116,20 @@ def _relative(fqn: str, scope: str) -> str:
     return "" if fqn == scope else fqn[len(scope) + 1 :]
 
 
+_regex = cache(runtime.pattern_regex)
+
+
 def _matches(target: Target, modules: tuple[tuple[str, nn.Module], ...], scope: str) -> list[str]:
-    """FQNs of the modules under `scope` (those in `modules`) that `target` matches, in module order."""
+    """FQNs of the modules under `scope` (those in `modules`) that `target` matches, in module order.
+    The same matching as runtime.modules_matching, which the printed program uses."""
     if isinstance(target, ClassTarget):
-        return [fqn for fqn, m in modules if class_matches(target.name, type(m))]
-    regex = compile_pattern(target.segments)
+        return [fqn for fqn, m in modules if runtime.class_matches(target.name, type(m))]
+    regex = _regex(str(target))
     return [fqn for fqn, _ in modules if regex.fullmatch(_dotted(_relative(fqn, scope)))]
 
 
 def _dotted(relative: str) -> str:
-    """`a.b` -> `.a.b` and the root -> ``: each segment carries its leading dot, so `**` can be empty."""
     return "." + relative if relative else ""
-
-
-@cache
-def compile_pattern(segments: tuple) -> re.Pattern:
-    """A regex over `_dotted` FQNs for a pattern's segments."""
-    parts = []
-    for segment in segments:
-        if segment == "**":
-            parts.append(r"(?:\.[^.]+)*")
-        elif isinstance(segment, tuple):
-            parts.append(r"\.(?:" + "|".join(_segment(s) for s in segment) + ")")
-        else:
-            parts.append(r"\." + _segment(segment))
-    return re.compile("".join(parts))
-
-
-def _segment(text: str) -> str:
-    if text == "*":
-        return r"[^.]+"
-    return "".join(r"[^.]*" if c == "*" else r"[^.]" if c == "?" else re.escape(c) for c in text)
-
-
-def class_matches(name: str, cls: type) -> bool:
-    """`class Linear`, `class torch.nn.Linear` (public re-export) or `class torch.nn.modules.linear.Linear`."""
-    *package, base = name.split(".")
-    if base not in (cls.__name__, cls.__qualname__):
-        return False
-    prefix, module = ".".join(package), cls.__module__
-    return not prefix or module == prefix or module.startswith(prefix + ".") or module.endswith("." + prefix)
 
 
 def _no_match(target: Target, modules: tuple[tuple[str, nn.Module], ...], scope: str, scopes: int = 1) -> Diagnostic:
@@ -174,10 +145,10 @@ def _closest(pattern: Pattern, modules: tuple[tuple[str, nn.Module], ...], scope
     """Help for a pattern that matches nothing: where matching stops, and the names that exist there."""
     relative = [_relative(fqn, scope) for fqn, _ in modules]
     for k in range(1, len(pattern.segments) + 1):
-        regex = compile_pattern(pattern.segments[:k])
+        regex = _regex(str(Pattern(pattern.segments[:k], pattern.span)))
         if any(regex.fullmatch(_dotted(r)) for r in relative):
             continue
-        parents_regex = compile_pattern(pattern.segments[: k - 1])
+        parents_regex = _regex(str(Pattern(pattern.segments[: k - 1], pattern.span)))
         parents = [r for r in relative if parents_regex.fullmatch(_dotted(r))]
         children = sorted({c for p in parents for c in _children(p, relative)}, key=_natural)
         segment = pattern.segments[k - 1]
@@ -195,10 +166,10 @@ def _closest(pattern: Pattern, modules: tuple[tuple[str, nn.Module], ...], scope
 
 
 def _children(parent: str, relative: list[str]) -> Iterator[str]:
-    depth = _depth(parent)
+    depth = runtime.depth(parent)
     prefix = parent + "." if parent else ""
     for r in relative:
-        if r.startswith(prefix) and _depth(r) == depth + 1:
+        if r.startswith(prefix) and runtime.depth(r) == depth + 1:
             yield r[len(prefix) :]
 
 

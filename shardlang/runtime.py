@@ -17,6 +17,84 @@ def mesh_device(device):
     return device
 
 
+def split_pattern(pattern):
+    """`attention.{wq, wk}.weight` -> ["attention", ["wq", "wk"], "weight"]: dotted segments, an
+    alternation as the list of its options."""
+    import re
+
+    return [
+        [option.strip() for option in segment[1:-1].split(",")] if segment.startswith("{") else segment
+        for segment in re.findall(r"\{[^{}]*\}|[^.{}]+", pattern)
+    ]
+
+
+def pattern_regex(pattern):
+    """A module pattern as a regex over FQNs written with a dot before each segment (`.layers.0`; the
+    model itself is ``), so that `**` can match no segment at all. `*` is one segment, `**` any number,
+    `w*` and `layer?` are globs inside a segment, `{a,b}` an alternation, `root` the model itself."""
+    import re
+
+    if pattern == "root":
+        return re.compile("")
+    parts = []
+    for segment in split_pattern(pattern):
+        if segment == "**":
+            parts.append(r"(?:\.[^.]+)*")
+            continue
+        options = segment if isinstance(segment, list) else [segment]
+        globs = [
+            "[^.]+" if option == "*" else "".join("[^.]*" if c == "*" else "[^.]" if c == "?" else re.escape(c) for c in option)
+            for option in options
+        ]
+        parts.append(r"\.(?:" + "|".join(globs) + ")")
+    return re.compile("".join(parts))
+
+
+def class_matches(name, cls):
+    """`class Linear`, `class torch.nn.Linear` (a public re-export) or `class torch.nn.modules.linear.Linear`."""
+    *package, base = name.split(".")
+    if base not in (cls.__name__, cls.__qualname__):
+        return False
+    prefix, module = ".".join(package), cls.__module__
+    return not prefix or module == prefix or module.startswith(prefix + ".") or module.endswith("." + prefix)
+
+
+def modules_matching(model, target):
+    """FQNs (relative to `model`) of the submodules a target matches: a pattern, `root` or `class NAME`."""
+    if target.startswith("class "):
+        name = target[len("class "):].strip()
+        return [fqn for fqn, module in model.named_modules() if class_matches(name, type(module))]
+    regex = pattern_regex(target)
+    return [fqn for fqn, _ in model.named_modules() if regex.fullmatch("." + fqn if fqn else "")]
+
+
+def depth(fqn):
+    """How deep a module sits: 0 for the model, 1 for its children..."""
+    return fqn.count(".") + 1 if fqn else 0
+
+
+def wrap_children_first(model, units):
+    """Apply each (target, wrap) to the modules its target matches, deepest modules first, so that a
+    fully_shard or replicate unit is always wrapped before any unit that contains it."""
+    order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
+    todo = [(fqn, wrap) for target, wrap in units for fqn in modules_matching(model, target)]
+    for fqn, wrap in sorted(todo, key=lambda item: (-depth(item[0]), order[item[0]])):
+        wrap(model.get_submodule(fqn))
+
+
+def tied_parameter_groups(model):
+    """Names of parameters that share one Parameter object, one tuple per shared parameter."""
+    names = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, param in module._parameters.items():
+            if param is not None:
+                full = f"{module_name}.{name}" if module_name else name
+                names.setdefault(id(param), [])
+                if full not in names[id(param)]:
+                    names[id(param)].append(full)
+    return tuple(tuple(group) for group in names.values() if len(group) > 1)
+
+
 def build_for(init, device, build_model):
     """Build the model where `init` says: meta, cpu, rank 0's cpu (meta elsewhere), or the mesh device."""
     import torch
