@@ -79,8 +79,8 @@ def _few(names: Iterable[str]) -> str:
 def duplicate_matches(plan, resolution, predictions, shapes) -> list[Diagnostic]:
     """SL201: a module matched by two rules of one parallelize block, by two rules of different blocks
     that both distribute its parameters, or wrapped by two units of the same kind. (prepare_input in one
-    block and prepare_output in another may share a module.)"""
-    found = []
+    block and prepare_output in another may share a module.) One diagnostic per pair of rules."""
+    pairs: dict[tuple, list[str]] = defaultdict(list)
     first: dict[tuple, RuleMatch] = {}
     for match in resolution.rules:
         moves_params = style_kind(match.rule.style) not in INPUT_OUTPUT_STYLES
@@ -89,23 +89,32 @@ def duplicate_matches(plan, resolution, predictions, shapes) -> list[Diagnostic]
                 continue
             earlier = first.setdefault(key, match)
             if earlier is not match and earlier.rule is not match.rule:
-                found.append(Diagnostic(
-                    "SL201", f"module '{match.fqn or 'root'}' is matched by two rules", match.rule.target.span,
-                    (f"the first rule is at line {earlier.rule.span.line}: {earlier.rule.target} : {earlier.rule.style.name}",),
-                    label="second match",
-                ))  # fmt: skip
+                pairs[(earlier.rule, match.rule)].append(match.fqn or "root")
                 break
+    found = [
+        Diagnostic("SL201", f"{_modules(fqns)} matched by two rules", second.target.span,
+                   (f"the first rule is at line {rule.span.line}: {rule.target} : {rule.style.name}",), label="second match")
+        for (rule, second), fqns in pairs.items()
+    ]  # fmt: skip
     units: dict[tuple[str, str], UnitMatch] = {}
     for unit in resolution.units:
         kind = unit.kind(plan.units[unit.block])
         earlier = units.get((kind, unit.fqn))
         if earlier is not None:
+            where = f"`each {earlier.unit.target}` at line {earlier.unit.span.line}" if earlier.unit else f"the root unit at line {_unit_span(plan, earlier).line}"
             found.append(Diagnostic(
                 "SL201", f"module '{unit.fqn or 'root'}' is made a {kind} unit twice", _unit_span(plan, unit),
-                (f"the first is at line {_unit_span(plan, earlier).line}",), label="second match",
+                (f"the first is {where}",), label="second match",
             ))  # fmt: skip
         units[(kind, unit.fqn)] = unit
     return found
+
+
+def _modules(fqns: list[str]) -> str:
+    """`'a' is` or `'a' (and 3 more) are`: the modules a diagnostic is about."""
+    if len(fqns) == 1:
+        return f"module '{fqns[0]}' is"
+    return f"modules '{fqns[0]}' and {len(fqns) - 1} more are"
 
 
 def unit_conflicts(plan, resolution, predictions, shapes) -> list[Diagnostic]:
@@ -125,24 +134,25 @@ def unit_conflicts(plan, resolution, predictions, shapes) -> list[Diagnostic]:
 
 
 def style_module_types(plan, resolution, predictions, shapes) -> list[Diagnostic]:
-    """SL202: colwise/rowwise on anything but Linear and Embedding; sequence_parallel on a container."""
-    found = []
+    """SL202: colwise/rowwise on anything but Linear and Embedding; sequence_parallel on a container.
+    One diagnostic per rule."""
+    wrong: dict[ir.Rule, list] = defaultdict(list)
     for match in resolution.rules:
         module = resolution.modules[match.fqn]
         kind = style_kind(match.rule.style)
         if kind in ("colwise", "rowwise") and not isinstance(module, (nn.Linear, nn.Embedding)):
-            found.append(Diagnostic(
-                "SL202", f"{kind} does not apply to '{match.fqn or 'root'}' ({type(module).__name__})",
-                match.rule.style.span, (f"{kind} shards nn.Linear and nn.Embedding only; match their submodules instead",),
-            ))  # fmt: skip
+            wrong[match.rule].append((match.fqn, module, f"{kind} shards nn.Linear and nn.Embedding only; match their submodules instead"))
         elif kind == "sequence_parallel":
             nested = [n for n, p in module.named_parameters() if "." in n]
             if nested:
-                found.append(Diagnostic(
-                    "SL202", f"sequence_parallel does not apply to '{match.fqn or 'root'}' ({type(module).__name__}): "
-                    "its submodules hold parameters", match.rule.style.span,
-                    (f"sequence_parallel is for norms and dropout; parameters below it: {_few(nested)}",),
-                ))  # fmt: skip
+                why = f"sequence_parallel is for norms and dropout; parameters below it: {_few(nested)}"
+                wrong[match.rule].append((match.fqn, module, why))
+    found = []
+    for rule, items in wrong.items():
+        fqn, module, why = items[0]
+        more = f" (and {len(items) - 1} more)" if len(items) > 1 else ""
+        found.append(Diagnostic("SL202", f"{rule.style.name} does not apply to '{fqn or 'root'}' ({type(module).__name__}){more}",
+                                rule.style.span, (why,)))  # fmt: skip
     return found
 
 
