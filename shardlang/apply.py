@@ -47,8 +47,20 @@ class Applied:
         return runtime.submesh(self.meshes[ref.mesh], ref.dims)
 
 
+#: Steps that allocate or move data; a simulated world (the fake process group) skips them.
+MATERIALISING = (p.TakeRank0Values, p.InitOnMesh, p.LoadFromRank0, p.Sync, p.MoveToDevice)
+
+
+def simulated() -> bool:
+    """Whether this is torch's fake process group: one process standing for a whole world, no data."""
+    return dist.get_backend() == "fake"
+
+
 def apply_plan(plan: ir.Plan, model: nn.Module) -> Applied:
-    """Lint, lower and run `plan` on `model` across the current process group. PlanError if anything fails."""
+    """Lint, lower and run `plan` on `model` across the current process group. PlanError if anything fails.
+
+    In a simulated world (the fake process group) the model stays on the meta device: the program
+    places every tensor but skips the steps that allocate or move data."""
     sources = {plan.source.name: plan.source}
     if not dist.is_available() or not dist.is_initialized():
         raise PlanError([Diagnostic("SL300", "apply needs an initialised process group",
@@ -59,7 +71,7 @@ def apply_plan(plan: ir.Plan, model: nn.Module) -> Applied:
     linted = lint(plan, model, world_size, user_classes)
     if not linted.ok:
         raise PlanError(linted.diagnostics, sources)
-    problems = _check_devices(plan, model)
+    problems = [] if simulated() else _check_devices(plan, model)
     if problems:
         raise PlanError(problems, sources)
     program = lower(plan, linted.resolution, world_size)
@@ -69,6 +81,8 @@ def apply_plan(plan: ir.Plan, model: nn.Module) -> Applied:
     try:
         ctx = _Context(model, applied.meshes, imported)
         for step in program.steps:
+            if simulated() and isinstance(step, MATERIALISING):
+                continue
             try:
                 run_step(step, ctx)
             except Exception as e:  # noqa: BLE001 - any failure of a torch call is reported as SL300
@@ -84,7 +98,10 @@ def apply_plan(plan: ir.Plan, model: nn.Module) -> Applied:
 
 
 def _agree(failure: Diagnostic | None) -> Diagnostic | None:
-    """Every rank learns whether any rank failed, so that all of them roll back together."""
+    """Every rank learns whether any rank failed, so that all of them roll back together. (A simulated
+    world, the fake process group, is one process: there is nobody to ask.)"""
+    if simulated():
+        return failure
     flags = [None] * dist.get_world_size()
     dist.all_gather_object(flags, None if failure is None else (dist.get_rank(), failure))
     failed = [f for f in flags if f is not None]

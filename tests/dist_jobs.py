@@ -393,13 +393,14 @@ def raise_after_change(module, mesh, **kwargs):
     raise RuntimeError("planted failure in a user style")
 
 
-def emitted_code_matches_apply(plan_text: str, model: str, world_size: int) -> dict:
-    """The code `compile --emit python` prints, run on its own, gives the placements and shards apply gives."""
+def emitted_code_matches_apply(plan_text: str, model: str, world_size: int, with_model: bool = True) -> dict:
+    """The code `compile --emit python` prints, run on its own, gives the placements and shards apply
+    gives: compiled for the model, or (`with_model` False) for any model, matching targets as it runs."""
     plan = shardlang.loads(plan_text)
     build = load(model)
     with torch.device("meta"):
         meta_model = build()
-    code = plan.to_python(meta_model, world_size)
+    code = plan.to_python(meta_model, world_size) if with_model else plan.to_python()
     namespace: dict = {}
     exec(compile(code, "<emitted>", "exec"), namespace)
     torch.manual_seed(0)

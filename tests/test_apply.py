@@ -218,11 +218,12 @@ def test_failed_apply_leaves_the_model_exactly_as_it_was(pools, plan, expect):
     ("llama_custom_styles", "examples.llama:build_model", 4),
     ("mlp_tp", "examples.mlp:build_model", 2),
 ])  # fmt: skip
-def test_emitted_python_gives_the_same_placements(pools, plan_name, model, world):
+@pytest.mark.parametrize("with_model", [True, False], ids=["for-the-model", "for-any-model"])
+def test_emitted_python_gives_the_same_placements(pools, plan_name, model, world, with_model):
     from .conftest import ROOT
 
     text = (ROOT / "plans" / f"{plan_name}.sl").read_text()
-    assert pools(world).run(jobs.emitted_code_matches_apply, text, model, world)[0]
+    assert pools(world).run(jobs.emitted_code_matches_apply, text, model, world, with_model)[0]
 
 
 def test_worker_failure_names_the_rank(pools):
