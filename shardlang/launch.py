@@ -42,6 +42,9 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, jobs, results, timeout_s: float) -> None:
+    if backend == "gloo":
+        # A CPU world: hide GPUs so that an `auto` mesh means cpu on every rank, as gloo expects.
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
     import torch
     import torch.distributed as dist
 
