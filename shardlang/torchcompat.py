@@ -18,7 +18,9 @@ def torch_version() -> tuple[int, int]:
 
 def fsdp_strided_shard() -> bool:
     """Whether FSDP2 marks its shard of a tensor that TP already shards on the same dim as `_StridedShard`
-    (`(_StridedShard(dim=0, sf=tp), Shard(0))` for a colwise weight) rather than `(Shard(0), Shard(0))`."""
+    (`(_StridedShard(dim=0, sf=tp), Shard(0))` for a colwise weight) rather than `(Shard(0), Shard(0))`.
+    Seen on 2.11 and 2.13 (tests/test_apply.py::test_spec_placements_for_tp_and_fsdp); releases without
+    `_StridedShard` used plain Shard."""
     from torch.distributed.tensor import placement_types
 
     return hasattr(placement_types, "_StridedShard")

@@ -333,16 +333,25 @@ def rank0_init_is_bitwise(plan_text: str, model: str) -> dict:
     return {n: describe(p) for n, p in sharded.named_parameters()}
 
 
-def sync_makes_replicas_equal(plan_text: str, model: str) -> list:
-    """`sync over`: buffers built differently on each rank are equal after apply along the synced dim."""
+def sync_makes_replicas_equal(plan_text: str, model: str, dim: str) -> list:
+    """Build with a different seed per rank, apply, then compare every replicated tensor's local values
+    across the groups of mesh dim `dim`: True per tensor that agrees on all ranks of its group."""
     plan = shardlang.loads(plan_text)
     torch.manual_seed(rank())
     model_ = plan.build(load(model))
-    apply_plan(plan, model_)
-    mine = torch.cat([local(b).float().flatten() for b in model_.buffers()] + [local(p).detach().flatten() for p in model_.parameters()])
-    gathered = [torch.empty_like(mine) for _ in range(world())]
-    dist.all_gather(gathered, mine)
-    return [torch.equal(gathered[0], g) for g in gathered]
+    applied = apply_plan(plan, model_)
+    group = applied.meshes["world"].get_group(dim)
+    agree = []
+    for tensor in [*model_.parameters(), *model_.buffers()]:
+        if isinstance(tensor, DTensor):
+            names = tensor.device_mesh.mesh_dim_names
+            if dim in names and not tensor.placements[names.index(dim)].is_replicate():
+                continue  # sharded along `dim`: each rank rightly holds its own piece
+        mine = local(tensor).detach().float().flatten()
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, mine, group=group)
+        agree.append(all(torch.equal(gathered[0], g) for g in gathered))
+    return agree
 
 
 def failing_apply_leaves_model_unchanged(plan_text: str, model: str) -> str:
@@ -413,3 +422,36 @@ def emitted_code_matches_apply(plan_text: str, model: str, world_size: int, with
         assert describe(pa) == describe(pb), f"{name}: apply {describe(pa)} vs emitted {describe(pb)}"
         assert torch.equal(local(pa), local(pb)), f"{name}: shards differ"
     return {n: describe(p) for n, p in a.named_parameters()}
+
+
+def loss_parallel_matches_unsharded(plan_text: str) -> float:
+    """`loss_parallel`: cross-entropy on class-sharded logits equals the unsharded loss, and so do the
+    gradients, with the plan's output layer and with the hand-written one."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from tests.models import LossHead
+
+    plan = shardlang.loads(plan_text)
+    assert plan.loss_parallel is not None
+    torch.manual_seed(0)
+    reference = LossHead()
+    torch.manual_seed(0)
+    a = plan.build(LossHead)
+    apply_plan(plan, a)
+    torch.manual_seed(0)
+    b = LossHead()
+    parallelize_module(b, mesh1(), {"output": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+    x = torch.randn(6, 8, generator=torch.Generator().manual_seed(3))
+    target = torch.randint(0, 16, (6,), generator=torch.Generator().manual_seed(4))
+    expected = F.cross_entropy(reference(x), target)
+    expected.backward()
+    for model in (a, b):
+        logits = model(x)
+        assert isinstance(logits, DTensor) and logits.placements[0].is_shard(logits.ndim - 1)
+        with loss_parallel():
+            loss = F.cross_entropy(logits, target)
+            loss.backward()
+        torch.testing.assert_close(loss.full_tensor(), expected)
+        torch.testing.assert_close(model.output.weight.grad.full_tensor(), reference.output.weight.grad)
+    return float(expected)

@@ -18,6 +18,12 @@ CASES = {
         parallelize on world.tp { net1 : colwise; net2 : rowwise }""",
         MLP, "hand_mlp_tp", jobs.features(16), (2, 4),
     ),
+    "init_cpu": (
+        """mesh world = cpu[tp=auto]
+        parallelize on world.tp { net1 : colwise; net2 : rowwise }
+        init cpu""",
+        MLP, "hand_mlp_tp", jobs.features(16), (2,),
+    ),
     "mlp_sequence_parallel": (
         """mesh world = cpu[tp=auto]
         parallelize on world.tp {
@@ -187,11 +193,20 @@ def test_rank0_init_keeps_non_persistent_buffers(pools):
     pools(2).run(jobs.rank0_init_is_bitwise, plan, "examples.llama:build_model")
 
 
+def test_loss_parallel_gives_the_unsharded_loss(pools):
+    plan = """mesh world = cpu[tp=auto]
+    parallelize on world.tp { output : colwise(output=shard(-1), local_output=false) }
+    loss_parallel"""
+    pools(2).run(jobs.loss_parallel_matches_unsharded, plan)
+
+
 def test_sync_over_makes_replicas_equal(pools):
-    synced = """mesh world = cpu[dp=auto]
-    replicate on world.dp { }
-    sync over world.dp"""
-    assert all(pools(2).run(jobs.sync_makes_replicas_equal, synced, "examples.buffers:build_model")[0])
+    """Ranks build the model with different seeds; `sync over` broadcasts rank 0's parameters and buffers
+    (FSDP-sharded parameters are left to their shards)."""
+    unsynced = "mesh world = cpu[dp=auto, tp=2]\nfully_shard on world.dp { }\n"
+    assert not all(pools(4).run(jobs.sync_makes_replicas_equal, unsynced, "examples.buffers:build_model", "dp")[0])
+    synced = unsynced + "sync over world.dp\n"
+    assert all(pools(4).run(jobs.sync_makes_replicas_equal, synced, "examples.buffers:build_model", "dp")[0])
 
 
 FAILING_STYLE = """use tests.dist_jobs.raise_after_change as flaky
