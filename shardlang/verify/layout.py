@@ -1,0 +1,115 @@
+"""Where this rank sits among the others, and the model's inputs and outputs as the checks see them.
+
+The model runs as a group of tensor-parallel ranks (the dims parallelize blocks use) replicated over
+the data-parallel dims (all the others). TP ranks of a group get the same input, or each their slice
+of it (`input=shard(D)`); each data-parallel replica draws its own inputs. SPEC §7.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+from attrs import frozen
+from torch.distributed.tensor import DTensor, Shard
+
+from .. import plan as ir
+
+
+@frozen
+class Layout:
+    """This rank's coordinates: its data-parallel replica and its place in the TP group."""
+
+    mesh: str | None  # the plan mesh the checks reason about
+    tp_dims: tuple[str, ...]
+    replica: int  # which data-parallel replica this rank belongs to
+    replicas: int
+    tp_index: int
+    tp_size: int
+
+
+def main_mesh(plan: ir.Plan) -> str | None:
+    """The mesh the plan shards over: that of its parallelize blocks, else of its units, else the first."""
+    for ref in [b.mesh for b in plan.parallelize] + [u.mesh for u in plan.units]:
+        return ref.mesh
+    return plan.meshes[0].name if plan.meshes else None
+
+
+def layout(ctx) -> Layout:
+    plan, name = ctx.plan, main_mesh(ctx.plan)
+    if name is None or name not in ctx.applied.meshes:
+        return Layout(None, (), 0, 1, 0, 1)
+    mesh = ctx.applied.meshes[name]
+    dims = tuple(mesh.mesh_dim_names)
+    tp_dims = tuple(d for d in dims if any(b.mesh.mesh == name and d in b.mesh.dims for b in plan.parallelize))
+    coordinate = mesh.get_coordinate()
+    sizes = dict(zip(dims, mesh.shape))
+    at = dict(zip(dims, coordinate))
+    dp_dims = [d for d in dims if d not in tp_dims]
+    return Layout(
+        name,
+        tp_dims,
+        _ravel([at[d] for d in dp_dims], [sizes[d] for d in dp_dims]),
+        math.prod(sizes[d] for d in dp_dims),
+        _ravel([at[d] for d in tp_dims], [sizes[d] for d in tp_dims]),
+        math.prod(sizes[d] for d in tp_dims),
+    )
+
+
+def _ravel(index: list[int], shape: list[int]) -> int:
+    flat = 0
+    for i, n in zip(index, shape):
+        flat = flat * n + i
+    return flat
+
+
+def replica_inputs(ctx, step: int, replica: int, batch: int) -> tuple:
+    """The full inputs of one data-parallel replica at one step, from the model file's example_input."""
+    generator = torch.Generator().manual_seed(7919 * (step + 1) + replica)
+    inputs = ctx.model_file.example_input(batch, generator)
+    inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    return tuple(x.to(ctx.device) if isinstance(x, torch.Tensor) else x for x in inputs)
+
+
+def local_inputs(full: tuple, where: Layout, input_layout: Any) -> tuple:
+    """This TP rank's inputs: the full ones (replicate) or each tensor's slice along D (shard(D))."""
+    if not isinstance(input_layout, ir.Shard) or where.tp_size == 1:
+        return full
+    return tuple(
+        x.tensor_split(where.tp_size, dim=input_layout.dim)[where.tp_index].contiguous() if isinstance(x, torch.Tensor) else x
+        for x in full
+    )
+
+
+def tp_mesh(ctx, where: Layout):
+    return ctx.applied.mesh(ir.MeshRef(where.mesh, where.tp_dims, None)) if where.tp_dims else None
+
+
+def full_output(ctx, where: Layout, output: Any, output_layout: Any) -> Any:
+    """The model's whole output on every TP rank: a DTensor (loss_parallel) stays one; a local slice
+    (`output=shard(D)`) is gathered, differentiably, so that each rank's gradient is its own slice."""
+    if isinstance(output, DTensor) or not isinstance(output_layout, ir.Shard) or where.tp_size == 1:
+        return output
+    return DTensor.from_local(output, tp_mesh(ctx, where), [Shard(output_layout.dim)], run_check=False).full_tensor()
+
+
+def loss_context(plan: ir.Plan):
+    if plan.loss_parallel is None:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def loss(ctx, output: Any, inputs: tuple) -> torch.Tensor:
+    """The model file's loss(output, inputs), or the default: the sum of the whole output."""
+    given = ctx.model_file.loss
+    if given is not None:
+        return given(output, inputs if len(inputs) > 1 else inputs[0])
+    return output.float().sum()
+
+
+def value(loss_tensor: torch.Tensor) -> float:
+    return float((loss_tensor.full_tensor() if isinstance(loss_tensor, DTensor) else loss_tensor).detach())
