@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -11,13 +12,16 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
+import attrs
+
 from . import __version__
 from .compile import compile_python, default_world_size
-from .diagnostics import Diagnostic, PlanError, render_all, render_json, sort_key
+from .diagnostics import Diagnostic, PlanError, did_you_mean, render_all, render_json, sort_key
 from .frontend import compile_file
 from .lint import lint
 from .modelfile import ModelFile, ModelFileError, load_model_file
 from .plan import Plan
+from .report import Report, render
 from .source import Source
 
 #: Exit statuses (SPEC §5).
@@ -52,6 +56,19 @@ def _parser() -> argparse.ArgumentParser:
     _add_params(lint)
     lint.add_argument("--format", choices=("text", "json"), default="text", help="how to print diagnostics (default text)")
     lint.set_defaults(run=run_lint)
+
+    apply = commands.add_parser("apply", help="apply a plan to a model on N local workers (or under torchrun) and verify it")
+    apply.add_argument("plan", metavar="PLAN", help="the .sl plan file")
+    _add_model(apply, required=False)
+    apply.add_argument("--nproc", type=_positive, metavar="N", help="local worker processes (default: the size the meshes fix, or one per GPU)")
+    apply.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="gloo on cpu or nccl on cuda (default auto: cuda if there are enough GPUs)")
+    _add_params(apply)
+    apply.add_argument("--verify", metavar="LIST|none", help="checks to run, comma-separated, instead of the plan's (none: no checks)")
+    apply.add_argument("--steps", type=_positive, metavar="N", help="training steps of the gradients check")
+    apply.add_argument("--seed", type=int, default=0, help="the seed every rank builds the model with (default 0)")
+    apply.add_argument("--timeout", type=float, default=600.0, metavar="S", help="stop the workers if a job runs longer (default 600)")
+    apply.add_argument("--json", action="store_true", help="print the report as one JSON object on stdout")
+    apply.set_defaults(run=run_apply)
 
     compile_ = commands.add_parser("compile", help="print the plan as plain torch code")
     compile_.add_argument("plan", metavar="PLAN", help="the .sl plan file")
@@ -156,6 +173,149 @@ def run_compile(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(code)
     return OK
+
+
+def run_apply(args: argparse.Namespace) -> int:
+    """Compile and lint here, then run the job on every rank; rank 0's report. Exit 0 / 1 (SL400) / 2."""
+    from .launch import WorkerError, under_torchrun
+
+    torchrun = under_torchrun()
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc
+    device = _apply_device(args.device, world)
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # an `auto` mesh means cpu here, as on the workers
+    plan, found, sources = compile_plan(args.plan, args.params, world)
+    if plan is None:
+        return _apply_unusable(found, sources, args, world or 0, device)
+    if world is None:
+        world = _default_nproc(plan, device)
+    model_file = _model_file(args)
+    if model_file is None:
+        raise UsageError("apply needs a model: MODEL (a file defining build_model) or --entry package.module:function")
+    checks = _checks(plan, args)
+    explicit = args.verify is not None or any(c.span is not None for c in plan.checks)
+    needs_input = [c.name for c in checks if c.name in ("gradients", "comms")]
+    if explicit and needs_input and model_file.example_input is None:
+        raise UsageError(f"{model_file.origin} defines no example_input(batch, generator), which {' and '.join(needs_input)} need")
+    linted = lint(plan, _meta_model(model_file), world)
+    if not linted.ok:
+        return _apply_unusable(sorted([*found, *linted.diagnostics], key=sort_key), sources, args, world, device)
+
+    from .job import Job, run
+
+    job = Job(args.plan, _params(args.params), args.model, args.entry, checks, args.seed)
+    console = Console(file=sys.stderr, highlight=False)
+    warnings: list[str] = []
+    try:
+        if torchrun:
+            report = _run_under_torchrun(job, device, console)
+        else:
+            report, warnings = _run_local(job, world, device, args.timeout, console)
+    except WorkerError as e:
+        print(f"shardlang: error: rank {e.rank} failed: {e.message.splitlines()[0] if e.message else ''}", file=sys.stderr)
+        if e.details:
+            print(e.details.rstrip(), file=sys.stderr)
+        return UNUSABLE
+    if report is None:  # a rank other than 0 under torchrun
+        return OK
+    if warnings:
+        report = attrs.evolve(report, warnings=report.warnings + tuple(warnings))
+    if args.json:
+        print(report.json())
+    else:
+        render(report, sources, Console(file=sys.stdout, highlight=False, soft_wrap=True))
+    if not report.usable:
+        return UNUSABLE
+    return OK if report.ok else FOUND
+
+
+def _apply_device(choice: str, world: int | None) -> str:
+    import torch
+
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda, but no GPU is available")
+    if choice != "auto":
+        return choice
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    from .launch import under_torchrun
+
+    return "cuda" if gpus and (world is None or world <= gpus or under_torchrun()) else "cpu"
+
+
+def _default_nproc(plan: Plan, device: str) -> int:
+    try:
+        return default_world_size(plan)
+    except ValueError:
+        if device == "cuda":
+            import torch
+
+            return torch.cuda.device_count()
+        raise UsageError("the plan's meshes have auto dims: give --nproc N") from None
+
+
+def _checks(plan: Plan, args: argparse.Namespace) -> tuple:
+    """The checks to run: the plan's, or --verify's (with the plan's arguments where it has them)."""
+    from .check import CHECKS
+    from .plan import Check
+
+    checks = plan.checks
+    if args.verify is not None:
+        names = [] if args.verify.strip() == "none" else [n.strip() for n in args.verify.split(",") if n.strip()]
+        unknown = [n for n in names if n not in CHECKS]
+        if unknown:
+            hint = did_you_mean(unknown[0], CHECKS)
+            raise UsageError(f"unknown check '{unknown[0]}' in --verify" + (f"; {hint[0]}" if hint else f"; checks: {', '.join(CHECKS)}"))
+        given = {c.name: c for c in plan.checks}
+        checks = tuple(given.get(n) or Check(n, (), None) for n in names)
+    if args.steps is not None:
+        checks = tuple(attrs.evolve(c, args=tuple((k, v) for k, v in c.args if k != "steps") + (("steps", args.steps),))
+                       if c.name == "gradients" else c for c in checks)  # fmt: skip
+    return checks
+
+
+def _apply_unusable(found, sources, args, world: int, device: str) -> int:
+    if args.json:
+        report = Report(ok=False, world_size=world, device=device, diagnostics=tuple(found), usable=False)
+        print(report.json())
+    else:
+        emit_diagnostics(found, sources, "text", stream=sys.stderr)
+    return UNUSABLE
+
+
+def _run_local(job, world: int, device: str, timeout: float, console: Console):
+    from .job import run
+    from .launch import WorkerPool
+
+    backend = "nccl" if device == "cuda" else "gloo"
+    with console.status(f"starting {world} workers ({backend})") as status:
+        def show(rank: int, message: str) -> None:
+            if rank == 0:
+                status.update(f"rank 0: {message}")
+
+        pool = WorkerPool(world, backend, timeout_s=timeout, on_progress=show)
+        try:
+            report = pool.run(run, job, timeout_s=timeout)[0]
+        finally:
+            warnings = pool.close()
+    return report, warnings
+
+
+def _run_under_torchrun(job, device: str, console: Console):
+    """Join torchrun's process group; rank 0 returns the report, the others None."""
+    import torch
+    import torch.distributed as dist
+
+    from .job import run
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    try:
+        report = run(job)
+    finally:
+        dist.destroy_process_group()
+    return report if int(os.environ["RANK"]) == 0 else None
 
 
 def _meta_model(model_file: ModelFile):

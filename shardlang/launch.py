@@ -35,6 +35,21 @@ class WorkerError(RuntimeError):
         return f"{text}\n{self.details.rstrip()}" if self.details else text
 
 
+#: Set in a pool worker while a job runs: sends a progress message to the launcher.
+_progress = None
+
+
+def progress(message: str) -> None:
+    """Tell the launcher what this rank is doing (shown by rank 0's launcher; ignored elsewhere)."""
+    if _progress is not None:
+        _progress(message)
+
+
+def under_torchrun() -> bool:
+    """Whether this process is one rank of a job torchrun (or another launcher) started."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -66,6 +81,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str, jobs, results, 
         if job is None:
             break
         job_id, payload = job
+        global _progress
+        _progress = lambda message, job_id=job_id: results.put((job_id, rank, "progress", message, ""))  # noqa: E731
         try:
             fn, args, kwargs = pickle.loads(payload)
             value = pickle.dumps(fn(*args, **kwargs))
@@ -82,8 +99,15 @@ def _worker(rank: int, world_size: int, port: int, backend: str, jobs, results, 
 class WorkerPool:
     """`world_size` processes, each rank of one process group (gloo on CPU, nccl with one GPU each)."""
 
-    def __init__(self, world_size: int, backend: str = "gloo", timeout_s: float = 300.0, start_timeout_s: float = 120.0):
-        self.world_size, self.backend = world_size, backend
+    def __init__(
+        self,
+        world_size: int,
+        backend: str = "gloo",
+        timeout_s: float = 300.0,
+        start_timeout_s: float = 120.0,
+        on_progress: Callable[[int, str], None] | None = None,
+    ):
+        self.world_size, self.backend, self.on_progress = world_size, backend, on_progress
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(world_size)]
@@ -117,9 +141,8 @@ class WorkerPool:
             except queue.Empty:
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
                 if dead:
-                    code = self._procs[dead[0]].exitcode
                     self.stop()
-                    raise WorkerError(dead[0], f"worker exited with code {code}") from None
+                    raise self._died(dead[0]) from None
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(self.world_size)) - set(values))
                     self.stop()
@@ -127,11 +150,42 @@ class WorkerPool:
                 continue
             if got_id != job_id:
                 continue  # a late result of an earlier, failed job
+            if status == "progress":
+                if self.on_progress is not None:
+                    self.on_progress(rank, value)
+                continue
             if status == "error":
-                self.stop()
-                raise WorkerError(rank, value, details)
+                raise self._root_cause(WorkerError(rank, value, details))
             values[rank] = value
         return [values[r] for r in range(self.world_size)]
+
+    #: Errors that a rank sees because another one failed, not failures of its own.
+    _SYMPTOMS = ("Connection closed", "Connection reset", "Timed out", "timed out", "Broken pipe", "NCCL communicator was aborted")
+
+    def _root_cause(self, first: WorkerError, grace_s: float = 2.0) -> WorkerError:
+        """After a rank's error, the error that explains it: a worker that died, or an error that is not
+        just a peer's symptom (a closed connection, a timeout). Then stop every worker."""
+        errors = [first]
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            dead = [r for r, p in enumerate(self._procs) if p.exitcode not in (None, 0)]
+            if dead:
+                errors.insert(0, self._died(dead[0]))
+                break
+            try:
+                _, rank, status, value, details = self._results.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if status == "error":
+                errors.append(WorkerError(rank, value, details))
+        self.stop()
+        causes = [e for e in errors if not any(s in e.message for s in self._SYMPTOMS)]
+        return (causes or errors)[0]
+
+    def _died(self, rank: int) -> WorkerError:
+        code = self._procs[rank].exitcode
+        how = f" (killed by signal {-code})" if code is not None and code < 0 else ""
+        return WorkerError(rank, f"worker exited with code {code}{how}")
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Stop every worker: politely when idle, by force when not done within `grace_s`."""
@@ -149,9 +203,14 @@ class WorkerPool:
                 proc.kill()
                 proc.join(5)
 
-    def close(self) -> None:
-        if not self.broken:
-            self.stop(grace_s=30.0)
+    def close(self) -> list[str]:
+        """Stop the workers after the last job; warnings for any that exited abnormally while tearing
+        down (their results had already arrived, so this does not fail anything)."""
+        if self.broken:
+            return []
+        self.stop(grace_s=30.0)
+        return [f"rank {r} exited with code {p.exitcode} during teardown, after its results arrived"
+                for r, p in enumerate(self._procs) if p.exitcode not in (0, None)]  # fmt: skip
 
     def __enter__(self) -> WorkerPool:
         return self

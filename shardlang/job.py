@@ -1,0 +1,114 @@
+"""One rank's `shardlang apply`: load the plan and the model file, build, apply, run the checks, and
+return the same report on every rank. Run by local worker processes or under torchrun."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import attrs
+import torch.distributed as dist
+from attrs import frozen
+
+from . import plan as ir
+from .apply import apply_plan
+from .diagnostics import Diagnostic, PlanError
+from .frontend import compile_file
+from .launch import progress
+from .modelfile import load_model_file
+from .report import Report
+from .runtime import mesh_device
+from .verify import Context, combine, gather, run_checks
+from .verify.layout import layout
+
+
+@frozen
+class Job:
+    """What every rank needs to run `shardlang apply`, all of it plain data (it crosses processes)."""
+
+    plan: str
+    params: dict[str, Any]
+    model: str | None
+    entry: str | None
+    checks: tuple[ir.Check, ...]
+    seed: int = 0
+
+
+def run(job: Job) -> Report:
+    """Apply and verify on this rank; every rank returns the same report. Python warnings raised on
+    any rank (torch's included) are collected into the report, once each, instead of being printed."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = _run(job)
+    return attrs.evolve(report, warnings=report.warnings + _unique(caught))
+
+
+def _unique(caught) -> tuple[str, ...]:
+    seen: dict[str, int] = {}
+    for w in caught:
+        key = f"{w.category.__name__}: {str(w.message).splitlines()[0]} ({Path(w.filename).name}:{w.lineno})"
+        seen[key] = seen.get(key, 0) + 1
+    everyone = [seen]
+    if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake":
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, seen)
+    merged: dict[str, int] = {}
+    for counts in everyone:
+        for key, n in counts.items():
+            merged[key] = merged.get(key, 0) + n
+    return tuple(f"{key} [{n}x over all ranks]" if n > 1 else key for key, n in merged.items())
+
+
+def _run(job: Job) -> Report:
+    start = time.perf_counter()
+    world = dist.get_world_size()
+    plan, found, sources = compile_file(job.plan, job.params, world)
+    if plan is None:
+        return _failed(world, found)
+    model_file = load_model_file(job.model, job.entry)
+    torch.manual_seed(job.seed)  # every rank builds the same model
+    progress("building the model")
+    model = plan.build(model_file.build_model)
+    progress("applying the plan")
+    try:
+        applied = apply_plan(plan, model)
+    except PlanError as e:
+        return _failed(world, e.diagnostics)
+    applied_s = time.perf_counter() - start
+    ctx = Context(plan, applied, model_file)
+    results = run_checks(ctx, job.checks, progress=lambda name: progress(f"check {name}"))
+    checks = tuple(combine(gather(results)))
+    failures = tuple(
+        Diagnostic("SL400", f"check {c.check} failed", next((k.span for k in job.checks if k.name == c.check), None),
+                   tuple(part.strip() for part in c.message.split("; ")[:4]))
+        for c in checks if c.ok is False
+    )  # fmt: skip
+    warnings = tuple(d for d in applied.linted.diagnostics if not d.is_error) + plan.diagnostics
+    total = time.perf_counter() - start
+    where = layout(ctx)
+    shape = f"{where.replicas} replica{'s' if where.replicas > 1 else ''} x tp {where.tp_size}" if where.tp_dims else f"{where.replicas} replicas"
+    return Report(
+        ok=not failures,
+        world_size=world,
+        device=_device(plan),
+        checks=checks,
+        diagnostics=warnings + failures,
+        seconds={"apply": applied_s, "checks": total - applied_s, "total": total},
+        layout=shape,
+    )
+
+
+def _failed(world: int, diagnostics) -> Report:
+    return Report(ok=False, world_size=world, device=_backend_device(), diagnostics=tuple(diagnostics), usable=False)
+
+
+def _device(plan: ir.Plan) -> str:
+    kinds = sorted({mesh_device(m.device) for m in plan.meshes}) or ["cpu"]
+    return f"{'+'.join(kinds)} ({dist.get_backend()})"
+
+
+def _backend_device() -> str:
+    return f"cpu ({dist.get_backend()})" if dist.get_backend() != "nccl" else "cuda (nccl)"

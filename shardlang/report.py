@@ -1,0 +1,75 @@
+"""The result of `shardlang apply`: one report from every rank's checks, as a table or as JSON (SPEC §7)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from attrs import field, frozen
+from rich.console import Console
+from rich.table import Table
+
+from .diagnostics import Diagnostic, render_all
+from .source import Source
+from .verify import CheckResult
+
+
+@frozen
+class Report:
+    ok: bool
+    world_size: int
+    device: str
+    checks: tuple[CheckResult, ...] = ()
+    diagnostics: tuple[Diagnostic, ...] = ()  # lint warnings, and errors when the plan or a check failed
+    warnings: tuple[str, ...] = ()  # not diagnostics of the plan: e.g. a worker's abnormal teardown
+    seconds: dict[str, float] = field(factory=dict)  # apply, checks, total
+    layout: str = ""
+    usable: bool = True  # False: the plan or the model could not be used (exit status 2)
+
+    @property
+    def ran(self) -> tuple[CheckResult, ...]:
+        return tuple(c for c in self.checks if c.ok is not None)
+
+    @property
+    def skipped(self) -> tuple[CheckResult, ...]:
+        return tuple(c for c in self.checks if c.ok is None)
+
+    def to_json(self) -> dict[str, Any]:
+        """SPEC §7's object; checks that could not run are under `skipped`, never counted as passed."""
+        return {
+            "ok": self.ok,
+            "world_size": self.world_size,
+            "device": self.device,
+            "checks": [c.to_json() for c in self.ran],
+            "skipped": [{"check": c.check, "message": c.message} for c in self.skipped],
+            "diagnostics": [d.to_json() for d in self.diagnostics],
+            "warnings": list(self.warnings),
+            "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+        }
+
+    def json(self) -> str:
+        return json.dumps(self.to_json(), indent=2)
+
+
+def render(report: Report, sources: dict[str, Source], console: Console) -> None:
+    """The text report: a heading, the table (check, result, worst error, seconds), each check's message,
+    then any diagnostics."""
+    console.print(f"[bold]world {report.world_size} on {report.device}[/bold]" + (f", {report.layout}" if report.layout else ""))
+    if report.checks:
+        table = Table(show_edge=True, header_style="bold")
+        for column, justify in (("check", "left"), ("result", "left"), ("worst error", "right"), ("seconds", "right")):
+            table.add_column(column, justify=justify)
+        for c in report.checks:
+            result = "[green]pass[/green]" if c.ok else "[red]FAIL[/red]" if c.ok is False else "[yellow]skipped[/yellow]"
+            worst = "-" if c.worst is None else f"{c.worst:.2e}"
+            table.add_row(c.check, result, worst, f"{c.seconds:.2f}")
+        console.print(table)
+        for c in report.checks:
+            console.print(f"  {c.check}: {c.message}", highlight=False, markup=False)
+    if report.diagnostics:
+        console.print(render_all(report.diagnostics, sources), highlight=False, markup=False)
+    for warning in report.warnings:
+        console.print(f"warning: {warning}", highlight=False, markup=False, style="yellow")
+    timing = ", ".join(f"{k} {v:.1f} s" for k, v in report.seconds.items())
+    verdict = "[green]all checks passed[/green]" if report.ok else "[red]failed[/red]"
+    console.print(f"{verdict} ({timing})")
