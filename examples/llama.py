@@ -98,3 +98,9 @@ def build_model() -> nn.Module:
 
 def example_input(batch_size: int, generator: torch.Generator) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch_size, SEQ), generator=generator)
+
+
+def loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy. Under `loss_parallel` the logits arrive sharded over the vocabulary as a
+    DTensor, and torch computes this without gathering them."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())

@@ -3,6 +3,9 @@
     import shardlang
     plan = shardlang.load("plan.sl", params={"tp": 4})   # raises shardlang.PlanError(diagnostics)
     plan.lint(model, world_size=8)                        # -> list[Diagnostic]
+    plan.apply(model)                                     # inside an initialised process group
+    report = shardlang.verify(plan, build_model, example_input)
+    print(plan.to_python())
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from .frontend import compile_file, compile_source
 from .plan import Plan
 from .source import Source
 
-__all__ = ["CODES", "Diagnostic", "Plan", "PlanError", "Severity", "load", "loads"]
+__all__ = ["CODES", "Diagnostic", "Plan", "PlanError", "Severity", "load", "loads", "verify"]
 __version__ = "0.1.0"
 
 
@@ -35,3 +38,10 @@ def loads(text: str, params: Mapping[str, Any] | None = None, *, name: str = "<s
     if plan is None:
         raise PlanError(found, {name: source})
     return plan
+
+
+def verify(plan: Plan, build_model, example_input=None, loss=None, **options):
+    """Apply `plan` to `build_model()` and run its checks; a Report (see shardlang.job.verify)."""
+    from .job import verify as run_verify
+
+    return run_verify(plan, build_model, example_input, loss, **options)

@@ -18,7 +18,7 @@ from .apply import apply_plan
 from .diagnostics import Diagnostic, PlanError
 from .frontend import compile_file
 from .launch import progress
-from .modelfile import load_model_file
+from .modelfile import ModelFile, load_model_file
 from .report import Report
 from .runtime import mesh_device
 from .verify import Context, combine, gather, run_checks
@@ -27,14 +27,16 @@ from .verify.layout import layout
 
 @frozen
 class Job:
-    """What every rank needs to run `shardlang apply`, all of it plain data (it crosses processes)."""
+    """What every rank needs to run `shardlang apply`. It crosses processes, so the plan and the model
+    are named by path (or given as a Plan and a ModelFile of importable functions, from the library)."""
 
-    plan: str
+    plan: str | ir.Plan
     params: dict[str, Any]
     model: str | None
     entry: str | None
     checks: tuple[ir.Check, ...]
     seed: int = 0
+    model_file: ModelFile | None = None
 
 
 def run(job: Job) -> Report:
@@ -65,10 +67,13 @@ def _unique(caught) -> tuple[str, ...]:
 def _run(job: Job) -> Report:
     start = time.perf_counter()
     world = dist.get_world_size()
-    plan, found, sources = compile_file(job.plan, job.params, world)
-    if plan is None:
-        return _failed(world, found)
-    model_file = load_model_file(job.model, job.entry)
+    if isinstance(job.plan, ir.Plan):
+        plan = job.plan
+    else:
+        plan, found, _ = compile_file(job.plan, job.params, world)
+        if plan is None:
+            return _failed(world, found)
+    model_file = job.model_file or load_model_file(job.model, job.entry)
     torch.manual_seed(job.seed)  # every rank builds the same model
     progress("building the model")
     model = plan.build(model_file.build_model)
@@ -112,3 +117,31 @@ def _device(plan: ir.Plan) -> str:
 
 def _backend_device() -> str:
     return f"cpu ({dist.get_backend()})" if dist.get_backend() != "nccl" else "cuda (nccl)"
+
+
+def verify(
+    plan: ir.Plan,
+    build_model,
+    example_input=None,
+    loss=None,
+    *,
+    checks: tuple[str, ...] | None = None,
+    nproc: int | None = None,
+    seed: int = 0,
+) -> Report:
+    """Apply `plan` to a model from `build_model` and run its checks (or `checks`); the report.
+
+    Inside an initialised process group every rank calls this and gets the same report. Outside one,
+    it starts `nproc` local workers (gloo; the functions must be importable, e.g. module-level)."""
+    from .launch import WorkerPool
+
+    wanted = plan.checks if checks is None else tuple(next((c for c in plan.checks if c.name == n), ir.Check(n, ())) for n in checks)
+    job = Job(plan, {}, None, None, wanted, seed, ModelFile("library", build_model, example_input, loss))
+    if dist.is_available() and dist.is_initialized():
+        return run(job)
+    if nproc is None:
+        from .compile import default_world_size
+
+        nproc = default_world_size(plan)
+    with WorkerPool(nproc) as pool:
+        return pool.run(run, job)[0]

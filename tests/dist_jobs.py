@@ -455,3 +455,11 @@ def loss_parallel_matches_unsharded(plan_text: str) -> float:
         torch.testing.assert_close(loss.full_tensor(), expected)
         torch.testing.assert_close(model.output.weight.grad.full_tensor(), reference.output.weight.grad)
     return float(expected)
+
+
+def library_verify(plan_text: str) -> tuple:
+    """shardlang.verify inside an initialised process group: every rank gets the same report."""
+    from examples.mlp import build_model, example_input
+
+    report = shardlang.verify(shardlang.loads(plan_text), build_model, example_input)
+    return report.ok, tuple((c.check, c.ok) for c in report.checks)

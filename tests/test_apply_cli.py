@@ -116,3 +116,11 @@ def test_two_node_torchrun_job_on_loopback():
     report = json.loads(outputs[0][0])
     assert report["ok"] and report["world_size"] == 4
     assert outputs[1][0].strip() == ""
+
+
+def test_library_verify_in_a_process_group(pools):
+    from . import dist_jobs
+
+    plan = "mesh world = cpu[tp=auto]\nparallelize on world.tp { net1 : colwise; net2 : rowwise }\nverify gradients, comms(all_reduce=1)\n"
+    reports = pools(2).run(dist_jobs.library_verify, plan)
+    assert reports[0] == reports[1] == (True, (("gradients", True), ("comms", True)))

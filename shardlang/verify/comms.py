@@ -51,4 +51,4 @@ def run(ctx, check) -> Outcome:
     if wrong:
         return Outcome(False, f"{'; '.join(wrong)} (counted {shown})", data)
     verdict = "as expected" if expected else "not compared: the plan gives no counts"
-    return Outcome(True, f"{total} collectives ({shown}); {verdict}", data)
+    return Outcome(True, f"{total} collective{'' if total == 1 else 's'} ({shown}); {verdict}", data)
