@@ -262,15 +262,6 @@ def hand_user_styles(model):
     ))  # fmt: skip
 
 
-def hand_class_targets(model):
-    mesh = mesh1("dp")
-    for unit in (model.u1, model.u2):
-        composable_checkpoint()(unit)
-    for unit in (model.u1, model.u2):
-        fully_shard(unit, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-
-
 def hand_distribute_output(model):
     tp = mesh1()
     distribute_with_layouts(model.norm, tp, Replicate(), Replicate())

@@ -132,7 +132,7 @@ CASES = {
         """mesh world = cpu[dp=auto]
         checkpoint class Sequential
         fully_shard on world.dp { each class torch.nn.Sequential }""",
-        UNITS, "hand_class_targets", jobs.features(8, dp=2), (2,),
+        UNITS, "hand_checkpoint_fully_shard", jobs.features(8, dp=2), (2,),
     ),
     "distribute_output_layout": (
         """mesh world = cpu[tp=auto]
