@@ -124,3 +124,11 @@ def test_library_verify_in_a_process_group(pools):
     plan = "mesh world = cpu[tp=auto]\nparallelize on world.tp { net1 : colwise; net2 : rowwise }\nverify gradients, comms(all_reduce=1)\n"
     reports = pools(2).run(dist_jobs.library_verify, plan)
     assert reports[0] == reports[1] == (True, (("gradients", True), ("comms", True)))
+
+
+def test_abort_during_teardown_after_results_is_a_warning():
+    done = shardlang_apply("plans/mlp_tp.sl", "tests/faults/teardown_abort.py", "--nproc", "2", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["ok"] is True
+    assert "rank 1 exited with code 3 during teardown, after its results arrived" in report["warnings"]
