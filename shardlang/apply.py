@@ -144,17 +144,21 @@ def _import_uses(plan: ir.Plan, sources) -> dict[str, Any]:
 
 
 def _check_devices(plan: ir.Plan, model: nn.Module) -> list[Diagnostic]:
-    """The model must be built the way `init` says: on meta for `init meta` (rank 0 excepted for rank0)."""
-    devices = {t.device.type for t in [*model.parameters(), *model.buffers()]}
+    """The model must be built the way `init` says: on meta for `init meta` (rank 0 excepted for rank0),
+    materialised otherwise: a meta model under another `init` would never be materialised."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    devices = {t.device.type for _, t in tensors}
     mode = plan.init.mode
     expect_meta = mode == "meta" or (mode == "rank0" and dist.get_rank() != 0)
     if expect_meta and devices - {"meta"}:
         where = "rank 0's model on cpu and the others' " if mode == "rank0" else "the model "
         return [Diagnostic("SL300", f"init {mode} needs {where}on the meta device, but it has tensors on {', '.join(sorted(devices - {'meta'}))}",
                            plan.init.span, ("build it with plan.build(build_model), or under `with torch.device('meta')`",))]  # fmt: skip
-    if not expect_meta and "meta" in devices:
-        return [Diagnostic("SL300", f"init {mode} needs a materialised model, but it has tensors on the meta device",
-                           plan.init.span, ("say `init meta` to build on meta and materialise after sharding",))]  # fmt: skip
+    on_meta = [name for name, t in tensors if t.device.type == "meta"]
+    if not expect_meta and on_meta:
+        shown = ", ".join(on_meta[:8]) + (f" and {len(on_meta) - 8} more" if len(on_meta) > 8 else "")
+        return [Diagnostic("SL300", f"init {mode} needs a materialised model, but {len(on_meta)} tensors are on the meta device: {shown}",
+                           plan.init.span, ("nothing would materialise them: say `init meta` to materialise after sharding",))]  # fmt: skip
     cuda = any(runtime.mesh_device(m.device) == "cuda" for m in plan.meshes)
     if cuda and not torch.cuda.is_available():
         return [Diagnostic("SL300", "the plan has a cuda mesh but no GPU is available", plan.meshes[0].span,

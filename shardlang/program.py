@@ -257,7 +257,8 @@ def _shape(shape: tuple[int | None, ...]) -> str:
     fixed = 1
     for n in shape:
         fixed *= n or 1
-    parts = [str(n) if n is not None else f"dist.get_world_size() // {fixed}" for n in shape]
+    rest = "dist.get_world_size()" + (f" // {fixed}" if fixed > 1 else "")
+    parts = [str(n) if n is not None else rest for n in shape]
     return f"({', '.join(parts)},)" if len(parts) == 1 else f"({', '.join(parts)})"
 
 
@@ -363,7 +364,8 @@ def to_python(program: Program, command: str = "") -> str:
             body.append("wrap_children_first(model, [")
             for unit in group:
                 (line,) = _call(unit, program, "module")
-                body.append(f"    ({unit.module.target!r}, lambda module: {line}),  # line {unit.origin.line}")
+                kind = "fully_shard" if isinstance(unit, FullyShard) else "replicate"
+                body.append(f"    ({unit.module.target!r}, {kind!r}, lambda module: {line}),  # line {unit.origin.line}")
             body.append("])")
         elif _matching(step):
             body += _matching_loop(step, program)
@@ -376,7 +378,7 @@ def to_python(program: Program, command: str = "") -> str:
     helpers = [inspect.getsource(h).rstrip() for h in (runtime.build_for, runtime.mesh_device)] + _helpers(program)
     if any(_matching(s) for s in program.steps) or "tied_parameter_groups" in "\n".join(body):
         matching = (runtime.split_pattern, runtime.pattern_regex, runtime.class_matches, runtime.modules_matching,
-                    runtime.depth, runtime.wrap_children_first, runtime.tied_parameter_groups)  # fmt: skip
+                    runtime.depth, runtime.named_units_win, runtime.wrap_children_first, runtime.tied_parameter_groups)  # fmt: skip
         helpers += [inspect.getsource(h).rstrip() for h in matching]
     parts = ["\n".join(header), "\n".join(_imports(program)), *helpers, _build_function(plan)]
     parts.append("def apply_plan(model):\n" + "\n".join("    " + line for line in body) + "\n    return model")

@@ -94,6 +94,8 @@ def resolve(plan: ir.Plan, model: nn.Module) -> tuple[Resolution, list[Diagnosti
         if block.root and not any(u.fqn == "" and u.block == b for u in units):
             units.append(UnitMatch(b, "", None))
 
+    units = _named_units_win(plan, units)
+
     checkpoint = []
     for target in plan.checkpoint:
         fqns = _matches(target, modules, "")
@@ -104,6 +106,13 @@ def resolve(plan: ir.Plan, model: nn.Module) -> tuple[Resolution, list[Diagnosti
     order = {fqn: i for i, (fqn, _) in enumerate(modules)}
     units.sort(key=lambda u: (-runtime.depth(u.fqn), order.get(u.fqn, 0)))
     return Resolution(dict(modules), tuple(rules), tuple(units), tuple(checkpoint)), found
+
+
+def _named_units_win(plan: ir.Plan, units: list[UnitMatch]) -> list[UnitMatch]:
+    """A `class` target does not pick a module that a unit of the other kind names by pattern
+    (runtime.named_units_win, which the printed program applies too)."""
+    matches = [(u.fqn, u.kind(plan.units[u.block]), u.unit is not None and isinstance(u.unit.target, ClassTarget), u) for u in units]
+    return [u for *_, u in runtime.named_units_win(matches)]
 
 
 def _subtree(module: nn.Module, prefix: str) -> tuple[tuple[str, nn.Module], ...]:

@@ -73,12 +73,21 @@ def depth(fqn):
     return fqn.count(".") + 1 if fqn else 0
 
 
+def named_units_win(matches):
+    """Drop a unit that a `class` target picked where a unit of the other kind names the same module
+    by pattern, as FSDP's auto-wrap policy skips modules that replicate manages. `matches` are
+    (module FQN, "fully_shard" or "replicate", picked by class?, anything) tuples."""
+    other = {"fully_shard": "replicate", "replicate": "fully_shard"}
+    named = {(fqn, kind) for fqn, kind, by_class, _ in matches if not by_class}
+    return [m for m in matches if not (m[2] and (m[0], other[m[1]]) in named)]
+
+
 def wrap_children_first(model, units):
-    """Apply each (target, wrap) to the modules its target matches, deepest modules first, so that a
-    fully_shard or replicate unit is always wrapped before any unit that contains it."""
+    """Apply each (target, kind, wrap) to the modules its target matches, deepest modules first, so that
+    a fully_shard or replicate unit is always wrapped before any unit that contains it."""
     order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
-    todo = [(fqn, wrap) for target, wrap in units for fqn in modules_matching(model, target)]
-    for fqn, wrap in sorted(todo, key=lambda item: (-depth(item[0]), order[item[0]])):
+    matches = [(fqn, kind, target.startswith("class "), wrap) for target, kind, wrap in units for fqn in modules_matching(model, target)]
+    for fqn, _, _, wrap in sorted(named_units_win(matches), key=lambda m: (-depth(m[0]), order[m[0]])):
         wrap(model.get_submodule(fqn))
 
 

@@ -16,11 +16,11 @@ def op_name(op) -> str:
     return str(op).split(".")[-1] if "." in str(op) else str(op)
 
 
-def run(ctx, check) -> Outcome:
+def count_collectives(ctx, model) -> dict[str, int]:
+    """Collectives of one forward, loss and backward of `model`, with the inputs and loss the checks
+    use for this plan (the reassembly of a sliced output is not counted: only the checks do it)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    if ctx.model_file.example_input is None:
-        return Outcome(None, "not run: the model file defines no example_input(batch, generator)")
     gradients = next((c for c in ctx.plan.checks if c.name == "gradients"), None)
     input_layout = gradients.get("input") if gradients is not None else None
     output_layout = gradients.get("output") if gradients is not None else None
@@ -32,16 +32,22 @@ def run(ctx, check) -> Outcome:
         # CommDebugMode's module tracker warns about full backward hooks when inputs need no gradient.
         warnings.filterwarnings("ignore", message="Full backward hook is firing")
         with forward:
-            output = ctx.model(*inputs)
+            output = model(*inputs)
         whole = lay.full_output(ctx, where, output, output_layout)
         with backward, lay.loss_context(ctx.plan):
             lay.loss(ctx, whole, full).backward()
-    ctx.model.zero_grad(set_to_none=True)
+    model.zero_grad(set_to_none=True)
     counts: dict[str, int] = {}
     for mode in (forward, backward):
         for op, n in mode.get_comm_counts().items():
             counts[op_name(op)] = counts.get(op_name(op), 0) + n
-    counts = dict(sorted(counts.items()))
+    return dict(sorted(counts.items()))
+
+
+def run(ctx, check) -> Outcome:
+    if ctx.model_file.example_input is None:
+        return Outcome(None, "not run: the model file defines no example_input(batch, generator)")
+    counts = count_collectives(ctx, ctx.model)
     total = sum(counts.values())
     expected = dict(check.args)
     data = {"counts": counts, "total": total, "expected": expected}
