@@ -1,14 +1,38 @@
-"""comms: the collectives of one forward and backward pass, counted with torch's CommDebugMode;
-always reported, compared with the counts the plan gives (`comms(all_reduce=2, total=3)`).
+"""comms: the collectives of one forward and backward pass, counted by torch op name; always
+reported, compared with the counts the plan gives (`comms(all_reduce=2, total=3)`).
 
-Counted: the model's forward, the loss and the backward. Not counted: reassembling an output that
-TP ranks hold in slices (`output=shard(D)`), which only the checks do."""
+Counted: the model's forward, the loss and the backward (recomputation under activation
+checkpointing included: it really communicates). Not counted: reassembling an output that TP ranks
+hold in slices (`output=shard(D)`), which only the checks do.
+
+The counting is a dispatch mode of our own with CommDebugMode's names (`all_reduce`,
+`all_gather_into_tensor`, `_allgather_base_`, ...): CommDebugMode's module tracker fails under
+activation checkpointing (a KeyError on the recomputed module in torch 2.13).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from . import Outcome, layout as lay
+
+#: The ops that are collectives, as CommDebugMode counts them: c10d's and the functional ones.
+FUNCTIONAL_COLLECTIVES = frozenset({
+    "all_reduce", "all_reduce_coalesced", "all_gather_into_tensor", "all_gather_into_tensor_coalesced",
+    "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_to_all_single", "broadcast",
+})  # fmt: skip
+C10D_COLLECTIVES = frozenset({
+    "_allgather_base_", "_reduce_scatter_base_", "allgather_", "allgather_coalesced_", "allgather_into_tensor_coalesced_",
+    "allreduce_", "allreduce_coalesced_", "alltoall_", "alltoall_base_", "broadcast_", "gather_", "scatter_", "reduce_",
+    "reduce_scatter_", "reduce_scatter_tensor_coalesced_",
+})  # fmt: skip
+FUNCTIONAL = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
 
 
 def op_name(op) -> str:
@@ -16,32 +40,99 @@ def op_name(op) -> str:
     return str(op).split(".")[-1] if "." in str(op) else str(op)
 
 
-def count_collectives(ctx, model) -> dict[str, int]:
-    """Collectives of one forward, loss and backward of `model`, with the inputs and loss the checks
-    use for this plan (the reassembly of a sliced output is not counted: only the checks do it)."""
-    from torch.distributed.tensor.debug import CommDebugMode
+def collective(func) -> str | None:
+    """The collective's name if `func` (an op overload) is one, else None."""
+    namespace, _, name = str(func.overloadpacket).partition(".")
+    if (namespace == "c10d" and name in C10D_COLLECTIVES) or (namespace in FUNCTIONAL and name in FUNCTIONAL_COLLECTIVES):
+        return name
+    return None
 
+
+class Calls:
+    """Collectives seen: (op name, process group name, bytes of the full buffer: the gathered tensor of
+    an all-gather, the input of a reduce-scatter or all-reduce)."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str, int]] = []
+        self._known: dict = {}
+
+    def note(self, func, args) -> None:
+        name = self._known.get(func, False)
+        if name is False:
+            name = self._known[func] = collective(func)
+        if name is not None:
+            self.calls.append((name, _group(args), _bytes(name, args)))
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Not noting for a while (reassembling an output is the check's work, not the model's)."""
+        calls = list(self.calls)
+        try:
+            yield
+        finally:
+            del self.calls[len(calls):]
+
+    def counts(self) -> dict[str, int]:
+        found: dict[str, int] = {}
+        for name, _, _ in self.calls:
+            found[name] = found.get(name, 0) + 1
+        return dict(sorted(found.items()))
+
+
+class Recorder(Calls, TorchDispatchMode):
+    """A dispatch mode noting every collective that runs under it."""
+
+    def __init__(self):
+        Calls.__init__(self)
+        TorchDispatchMode.__init__(self)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # Modes run before tensor subclasses: let DTensor desugar its op into local ops and collectives
+        # first (they come back through this mode), as CommDebugMode does.
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        self.note(func, args)
+        return func(*args, **(kwargs or {}))
+
+
+def _group(args) -> str:
+    """The process group a collective runs on, by name: functional ops pass the name, c10d ops the group."""
+    named = next((a for a in args if isinstance(a, str) and a.isdigit()), None)
+    if named is not None:
+        return named
+    boxed = next((a for a in args if isinstance(a, torch.ScriptObject)), None)
+    return dist.ProcessGroup.unbox(boxed).group_name if boxed is not None else "?"
+
+
+def _bytes(name: str, args) -> int:
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
+    largest = max((t.numel() * t.element_size() for t in tensors), default=0)
+    if name == "all_gather_into_tensor":  # functional all-gather: only the local input is an argument
+        largest *= dist.get_world_size(dist.distributed_c10d._resolve_process_group(_group(args)))
+    return largest
+
+
+def count_collectives(ctx, model, recorder: Calls | None = None) -> dict[str, int]:
+    """Collectives of one forward, loss and backward of `model`, with the inputs and loss the checks
+    use for this plan (the reassembly of a sliced output is not counted: only the checks do it).
+    `recorder`: where to note them (a Recorder, or a mode already active that notes them itself)."""
     gradients = next((c for c in ctx.plan.checks if c.name == "gradients"), None)
     input_layout = gradients.get("input") if gradients is not None else None
     output_layout = gradients.get("output") if gradients is not None else None
     where = lay.layout(ctx)
     full = lay.replica_inputs(ctx, -1, where.replica, 2 * max(where.tp_size, 1))
     inputs = lay.local_inputs(full, where, input_layout)
-    forward, backward = CommDebugMode(), CommDebugMode()
-    with warnings.catch_warnings():
-        # CommDebugMode's module tracker warns about full backward hooks when inputs need no gradient.
-        warnings.filterwarnings("ignore", message="Full backward hook is firing")
-        with forward:
-            output = model(*inputs)
+    recorder = recorder if recorder is not None else Recorder()
+    noting = recorder if isinstance(recorder, TorchDispatchMode) else contextlib.nullcontext()
+    with noting:
+        output = model(*inputs)
+    with recorder.paused():
         whole = lay.full_output(ctx, where, output, output_layout)
-        with backward, lay.loss_context(ctx.plan):
-            lay.loss(ctx, whole, full).backward()
+    with noting, lay.loss_context(ctx.plan):
+        lay.loss(ctx, whole, full).backward()
     model.zero_grad(set_to_none=True)
-    counts: dict[str, int] = {}
-    for mode in (forward, backward):
-        for op, n in mode.get_comm_counts().items():
-            counts[op_name(op)] = counts.get(op_name(op), 0) + n
-    return dict(sorted(counts.items()))
+    return recorder.counts()
 
 
 def run(ctx, check) -> Outcome:
