@@ -104,3 +104,9 @@ def loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy. Under `loss_parallel` the logits arrive sharded over the vocabulary as a
     DTensor, and torch computes this without gathering them."""
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def build_large() -> nn.Module:
+    """The same structure at the scale of a 70B-parameter model (80 layers, dim 8192), for
+    `shardlang explain --entry examples.llama:build_large` on the meta device."""
+    return Transformer(vocab=128256, dim=8192, heads=64, layers=80, hidden=28672, seq=8192)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import io
+import json
 import os
 import re
 import sys
@@ -69,6 +71,18 @@ def _parser() -> argparse.ArgumentParser:
     apply.add_argument("--timeout", type=float, default=600.0, metavar="S", help="stop the workers if a job runs longer (default 600)")
     apply.add_argument("--json", action="store_true", help="print the report as one JSON object on stdout")
     apply.set_defaults(run=run_apply)
+
+    explain = commands.add_parser("explain", help="what every rank will hold and send, at any world size, in one CPU process")
+    explain.add_argument("plan", metavar="PLAN", help="the .sl plan file")
+    _add_model(explain, required=False)
+    explain.add_argument("--world", type=_positive, metavar="N", required=True, help="the world size to simulate")
+    explain.add_argument("--rank", type=int, default=0, metavar="R", help="the rank whose view to show (default 0)")
+    _add_params(explain)
+    explain.add_argument("--param", metavar="PATTERN", help="only these parameters; with svg (or text), draw their shards")
+    explain.add_argument("--format", choices=("text", "json", "svg"), default="text", help="text (default), json or svg")
+    explain.add_argument("--no-step", dest="step", action="store_false", help="skip simulating a training step (no collectives; faster)")
+    explain.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+    explain.set_defaults(run=run_explain)
 
     compile_ = commands.add_parser("compile", help="print the plan as plain torch code")
     compile_.add_argument("plan", metavar="PLAN", help="the .sl plan file")
@@ -227,6 +241,56 @@ def run_apply(args: argparse.Namespace) -> int:
     if not report.usable:
         return UNUSABLE
     return OK if report.ok else FOUND
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    """Per-parameter layouts, per-rank memory and one step's collectives at `--world N` (SPEC §8)."""
+    from .explain import explain
+    from .pictures import render_svg, render_text
+
+    plan, found, sources = compile_plan(args.plan, args.params, args.world)
+    model_file = _model_file(args)
+    if model_file is None:
+        raise UsageError("explain needs a model: MODEL (a file defining build_model) or --entry package.module:function")
+    if not 0 <= args.rank < args.world:
+        raise UsageError(f"--rank {args.rank} is not in a world of {args.world}")
+    if plan is None:
+        emit_diagnostics(found, sources, "text", stream=sys.stderr)
+        return UNUSABLE
+    try:
+        explanation = explain(plan, _meta_model(model_file), args.world, args.rank, model_file, blocks_for=args.param, step=args.step)
+    except PlanError as e:
+        emit_diagnostics(sorted([*found, *e.diagnostics], key=sort_key), sources, "text", stream=sys.stderr)
+        return UNUSABLE
+    emit_diagnostics(found, sources, "text", stream=sys.stderr)
+    if args.format == "svg":
+        text = render_svg(explanation, args.param)
+    elif args.format == "json":
+        text = json.dumps(explanation_data(explanation, args.param), indent=2) + "\n"
+    else:
+        stream = io.StringIO()
+        console = Console(file=stream if args.output else sys.stdout, highlight=False, soft_wrap=False, width=160)
+        render_text(explanation, console, args.param)
+        text = stream.getvalue() if args.output else None
+    if text is not None and args.output:
+        Path(args.output).write_text(text)
+    elif text is not None:
+        sys.stdout.write(text)
+    return OK
+
+
+def explanation_data(explanation, pattern: str | None) -> dict:
+    from .explain import select
+    from .plan import to_data
+
+    data = to_data(explanation)
+    data["tensors"] = [to_data(t) for t in select(explanation, pattern)]
+    data["collectives"] = [to_data(c) for c in explanation.collectives]
+    data["notes"] = list(explanation.notes)
+    for key in ("largest", "smallest"):
+        data[key] = to_data(getattr(explanation, key))
+    data["spread"] = explanation.spread
+    return data
 
 
 def _apply_device(choice: str, world: int | None) -> str:

@@ -96,6 +96,44 @@ def _worker(rank: int, world_size: int, port: int, backend: str, jobs, results, 
         pass
 
 
+def _fresh(fn, args, results) -> None:
+    try:
+        results.put(("ok", pickle.dumps(fn(*args))))
+    except BaseException as e:  # noqa: BLE001 - any failure goes back to the caller
+        try:
+            results.put(("error", pickle.dumps(e)))
+        except Exception:  # noqa: BLE001 - an exception that does not pickle
+            results.put(("error", pickle.dumps(RuntimeError(f"{type(e).__name__}: {e}"))))
+
+
+def in_fresh_process(fn: Callable[..., Any], *args: Any, timeout_s: float = 600.0) -> Any:
+    """`fn(*args)` in a newly spawned process (no state of this one), its result or its exception."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_fresh, args=(fn, args, results), daemon=True)
+    proc.start()
+    deadline = time.monotonic() + timeout_s
+    try:
+        while True:
+            try:
+                status, payload = results.get(timeout=0.5)
+                break
+            except queue.Empty:
+                if not proc.is_alive():
+                    raise RuntimeError(f"the process exited with code {proc.exitcode} before returning") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no result within {timeout_s:.0f} s") from None
+    finally:
+        if proc.is_alive():
+            proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+    value = pickle.loads(payload)
+    if status == "error":
+        raise value
+    return value
+
+
 class WorkerPool:
     """`world_size` processes, each rank of one process group (gloo on CPU, nccl with one GPU each)."""
 

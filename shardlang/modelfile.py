@@ -27,7 +27,19 @@ class ModelFile:
     build_model: Callable[[], torch.nn.Module]
     example_input: Callable[[int, torch.Generator], Any] | None = None
     loss: Callable[[Any, Any], torch.Tensor] | None = None
+    path: str | None = None  # how to load it again in another process: a file
+    entry: str | None = None  # ... or a package.module:function
 
+    def reload(self) -> ModelFile:
+        """The same model file, loaded in this process (after crossing to another one)."""
+        return load_model_file(self.path, self.entry) if (self.path or self.entry) else self
+
+    def __reduce__(self):
+        # Functions from a file loaded by path live in a module other processes cannot import:
+        # cross processes by path or entry, and load again there.
+        if self.path or self.entry:
+            return (load_model_file, (self.path, self.entry))
+        return (ModelFile, (self.origin, self.build_model, self.example_input, self.loss))
     def build_on_meta(self) -> torch.nn.Module:
         """The model on the meta device: no memory, no GPU; what lint, compile and explain look at."""
         try:
@@ -53,7 +65,7 @@ def load_model_file(path: str | None = None, entry: str | None = None) -> ModelF
         build = getattr(module, function, None)
         if not callable(build):
             raise ModelFileError(f"{module_name} has no function {function}")
-        return ModelFile(f"--entry {entry}", build, getattr(module, "example_input", None), getattr(module, "loss", None))
+        return ModelFile(f"--entry {entry}", build, getattr(module, "example_input", None), getattr(module, "loss", None), entry=entry)
     return _from_path(Path(path))
 
 
@@ -78,7 +90,7 @@ def _from_path(path: Path) -> ModelFile:
     build = getattr(module, "build_model", None)
     if not callable(build):
         raise ModelFileError(f"{path} defines no build_model() (SPEC §6)")
-    return ModelFile(str(path), build, getattr(module, "example_input", None), getattr(module, "loss", None))
+    return ModelFile(str(path), build, getattr(module, "example_input", None), getattr(module, "loss", None), path=str(resolved))
 
 
 def _add_to_path(folder: Path) -> None:

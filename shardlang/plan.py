@@ -269,6 +269,19 @@ class Plan:
 
         return apply_plan(self, model).model
 
+    def explain(self, model: Any, world_size: int, rank: int = 0, example_input: Any = None, loss: Any = None) -> Any:
+        """What every rank of a `world_size` world holds (and, given `example_input`, sends in one
+        training step), in a simulated world in one process; `model` on the meta device is enough."""
+        import copy
+        import functools
+
+        from .explain import explain
+        from .modelfile import ModelFile
+
+        build = functools.partial(copy.deepcopy, model)  # picklable, for a simulation in a fresh process
+        model_file = ModelFile("library", build, example_input, loss) if example_input is not None else None
+        return explain(self, model, world_size, rank, model_file)
+
     def to_python(self, model: Any = None, world_size: int | None = None) -> str:
         """The program as plain torch code; resolved against `model` (any device, meta is enough) if given."""
         from .compile import compile_python

@@ -53,3 +53,11 @@ def composable_state_mapping():
     except ImportError:
         return None
     return getattr(_composable_state, "_module_state_mapping", None)
+
+
+def local_shape_and_offset(global_shape, mesh_shape, coordinate, placements) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Torch's own arithmetic for the local shape and global offset of the shard at `coordinate`
+    (uneven shards, empty shards and _StridedShard included); for any rank, without a process group."""
+    from torch.distributed.tensor import _utils
+
+    return _utils._compute_local_shape_and_global_offset(list(global_shape), list(mesh_shape), list(coordinate), placements)
