@@ -454,3 +454,28 @@ def library_verify(plan_text: str) -> tuple:
 
     report = shardlang.verify(shardlang.loads(plan_text), build_model, example_input)
     return report.ok, tuple((c.check, c.ok) for c in report.checks)
+
+
+def local_facts(plan_path: str, model_path: str) -> dict:
+    """What this rank really holds after apply (local shapes, bytes) and sends in one step (counts)."""
+    from shardlang.modelfile import load_model_file
+    from shardlang.verify import Context
+    from shardlang.verify.comms import count_collectives
+
+    plan = shardlang.load(plan_path)
+    model_file = load_model_file(model_path)
+    torch.manual_seed(0)
+    model = plan.build(model_file.build_model)
+    applied = apply_plan(plan, model)
+    seen, shapes, param_bytes = set(), {}, 0
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, tensor in named:
+            if id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            piece = local(tensor)
+            shapes[name] = (tuple(piece.shape), piece.numel() * piece.element_size())
+            if kind == "parameter":
+                param_bytes += piece.numel() * piece.element_size()
+    counts = count_collectives(Context(plan, applied, model_file), model)
+    return {"shapes": shapes, "param_bytes": param_bytes, "counts": counts}

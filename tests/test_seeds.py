@@ -225,3 +225,20 @@ def test_fake_pg__lint_a_tp_fsdp_plan_at_world_1024():
     with torch.device("meta"):
         model = llama.Transformer(vocab=32768, dim=1024, heads=16, layers=8, hidden=4096, seq=128)
     assert plan.lint(model, world_size=1024) == []
+
+
+def test_fake_pg__explain_a_tp_fsdp_plan_at_world_1024():
+    """The same plan explained at 1024 ranks (tp 4: the example has 4 heads): one process (the
+    command's), the fake process group."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "shardlang", "explain", "plans/llama_2d.sl", "examples/llama.py", "--world", "1024",
+                           "-D", "tp=4", "--rank", "1023", "--format", "json"], cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(done.stdout)
+    assert data["world_size"] == 1024 and data["rank"] == 1023
+    wq = next(t for t in data["tensors"] if t["name"] == "layers.0.attention.wq.weight")
+    assert wq["dims"] == ["dp", "tp"] and wq["placements"][1] == "S(0)"
+    assert {c["mesh_dim"] for c in data["collectives"]} == {"world.dp", "world.tp"}, data["notes"]

@@ -1,0 +1,51 @@
+"""`shardlang explain` of the Llama plan on the 80-layer, 8192-wide structure at a simulated world of
+1024 (tp 8): wall time of the whole command and its peak RSS.
+
+    python benchmarks/explain_bench.py [--world 1024] [--repeat 3]
+
+Target: under 10 s on the 2-core development machine; peak RSS shows that no parameter memory is
+allocated (the model would need 280 GiB in float32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=1024)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    base = [sys.executable, "-m", "shardlang", "explain", "plans/llama_2d.sl", "--entry", "examples.llama:build_large",
+            "--world", str(args.world), "-D", "tp=8", "--format", "json"]  # fmt: skip
+    rows = []
+    runs = (
+        ("explain (with the training step)", base),
+        ("explain --no-step", [*base, "--no-step"]),
+        ("import shardlang and torch only", [sys.executable, "-c", "import shardlang.explain"]),
+    )
+    for label, command in runs:
+        times = []
+        for _ in range(args.repeat):
+            start = time.perf_counter()
+            subprocess.run(command, cwd=ROOT, check=True, capture_output=True)
+            times.append(time.perf_counter() - start)
+        rows.append((label, min(times), sorted(times)[len(times) // 2]))
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    print(f"shardlang explain plans/llama_2d.sl, 80 layers x 8192, world {args.world} (dp {args.world // 8} x tp 8); best of {args.repeat}")
+    print(f"{'':36}{'best':>8}{'median':>8}")
+    for label, best, median in rows:
+        print(f"{label:36}{best:>7.1f}s{median:>7.1f}s")
+    print(f"peak RSS of any run: {peak:.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()
