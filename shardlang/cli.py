@@ -287,7 +287,7 @@ def explanation_data(explanation, pattern: str | None) -> dict:
     data["tensors"] = [to_data(t) for t in select(explanation, pattern)]
     data["collectives"] = [to_data(c) for c in explanation.collectives]
     data["notes"] = list(explanation.notes)
-    for key in ("largest", "smallest"):
+    for key in ("this_rank", "largest", "smallest"):
         data[key] = to_data(getattr(explanation, key))
     data["spread"] = explanation.spread
     return data
