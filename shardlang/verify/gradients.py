@@ -129,14 +129,16 @@ def _compare(worst, failures, what: str, key: str, got: torch.Tensor, want: torc
              elementwise: bool) -> None:  # fmt: skip
     """Record the largest absolute and relative error of `got` against `want`; a failure if they differ
     by more than the tolerance (elementwise, or for the tensor as a whole)."""
-    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    # On the tensors' own device: a model of a billion parameters compares in seconds there, not minutes.
+    got, want = got.detach().double(), want.detach().to(got.device).double()
     if got.shape != want.shape:
         failures.append(f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}")
         worst[key] = [math.inf, math.inf]
         return
     diff = (got - want).abs()
     max_abs = float(diff.max()) if diff.numel() else 0.0
-    norm_rel = float(diff.norm() / want.norm().clamp_min(1e-12)) if diff.numel() else 0.0
+    diff_norm, want_norm = (float(diff.norm()), float(want.norm())) if diff.numel() else (0.0, 0.0)
+    norm_rel = diff_norm / max(want_norm, 1e-12)
     worst[key] = [max(worst[key][0], max_abs), max(worst[key][1], norm_rel)]
     if not bool(torch.isfinite(got).all()):
         failures.append(f"{what}: not finite")
@@ -144,5 +146,5 @@ def _compare(worst, failures, what: str, key: str, got: torch.Tensor, want: torc
         bad = diff > atol + rtol * want.abs()
         if bool(bad.any()):
             failures.append(f"{what}: max error {max_abs:.3g} at {int(bad.sum())} of {bad.numel()} values (rtol {rtol:g}, atol {atol:g})")
-    elif float(diff.norm()) > rtol * float(want.norm()) + atol * math.sqrt(diff.numel()):
+    elif diff_norm > rtol * want_norm + atol * math.sqrt(diff.numel()):
         failures.append(f"{what}: relative error {norm_rel:.3g} in norm, max error {max_abs:.3g} (rtol {rtol:g}, atol {atol:g})")
