@@ -50,7 +50,8 @@ def shards_on_cuda_are_distinct(plan_text: str) -> dict:
     for name, p in model.named_parameters():
         local = p.to_local() if isinstance(p, DTensor) else p
         assert local.device == torch.device("cuda", torch.cuda.current_device()), f"{name} on {local.device}"
-        if isinstance(p, DTensor) and not all(pl.is_replicate() for pl in p.placements) and local.numel() > 1:
+        # Decided from the global shape, the same on every rank (each rank then joins the collective).
+        if isinstance(p, DTensor) and not all(pl.is_replicate() for pl in p.placements) and p.shape[0] % dist.get_world_size() == 0:
             gathered = [torch.empty_like(local.flatten()) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, local.flatten().contiguous())
             out[name] = len({tuple(t.tolist()) for t in gathered})
