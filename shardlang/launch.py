@@ -68,6 +68,10 @@ def _worker(rank: int, world_size: int, port: int, backend: str, jobs, results, 
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )  # fmt: skip
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
+    if "OMP_NUM_THREADS" not in os.environ:
+        # As torchrun does: N workers each with a thread per core oversubscribe the CPU, and OpenMP's
+        # spinning threads then wait for each other (a 4-worker CPU save ran 2x slower on 2 cores).
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
