@@ -39,6 +39,8 @@ CODES: dict[str, tuple[Severity, str]] = {
     "SL209": (Severity.WARNING, "init meta but some parameters belong to modules without the init method"),
     "SL300": (Severity.ERROR, "apply failed (the model is left exactly as it was)"),
     "SL400": (Severity.ERROR, "a verification check failed"),
+    "SL500": (Severity.ERROR, "checkpoint does not fit the model or optimizer (keys, shapes, dtypes); nothing was loaded"),
+    "SL501": (Severity.ERROR, "checkpoint cannot be read or written (not a checkpoint, I/O error); nothing was changed"),
 }
 
 
