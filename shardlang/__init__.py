@@ -6,6 +6,8 @@
     plan.apply(model)                                     # inside an initialised process group
     report = shardlang.verify(plan, build_model, example_input)
     print(plan.to_python())
+    shardlang.save_checkpoint(model, "ckpt", optimizer)    # DCP; loads under any plan and world size
+    shardlang.load_checkpoint(model, "ckpt", optimizer)
 """
 
 from __future__ import annotations
@@ -19,8 +21,24 @@ from .frontend import compile_file, compile_source
 from .plan import Plan
 from .source import Source
 
-__all__ = ["CODES", "Diagnostic", "Plan", "PlanError", "Severity", "load", "loads", "verify"]
+__all__ = [
+    "CODES", "Diagnostic", "Plan", "PlanError", "Severity", "load", "loads", "verify",
+    "save_checkpoint", "load_checkpoint", "read_checkpoint", "convert_checkpoint",
+]  # fmt: skip
 __version__ = "0.1.0"
+
+#: Names imported on first use: the checkpoint functions need torch.distributed.checkpoint, which
+#: `shardlang lint` and the parser never do.
+_LAZY = {"save_checkpoint": "checkpoints", "load_checkpoint": "checkpoints", "read_checkpoint": "checkpoints",
+         "convert_checkpoint": "checkpoints"}  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'shardlang' has no attribute {name!r}")
 
 
 def load(path: str | Path, params: Mapping[str, Any] | None = None, *, world_size: int | None = None) -> Plan:

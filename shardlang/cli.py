@@ -70,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     apply.add_argument("--seed", type=int, default=0, help="the seed every rank builds the model with (default 0)")
     apply.add_argument("--timeout", type=float, default=600.0, metavar="S", help="stop the workers if a job runs longer (default 600)")
     apply.add_argument("--json", action="store_true", help="print the report as one JSON object on stdout")
+    apply.add_argument("--load", metavar="DIR", help="load a checkpoint (any plan, any world size) after applying the plan")
+    apply.add_argument("--save", metavar="DIR", help="save a checkpoint after the checks pass (with optimizer state if gradients ran)")
     apply.set_defaults(run=run_apply)
 
     explain = commands.add_parser("explain", help="what every rank will hold and send, at any world size, in one CPU process")
@@ -92,6 +94,12 @@ def _parser() -> argparse.ArgumentParser:
     compile_.add_argument("--emit", choices=("python",), required=True, help="what to print: python")
     compile_.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
     compile_.set_defaults(run=run_compile)
+
+    convert = commands.add_parser("convert", help="a checkpoint directory to a torch state dict file, or back")
+    convert.add_argument("source", metavar="SOURCE", help="a checkpoint directory, or a .pt file of a state dict")
+    convert.add_argument("target", metavar="TARGET", help="the .pt file to write, or the checkpoint directory")
+    convert.add_argument("--optimizer", action="store_true", help="checkpoint to file: write {'model': ..., 'optimizer': ...}")
+    convert.set_defaults(run=run_convert)
     return parser
 
 
@@ -211,13 +219,18 @@ def run_apply(args: argparse.Namespace) -> int:
     needs_input = [c.name for c in checks if c.name in ("gradients", "comms")]
     if explicit and needs_input and model_file.example_input is None:
         raise UsageError(f"{model_file.origin} defines no example_input(batch, generator), which {' and '.join(needs_input)} need")
-    linted = lint(plan, _meta_model(model_file), world)
+    meta = _meta_model(model_file)
+    linted = lint(plan, meta, world)
     if not linted.ok:
         return _apply_unusable(sorted([*found, *linted.diagnostics], key=sort_key), sources, args, world, device)
+    try:
+        _check_checkpoint_paths(args, meta)
+    except PlanError as e:
+        return _apply_unusable([*found, *e.diagnostics], sources, args, world, device)
 
     from .job import Job, run
 
-    job = Job(args.plan, _params(args.params), args.model, args.entry, checks, args.seed)
+    job = Job(args.plan, _params(args.params), args.model, args.entry, checks, args.seed, load=args.load, save=args.save)
     console = Console(file=sys.stderr, highlight=False)
     warnings: list[str] = []
     try:
@@ -241,6 +254,29 @@ def run_apply(args: argparse.Namespace) -> int:
     if not report.usable:
         return UNUSABLE
     return OK if report.ok else FOUND
+
+
+def _check_checkpoint_paths(args: argparse.Namespace, meta) -> None:
+    """Before any worker starts: --load names a checkpoint that fits the model, --save a replaceable path."""
+    from .checkpoints import check_fits, check_save_target, read_checkpoint
+
+    if args.load is not None:
+        check_fits(read_checkpoint(args.load), meta)
+    if args.save is not None:
+        check_save_target(args.save)
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    """DCP checkpoint -> torch file, or torch file -> checkpoint; diagnostics (SL501) and exit 2 if not."""
+    from .checkpoints import convert_checkpoint
+
+    try:
+        done = convert_checkpoint(args.source, args.target, optimizer=args.optimizer)
+    except PlanError as e:
+        emit_diagnostics(list(e.diagnostics), {}, "text", stream=sys.stderr)
+        return UNUSABLE
+    print(f"wrote {done.path}: {done.describe()}")
+    return OK
 
 
 def run_explain(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from attrs import frozen
 
 from . import plan as ir
 from .apply import apply_plan
+from .checkpoints import Transfer, load_checkpoint, save_checkpoint
 from .diagnostics import Diagnostic, PlanError
 from .frontend import compile_file
 from .launch import progress
@@ -37,6 +38,8 @@ class Job:
     checks: tuple[ir.Check, ...]
     seed: int = 0
     model_file: ModelFile | None = None
+    load: str | None = None  # a checkpoint to load after the plan is applied, before the checks
+    save: str | None = None  # where to save one after the checks, if they passed
 
 
 def run(job: Job) -> Report:
@@ -83,7 +86,15 @@ def _run(job: Job) -> Report:
     except PlanError as e:
         return _failed(world, e.diagnostics)
     applied_s = time.perf_counter() - start
-    ctx = Context(plan, applied, model_file)
+    transfers: dict[str, Transfer] = {}
+    if job.load is not None:
+        progress(f"loading {job.load}")
+        try:
+            transfers["loaded"] = load_checkpoint(model, job.load)
+        except PlanError as e:
+            return _failed(world, e.diagnostics)
+    ctx = Context(plan, applied, model_file, checkpoint=job.load)
+    checked = time.perf_counter()
     results = run_checks(ctx, job.checks, progress=lambda name: progress(f"check {name}"))
     checks = tuple(combine(gather(results)))
     failures = tuple(
@@ -92,17 +103,32 @@ def _run(job: Job) -> Report:
         for c in checks if c.ok is False
     )  # fmt: skip
     warnings = tuple(d for d in applied.linted.diagnostics if not d.is_error) + plan.diagnostics
-    total = time.perf_counter() - start
     where = layout(ctx)
     shape = f"{where.replicas} replica{'s' if where.replicas > 1 else ''} x tp {where.tp_size}" if where.tp_dims else f"{where.replicas} replicas"
+    checks_s = time.perf_counter() - checked
+    notes: tuple[str, ...] = ()
+    if job.save is not None and failures:
+        notes = (f"not saved to {job.save}: a check failed (what was there is untouched)",)
+    elif job.save is not None:
+        progress(f"saving {job.save}")
+        info = {"plan": str(job.plan) if not isinstance(job.plan, ir.Plan) else "<library plan>", "params": job.params, "layout": shape}
+        try:
+            transfers["saved"] = save_checkpoint(model, job.save, ctx.optimizer, info=info)
+        except PlanError as e:
+            return attrs.evolve(_failed(world, warnings + failures + e.diagnostics), checks=checks)
+    total = time.perf_counter() - start
+    seconds = {"apply": applied_s, **({"load": transfers["loaded"].seconds} if "loaded" in transfers else {}), "checks": checks_s,
+               **({"save": transfers["saved"].seconds} if "saved" in transfers else {}), "total": total}  # fmt: skip
     return Report(
         ok=not failures,
         world_size=world,
         device=_device(plan),
         checks=checks,
         diagnostics=warnings + failures,
-        seconds={"apply": applied_s, "checks": total - applied_s, "total": total},
+        warnings=notes,
+        seconds=seconds,
         layout=shape,
+        checkpoints=transfers,
     )
 
 

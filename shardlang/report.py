@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from attrs import field, frozen
 from rich.console import Console
@@ -12,6 +12,9 @@ from rich.table import Table
 from .diagnostics import Diagnostic, render_all
 from .source import Source
 from .verify import CheckResult
+
+if TYPE_CHECKING:
+    from .checkpoints import Transfer
 
 
 @frozen
@@ -24,6 +27,7 @@ class Report:
     warnings: tuple[str, ...] = ()  # not diagnostics of the plan: e.g. a worker's abnormal teardown
     seconds: dict[str, float] = field(factory=dict)  # apply, checks, total
     layout: str = ""
+    checkpoints: dict[str, Transfer] = field(factory=dict)  # "loaded" and "saved", where --load / --save ran
     usable: bool = True  # False: the plan or the model could not be used (exit status 2)
 
     @property
@@ -44,6 +48,7 @@ class Report:
             "skipped": [{"check": c.check, "message": c.message} for c in self.skipped],
             "diagnostics": [d.to_json() for d in self.diagnostics],
             "warnings": list(self.warnings),
+            "checkpoint": {k: self.checkpoints[k].to_json() if k in self.checkpoints else None for k in ("loaded", "saved")},
             "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
         }
 
@@ -68,6 +73,8 @@ def render(report: Report, sources: dict[str, Source], console: Console) -> None
             console.print(f"  {c.check}: {c.message}", highlight=False, markup=False)
     if report.diagnostics:
         console.print(render_all(report.diagnostics, sources), highlight=False, markup=False)
+    for kind, transfer in report.checkpoints.items():
+        console.print(f"{kind} {transfer.path}: {transfer.describe()}", highlight=False, markup=False)
     for warning in report.warnings:
         console.print(f"warning: {warning}", highlight=False, markup=False, style="yellow")
     timing = ", ".join(f"{k} {v:.1f} s" for k, v in report.seconds.items())

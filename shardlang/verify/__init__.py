@@ -52,11 +52,15 @@ class CheckResult:
 
 @define
 class Context:
-    """What the checks need on each rank: the applied plan and the model file's functions."""
+    """What the checks need on each rank: the applied plan and the model file's functions; the checkpoint
+    the model was loaded from, whose optimizer state the gradients check resumes from; and the optimizer
+    that check trained with, which `--save` writes."""
 
     plan: ir.Plan
     applied: Applied
     model_file: ModelFile
+    checkpoint: str | None = None
+    optimizer: torch.optim.Optimizer | None = None
 
     @property
     def model(self) -> torch.nn.Module:

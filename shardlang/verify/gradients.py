@@ -3,6 +3,10 @@ data-parallel replica's inputs (its loss the mean of theirs, as FSDP and DDP ave
 the same losses, full gradients and updated parameters at every step. SPEC §7. Each step starts the
 reference from the sharded model's parameters, so rounding does not compound across steps.
 
+When the model was loaded from a checkpoint that holds state of the same optimizer class, both the
+sharded optimizer (resharded by DCP) and the reference's (from its full state dict) resume from it, so
+the check also verifies that the saved optimizer state went on training as before.
+
 Every rank builds the reference and compares its own replica's loss and every full tensor; the worst
 error per parameter is kept for the report. Tolerances default by the dtype the model computes in. In
 float32 every element must agree (|got - want| <= atol + rtol |want|). In bfloat16 and float16 (mixed
@@ -16,7 +20,12 @@ import functools
 import math
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
 from .. import plan as ir
@@ -56,6 +65,9 @@ def run(ctx, check: ir.Check) -> Outcome:
     reference = _reference(ctx)
     make = torch.optim.Adam if args["optimizer"] == "adam" else torch.optim.SGD
     optim, ref_optim = make(model.parameters(), lr=args["lr"]), make(reference.parameters(), lr=args["lr"])
+    resumed = _resume(ctx, optim, reference, ref_optim)
+    ctx.optimizer = optim
+    lr = optim.param_groups[0]["lr"]  # the check's, or the checkpoint's when it resumed
     names = [n for n, _ in model.named_parameters()]
     worst: dict[str, list[float]] = {n: [0.0, 0.0] for n in ["loss", *(f"grad {n}" for n in names), *(f"param {n}" for n in names)]}
     failures: list[str] = []
@@ -86,7 +98,7 @@ def run(ctx, check: ir.Check) -> Outcome:
         ref_optim.step()
         # Adam divides each gradient by its running magnitude, so where a gradient is near zero a rounding
         # difference moves the update by up to lr: parameters get 1% of lr on top of atol.
-        param_atol = atol + (1e-2 * args["lr"] if args["optimizer"] == "adam" else 0.0)
+        param_atol = atol + (1e-2 * lr if args["optimizer"] == "adam" else 0.0)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 updated, ref = _full(p.detach()), reference.get_parameter(name)
@@ -97,16 +109,36 @@ def run(ctx, check: ir.Check) -> Outcome:
 
     optim.zero_grad(set_to_none=True)
     table = sorted(({"tensor": k, "max_abs": a, "rel_norm": r} for k, (a, r) in worst.items()), key=lambda row: -row["rel_norm"])
-    data = {"steps": args["steps"], "batch": args["batch"], "optimizer": args["optimizer"], "lr": args["lr"],
+    data = {"steps": args["steps"], "batch": args["batch"], "optimizer": args["optimizer"], "lr": lr,
             "dtype": str(dtype).removeprefix("torch."), "rtol": rtol, "atol": atol, "replicas": where.replicas,
-            "worst": table[:20]}  # fmt: skip
+            "resumed": resumed, "worst": table[:20]}  # fmt: skip
     top = table[0] if table else {"tensor": "-", "max_abs": 0.0, "rel_norm": 0.0}
     if failures:
         more = f" (and {len(failures) - LISTED} more)" if len(failures) > LISTED else ""
         return Outcome(False, "; ".join(failures[:LISTED]) + more, data, top["rel_norm"])
     return Outcome(True, f"{args['steps']} steps on {where.replicas} replica{'s' if where.replicas > 1 else ''} match the "
                          f"unsharded model ({data['dtype']}, rtol {rtol:g}, atol {atol:g}); worst relative error "
-                         f"{top['rel_norm']:.2e} ({top['tensor']})", data, top["rel_norm"])  # fmt: skip
+                         f"{top['rel_norm']:.2e} ({top['tensor']})" + (f"; {resumed}" if resumed else ""), data,
+                   top["rel_norm"])  # fmt: skip
+
+
+def _resume(ctx, optim, reference, ref_optim) -> str:
+    """Load the checkpoint's optimizer state into both optimizers, if it holds state of their class; what
+    was done, for the message ("" if the checkpoint holds none)."""
+    from ..checkpoints import load_checkpoint, read_checkpoint
+
+    if ctx.checkpoint is None:
+        return ""
+    checkpoint = read_checkpoint(ctx.checkpoint)
+    if not checkpoint.has_optimizer:
+        return ""
+    saved = checkpoint.info.get("optimizer")
+    if saved and saved != type(optim).__name__:
+        return f"optimizer state not resumed: the checkpoint holds {saved} state, the check trains with {type(optim).__name__}"
+    load_checkpoint(ctx.model, ctx.checkpoint, optim, model_state=False)
+    full = get_optimizer_state_dict(ctx.model, optim, options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(reference, ref_optim, full)
+    return f"resumed {type(optim).__name__} state from {ctx.checkpoint}"
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
