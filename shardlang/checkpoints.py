@@ -249,9 +249,10 @@ def _model_state(model: torch.nn.Module) -> dict[str, Any]:
 def _empty_like(value: Any) -> Any:
     """New memory of the same layout. A DTensor is built from its local shard: `torch.empty_like` on
     the DTensor would run sharding propagation, which costs more than the allocation."""
-    if isinstance(value, DTensor):
+    if isinstance(value, DTensor) and value.to_local().device.type == value.device_mesh.device_type:
         local = torch.empty_like(value.to_local())
         return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride())
+    # (an offloaded FSDP shard lives on the CPU of a cuda mesh, where from_local would move it to the GPU)
     return torch.empty_like(value) if isinstance(value, torch.Tensor) else value
 
 
@@ -438,14 +439,22 @@ def convert_checkpoint(source: str | os.PathLike, target: str | os.PathLike, *, 
     One process, no process group; the whole state is held in memory once."""
     start = time.perf_counter()
     source, target = Path(source), Path(target)
+    if source.is_dir() and target.is_dir():
+        raise _error("SL501", f"{target} is a directory: a checkpoint converts to a torch file (convert CHECKPOINT_DIR OUT.pt)")
+    if not target.absolute().parent.is_dir():
+        raise _error("SL501", f"cannot write {target}: {target.absolute().parent} does not exist")
     if source.is_dir():
         checkpoint = read_checkpoint(source)
         if optimizer and not checkpoint.has_optimizer:
             raise _error("SL501", f"the checkpoint at {source} holds no optimizer state to convert")
         state = _read_all(checkpoint, optimizer)
         tmp = target.parent / f".{target.name}.saving-{uuid.uuid4().hex[:12]}"
-        torch.save(state if optimizer else state["model"], tmp)
-        os.replace(tmp, target)
+        try:
+            torch.save(state if optimizer else state["model"], tmp)
+            os.replace(tmp, target)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise _error("SL501", f"cannot write {target}: {e.strerror or e}") from None
         tensors = len(state["model"])
     else:
         try:
