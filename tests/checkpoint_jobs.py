@@ -51,8 +51,9 @@ def train_and_save(plan_path: str, params: dict, model: str, directory: str, ste
 
     module = build(plan_path, params, model)
     optimizer = torch.optim.Adam(module.parameters(), lr=1e-2)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     for step in range(steps):
-        tokens = example_input(4, torch.Generator().manual_seed(step))
+        tokens = example_input(4, torch.Generator().manual_seed(step)).to(device)
         loss(module(tokens), tokens).backward()
         optimizer.step()
         optimizer.zero_grad()

@@ -1,5 +1,5 @@
-"""On GPUs (skipped without at least two): apply with NCCL, `init meta` with DTensor's CUDA RNG, and
-explain against a real NCCL run. The device tool runs these on H100/H200 machines (RESULTS.md)."""
+"""On GPUs (skipped without at least two): apply with NCCL, `init meta` with DTensor's CUDA RNG,
+checkpoints of CUDA shards resharded across plans, and explain against a real NCCL run. The device tool runs these on H100/H200 machines (RESULTS.md)."""
 
 import json
 import subprocess
@@ -65,3 +65,27 @@ def test_meta_init_on_cuda_gives_every_shard_its_own_values():
     with WorkerPool(2, backend="nccl") as pool:
         distinct = pool.run(shards_on_cuda_are_distinct, plan)[0]
     assert distinct and all(n == 2 for n in distinct.values()), distinct
+
+
+def test_checkpoint_of_cuda_shards_loads_bitwise_under_other_plans(tmp_path):
+    """Saved from (dp 2 x tp 2) on GPUs when there are 4 (else tp 2), loaded under tp 2 on 2 GPUs and in
+    one process on the CPU: every model and Adam tensor bit for bit (as the CPU tests check on gloo)."""
+    from shardlang.checkpoints import load_checkpoint
+    from shardlang.launch import WorkerPool
+
+    from . import checkpoint_jobs as jobs
+    from .test_checkpoints import LLAMA, LLAMA_2D, assert_bitwise
+
+    directory = str(tmp_path / "ck")
+    world = 4 if GPUS >= 4 else 2
+    with WorkerPool(world, backend="nccl") as pool:
+        want = pool.run(jobs.train_and_save, LLAMA_2D, {"tp": 2}, LLAMA, directory)[0]
+    with WorkerPool(2, backend="nccl") as pool:
+        for rank, got in enumerate(pool.run(jobs.load_under, LLAMA_2D, {"tp": 2}, LLAMA, directory)):
+            assert_bitwise(got, want, f"rank {rank} of 2 GPUs")
+    from examples.llama import build_model
+
+    model = build_model()
+    optimizer = torch.optim.Adam(model.parameters())
+    load_checkpoint(model, directory, optimizer)
+    assert_bitwise(jobs.full_state(model, optimizer), want, "one CPU process")
