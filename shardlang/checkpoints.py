@@ -60,6 +60,8 @@ class Checkpoint:
     optimizer: Mapping[str, TensorStorageMetadata | BytesStorageMetadata] = field(repr=False)  # flattened optimizer key -> ...
     nested: bool  # True: {"model": ..., "optimizer": ...}; False: the model state dict at the top level
     info: Mapping[str, Any] = field(factory=dict)  # shardlang.json, or {} for a checkpoint written by other code
+    # DCP key -> where it sits in {"model": {fqn: ...}, "optimizer": {...}}, with what is stored there
+    locations: Mapping[str, tuple[tuple, TensorStorageMetadata | BytesStorageMetadata]] = field(factory=dict, repr=False)
 
     @property
     def has_optimizer(self) -> bool:
@@ -120,18 +122,21 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
 
 def _contents(path: Path, metadata: Metadata, info: Mapping[str, Any]) -> Checkpoint:
+    """Sort DCP's flat keys into model and optimizer entries by the nested paths DCP recorded for them
+    (a checkpoint without a `model` level holds the model state dict at the top)."""
     paths = {key: tuple(metadata.planner_data.get(key, (key,))) if metadata.planner_data else (key,) for key in metadata.state_dict_metadata}
     nested = bool(paths) and any(p[0] == "model" and len(p) > 1 for p in paths.values())
-    model, optimizer = {}, {}
+    model, optimizer, locations = {}, {}, {}
     for key, stored in metadata.state_dict_metadata.items():
         p = paths[key]
         if nested and p[0] == "model" and len(p) > 1:
-            model[".".join(str(part) for part in p[1:])] = stored
+            fqn = ".".join(str(part) for part in p[1:])
+            model[fqn], locations[key] = stored, (("model", fqn), stored)
         elif nested and p[0] == "optimizer":
-            optimizer[key.removeprefix("optimizer.")] = stored
+            optimizer[key.removeprefix("optimizer.")], locations[key] = stored, (p, stored)
         elif not nested:
-            model[key] = stored
-    return Checkpoint(path, model, optimizer, nested, info)
+            model[key], locations[key] = stored, (("model", key), stored)
+    return Checkpoint(path, model, optimizer, nested, info, locations)
 
 
 def _nbytes(stored) -> int:
@@ -186,18 +191,19 @@ def _misfit(checkpoint: Checkpoint, what: str, found: list[str]) -> PlanError:
 
 def load_checkpoint(
     model: torch.nn.Module,
-    path: str | os.PathLike,
+    path: str | os.PathLike | Checkpoint,
     optimizer: torch.optim.Optimizer | None = None,
     *,
     model_state: bool = True,
 ) -> Transfer:
-    """Load the checkpoint at `path` into `model` (and `optimizer`), resharding it to their layout.
+    """Load the checkpoint at `path` (or one read_checkpoint read) into `model` (and `optimizer`),
+    resharding it to their layout.
 
     Call it on every rank of the process group after the plan is applied (or in a single process, with
     no group, for an unsharded model). Raises PlanError with SL501 for a path that is not a checkpoint
     and SL500 listing every key, shape or dtype that does not fit; either way nothing was changed."""
     start = time.perf_counter()
-    checkpoint = read_checkpoint(path)
+    checkpoint = path if isinstance(path, Checkpoint) else read_checkpoint(path)
     state = _model_state(model)
     if model_state:
         found = misfits(checkpoint, state)
@@ -472,15 +478,9 @@ def convert_checkpoint(source: str | os.PathLike, target: str | os.PathLike, *, 
 
 def _read_all(checkpoint: Checkpoint, optimizer: bool) -> dict[str, Any]:
     """Every tensor and object of the checkpoint, as nested dicts, read in this one process."""
-    metadata = dcp.FileSystemReader(str(checkpoint.path)).read_metadata()
     tree: dict[str, Any] = {}
-    for key, stored in metadata.state_dict_metadata.items():
-        parts = tuple(metadata.planner_data.get(key, (key,))) if metadata.planner_data else (key,)
-        if not checkpoint.nested:
-            parts = ("model", key)
-        elif parts[0] == "model":
-            parts = ("model", ".".join(str(p) for p in parts[1:]))
-        elif not optimizer:
+    for parts, stored in checkpoint.locations.values():
+        if parts[0] == "optimizer" and not optimizer:
             continue
         value = torch.empty(tuple(stored.size), dtype=stored.properties.dtype) if isinstance(stored, TensorStorageMetadata) else None
         _put(tree, parts, value)

@@ -135,7 +135,7 @@ def _resume(ctx, optim, reference, ref_optim) -> str:
     saved = checkpoint.info.get("optimizer")
     if saved and saved != type(optim).__name__:
         return f"optimizer state not resumed: the checkpoint holds {saved} state, the check trains with {type(optim).__name__}"
-    load_checkpoint(ctx.model, ctx.checkpoint, optim, model_state=False)
+    load_checkpoint(ctx.model, checkpoint, optim, model_state=False)
     full = get_optimizer_state_dict(ctx.model, optim, options=StateDictOptions(full_state_dict=True))
     set_optimizer_state_dict(reference, ref_optim, full)
     return f"resumed {type(optim).__name__} state from {ctx.checkpoint}"
