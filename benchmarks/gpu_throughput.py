@@ -64,10 +64,8 @@ def handwritten(model: torch.nn.Module, config: str, world: int, device: str):
     """What a user writes by hand for the same plan: torchtitan's order, then to_empty and init."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
-    )  # fmt: skip
+
+    from benchmarks.handwritten import parallelize_llama
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if config == "fsdp":
@@ -76,22 +74,7 @@ def handwritten(model: torch.nn.Module, config: str, world: int, device: str):
     else:
         mesh = init_device_mesh(device, (world // 2, 2), mesh_dim_names=("dp", "tp"))
         dp, tp = mesh["dp"], mesh["tp"]
-        parallelize_module(model, tp, {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-        })  # fmt: skip
-        for block in model.layers:
-            parallelize_module(block, tp, {
-                "attention_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-                "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-                "ffn_norm": SequenceParallel(),
-                "feed_forward": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
-                "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            })  # fmt: skip
+        parallelize_llama(model, tp)
     for block in model.layers:
         fully_shard(block, mesh=dp, mp_policy=policy)
     fully_shard(model, mesh=dp, mp_policy=policy)
