@@ -15,7 +15,7 @@ from attrs import frozen
 
 from . import plan as ir
 from .apply import apply_plan
-from .checkpoints import Transfer, load_checkpoint, save_checkpoint
+from .checkpoints import Transfer, load_checkpoint, read_checkpoint, save_checkpoint
 from .diagnostics import Diagnostic, PlanError
 from .frontend import compile_file
 from .launch import progress
@@ -87,13 +87,15 @@ def _run(job: Job) -> Report:
         return _failed(world, e.diagnostics)
     applied_s = time.perf_counter() - start
     transfers: dict[str, Transfer] = {}
+    checkpoint = None
     if job.load is not None:
         progress(f"loading {job.load}")
         try:
-            transfers["loaded"] = load_checkpoint(model, job.load)
+            checkpoint = read_checkpoint(job.load)
+            transfers["loaded"] = load_checkpoint(model, checkpoint)
         except PlanError as e:
             return _failed(world, e.diagnostics)
-    ctx = Context(plan, applied, model_file, checkpoint=job.load)
+    ctx = Context(plan, applied, model_file, checkpoint=checkpoint)
     checked = time.perf_counter()
     results = run_checks(ctx, job.checks, progress=lambda name: progress(f"check {name}"))
     checks = tuple(combine(gather(results)))
@@ -117,8 +119,8 @@ def _run(job: Job) -> Report:
         except PlanError as e:
             return attrs.evolve(_failed(world, warnings + failures + e.diagnostics), checks=checks)
     total = time.perf_counter() - start
-    seconds = {"apply": applied_s, **({"load": transfers["loaded"].seconds} if "loaded" in transfers else {}), "checks": checks_s,
-               **({"save": transfers["saved"].seconds} if "saved" in transfers else {}), "total": total}  # fmt: skip
+    stages = (("apply", applied_s), ("load", transfers.get("loaded")), ("checks", checks_s), ("save", transfers.get("saved")), ("total", total))
+    seconds = {name: getattr(t, "seconds", t) for name, t in stages if t is not None}
     return Report(
         ok=not failures,
         world_size=world,

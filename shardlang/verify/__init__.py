@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,9 @@ from attrs import define, field, frozen
 from .. import plan as ir
 from ..apply import Applied
 from ..modelfile import ModelFile
+
+if TYPE_CHECKING:
+    from ..checkpoints import Checkpoint
 
 #: The order checks run in: the ones that only look first, the ones that train last.
 ORDER = ("init_device", "placements", "module_states", "comms", "gradients")
@@ -59,7 +62,7 @@ class Context:
     plan: ir.Plan
     applied: Applied
     model_file: ModelFile
-    checkpoint: str | None = None
+    checkpoint: Checkpoint | None = None
     optimizer: torch.optim.Optimizer | None = None
 
     @property

@@ -125,12 +125,10 @@ def run(ctx, check: ir.Check) -> Outcome:
 def _resume(ctx, optim, reference, ref_optim) -> str:
     """Load the checkpoint's optimizer state into both optimizers, if it holds state of their class; what
     was done, for the message ("" if the checkpoint holds none)."""
-    from ..checkpoints import load_checkpoint, read_checkpoint
+    from ..checkpoints import load_checkpoint
 
-    if ctx.checkpoint is None:
-        return ""
-    checkpoint = read_checkpoint(ctx.checkpoint)
-    if not checkpoint.has_optimizer:
+    checkpoint = ctx.checkpoint
+    if checkpoint is None or not checkpoint.has_optimizer:
         return ""
     saved = checkpoint.info.get("optimizer")
     if saved and saved != type(optim).__name__:
@@ -138,7 +136,7 @@ def _resume(ctx, optim, reference, ref_optim) -> str:
     load_checkpoint(ctx.model, checkpoint, optim, model_state=False)
     full = get_optimizer_state_dict(ctx.model, optim, options=StateDictOptions(full_state_dict=True))
     set_optimizer_state_dict(reference, ref_optim, full)
-    return f"resumed {type(optim).__name__} state from {ctx.checkpoint}"
+    return f"resumed {type(optim).__name__} state from {checkpoint.path}"
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
