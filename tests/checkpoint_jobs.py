@@ -35,7 +35,7 @@ def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None =
         osd = get_optimizer_state_dict(model, optimizer, options=options)
         for fqn, entries in osd["state"].items():
             state.update({f"optimizer.{fqn}.{k}": _full(v) for k, v in entries.items()})
-        state["optimizer.param_groups"] = [{k: v for k, v in g.items()} for g in osd["param_groups"]]
+        state["optimizer.param_groups"] = [dict(g) for g in osd["param_groups"]]
     return state
 
 
