@@ -10,6 +10,7 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from rich.console import Console
 from rich.text import Text
@@ -233,18 +234,21 @@ def run_apply(args: argparse.Namespace) -> int:
     job = Job(args.plan, _params(args.params), args.model, args.entry, checks, args.seed, load=args.load, save=args.save)
     console = Console(file=sys.stderr, highlight=False)
     warnings: list[str] = []
+    if torchrun:
+        report = _run_under_torchrun(job, device, console)
+        _exit_now(OK if report is None else _show_report(report, warnings, sources, args))  # None: not rank 0
     try:
-        if torchrun:
-            report = _run_under_torchrun(job, device, console)
-        else:
-            report, warnings = _run_local(job, world, device, args.timeout, console)
+        report, warnings = _run_local(job, world, device, args.timeout, console)
     except WorkerError as e:
         print(f"shardlang: error: rank {e.rank} failed: {e.message.splitlines()[0] if e.message else ''}", file=sys.stderr)
         if e.details:
             print(e.details.rstrip(), file=sys.stderr)
         return UNUSABLE
-    if report is None:  # a rank other than 0 under torchrun
-        return OK
+    return _show_report(report, warnings, sources, args)
+
+
+def _show_report(report, warnings: list[str], sources: dict[str, Source], args: argparse.Namespace) -> int:
+    """Print the report (table or JSON) and return the exit status it calls for."""
     if warnings:
         report = attrs.evolve(report, warnings=report.warnings + tuple(warnings))
     if args.json:
@@ -406,6 +410,7 @@ def _run_under_torchrun(job, device: str, console: Console):
     import torch.distributed as dist
 
     from .job import run
+    from .launch import destroy_process_groups
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device == "cuda":
@@ -414,8 +419,21 @@ def _run_under_torchrun(job, device: str, console: Console):
     try:
         report = run(job)
     finally:
-        dist.destroy_process_group()
+        destroy_process_groups()
     return report if int(os.environ["RANK"]) == 0 else None
+
+
+def _exit_now(status: int) -> NoReturn:
+    """End a torchrun worker without running C++ static destructors.
+
+    Even after a collection, something can keep a gloo group alive until interpreter exit, where
+    its destructor aborts the process with its threads still joinable
+    (torch 2.13: "terminate called without an active exception", so torchrun reports a failure
+    after a job that passed). The report is printed and the groups destroyed; flush and leave.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _meta_model(model_file: ModelFile):
