@@ -84,6 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("--param", metavar="PATTERN", help="only these parameters; with svg (or text), draw their shards")
     explain.add_argument("--format", choices=("text", "json", "svg"), default="text", help="text (default), json or svg")
     explain.add_argument("--no-step", dest="step", action="store_false", help="skip simulating a training step (no collectives; faster)")
+    explain.add_argument("--full-step", action="store_true",
+                         help="simulate every block of a repeated stack (default: 2, 3 and 4 blocks, extrapolated when each block adds the same)")  # fmt: skip
     explain.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
     explain.set_defaults(run=run_explain)
 
@@ -298,7 +300,7 @@ def run_explain(args: argparse.Namespace) -> int:
         emit_diagnostics(found, sources, "text", stream=sys.stderr)
         return UNUSABLE
     try:
-        explanation = explain(plan, _meta_model(model_file), args.world, args.rank, model_file, blocks_for=args.param, step=args.step)
+        explanation = explain(plan, _meta_model(model_file), args.world, args.rank, model_file, blocks_for=args.param, step=args.step, full_step=args.full_step)
     except PlanError as e:
         emit_diagnostics(sorted([*found, *e.diagnostics], key=sort_key), sources, "text", stream=sys.stderr)
         return UNUSABLE

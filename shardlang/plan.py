@@ -269,9 +269,11 @@ class Plan:
 
         return apply_plan(self, model).model
 
-    def explain(self, model: Any, world_size: int, rank: int = 0, example_input: Any = None, loss: Any = None) -> Any:
+    def explain(self, model: Any, world_size: int, rank: int = 0, example_input: Any = None, loss: Any = None,
+                full_step: bool = False) -> Any:  # fmt: skip
         """What every rank of a `world_size` world holds (and, given `example_input`, sends in one
-        training step), in a simulated world in one process; `model` on the meta device is enough."""
+        training step), in a simulated world in one process; `model` on the meta device is enough.
+        `full_step`: run the step on every block of a repeated stack, not on 2, 3 and 4 of them."""
         import copy
         import functools
 
@@ -280,7 +282,7 @@ class Plan:
 
         build = functools.partial(copy.deepcopy, model)  # picklable, for a simulation in a fresh process
         model_file = ModelFile("library", build, example_input, loss) if example_input is not None else None
-        return explain(self, model, world_size, rank, model_file)
+        return explain(self, model, world_size, rank, model_file, full_step=full_step)
 
     def to_python(self, model: Any = None, world_size: int | None = None) -> str:
         """The program as plain torch code; resolved against `model` (any device, meta is enough) if given."""

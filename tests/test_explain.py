@@ -8,6 +8,7 @@ import sys
 import xml.etree.ElementTree as ET
 
 import pytest
+import torch
 
 import shardlang
 from shardlang.explain import explain
@@ -46,6 +47,62 @@ def test_explain_equals_a_real_run(pools, plan, model, world):
         for c in predicted.collectives:
             counts[c.op] = counts.get(c.op, 0) + c.count
         assert counts == real[rank]["counts"], f"rank {rank}"
+
+
+class Block(torch.nn.Module):
+    """Identical blocks but for their index: odd ones run their MLP twice (one more all-reduce)."""
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.index = index
+        self.up = torch.nn.Linear(16, 32, bias=False)
+        self.down = torch.nn.Linear(32, 16, bias=False)
+
+    def forward(self, x):
+        h = self.down(self.up(x))
+        if self.index % 2:
+            h = self.down(self.up(h))
+        return x + h
+
+
+class Alternating(torch.nn.Module):
+    def __init__(self, blocks: int = 10):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Block(i) for i in range(blocks))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def alternating_input(batch: int, generator) -> torch.Tensor:
+    return torch.randn(batch, 16, generator=generator)
+
+
+def test_a_long_stack_is_stepped_on_four_blocks_and_extrapolated_exactly():
+    """10 Llama blocks: the step on 2, 3 and 4 of them, extrapolated, equals the step on all 10, for
+    every collective's count and bytes; blocks that act differently by index run whole."""
+    from examples.llama import Transformer, example_input, loss
+
+    plan = shardlang.load(ROOT / "plans" / "llama_2d.sl")
+    with torch.device("meta"):
+        model = Transformer(layers=10)
+    fast = plan.explain(model, world_size=8, example_input=example_input, loss=loss)
+    full = plan.explain(model, world_size=8, example_input=example_input, loss=loss, full_step=True)
+    assert fast.collectives == full.collectives and {c.mesh_dim for c in full.collectives} == {"world.dp", "world.tp"}
+    assert len(fast.notes) == 1 and "2, 3, 4 of the 10 blocks of `layers`" in fast.notes[0]
+    assert not full.notes
+
+    plan = shardlang.loads("shardlang 1\nmesh world = cpu[tp=2]\nparallelize layers.* on world.tp { up : colwise; down : rowwise }\n")
+    with torch.device("meta"):
+        model = Alternating()
+    fast = plan.explain(model, world_size=2, example_input=alternating_input)
+    full = plan.explain(model, world_size=2, example_input=alternating_input, full_step=True)
+    assert not fast.notes and fast.collectives == full.collectives
+    # 15 MLP calls (5 even blocks once, 5 odd twice): a rowwise all-reduce forward each, and a colwise
+    # input-gradient all-reduce backward each but the first, whose input needs no gradient.
+    assert {(c.op, c.count) for c in full.collectives} == {("all_reduce", 15 + 14)}
 
 
 def test_local_sizes_are_torchs():
