@@ -433,6 +433,9 @@ def _exit_now(status: int) -> NoReturn:
     (torch 2.13: "terminate called without an active exception", so torchrun reports a failure
     after a job that passed). The report is printed and the groups destroyed; flush and leave.
     """
+    import logging
+
+    logging.shutdown()  # what atexit would have done for log files the model file opened
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
