@@ -111,7 +111,11 @@ def test_two_node_torchrun_job_on_loopback():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     nodes = [subprocess.Popen([*common, "--node-rank", str(n), *command], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for n in (0, 1)]  # fmt: skip
-    outputs = [node.communicate(timeout=240) for node in nodes]
+    try:
+        outputs = [node.communicate(timeout=240) for node in nodes]
+    finally:
+        for node in nodes:  # a node left waiting for a peer that failed must not outlive the test
+            node.kill()
     assert [node.returncode for node in nodes] == [0, 0], outputs
     report = json.loads(outputs[0][0])
     assert report["ok"] and report["world_size"] == 4
