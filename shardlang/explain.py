@@ -374,9 +374,10 @@ def _step_collectives(plan: ir.Plan, model: nn.Module, applied, model_file: Mode
                 for key in first.keys() | block.keys():
                     (count, nbytes), (more, more_bytes) = first.get(key, zero), block.get(key, zero)
                     whole[key] = (count + (n - 2) * more, nbytes + (n - 2) * more_bytes)
-                depths = ", ".join(map(str, STEP_DEPTHS))
-                note = (f"collectives: the step ran with {depths} of the {n} blocks of `{path}`; each block past the second added "
-                        f"the same collectives, so the step of all {n} is extrapolated (--full-step runs them all)")  # fmt: skip
+                *fewer, most = map(str, STEP_DEPTHS)
+                note = (f"the step was simulated on {', '.join(fewer)} and {most} of the {n} blocks of `{path}`: each block past "
+                        f"the second added the same collectives, so the counts are extrapolated to all {n} "
+                        f"(--full-step simulates every block)")  # fmt: skip
                 return _collectives(whole), (note,)
     return step(applied), ()
 

@@ -91,7 +91,7 @@ def test_a_long_stack_is_stepped_on_four_blocks_and_extrapolated_exactly():
     fast = plan.explain(model, world_size=8, example_input=example_input, loss=loss)
     full = plan.explain(model, world_size=8, example_input=example_input, loss=loss, full_step=True)
     assert fast.collectives == full.collectives and {c.mesh_dim for c in full.collectives} == {"world.dp", "world.tp"}
-    assert len(fast.notes) == 1 and "2, 3, 4 of the 10 blocks of `layers`" in fast.notes[0]
+    assert len(fast.notes) == 1 and "on 2, 3 and 4 of the 10 blocks of `layers`" in fast.notes[0]
     assert not full.notes
 
     plan = shardlang.loads("shardlang 1\nmesh world = cpu[tp=2]\nparallelize layers.* on world.tp { up : colwise; down : rowwise }\n")
