@@ -28,7 +28,7 @@ from benchmarks import llama_1b  # noqa: E402
 
 import shardlang  # noqa: E402
 from shardlang.apply import apply_plan  # noqa: E402
-from shardlang.verify.comms import Recorder  # noqa: E402
+from shardlang.verification.comms import Recorder  # noqa: E402
 
 #: bf16 dense peak of the cards the device tool lends (H100 SXM and H200: 989.4 TFLOP/s).
 PEAK_BF16 = {"H100": 989.4e12, "H200": 989.4e12}

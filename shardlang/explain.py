@@ -32,7 +32,7 @@ from .lint import lint
 from .modelfile import ModelFile
 from .predict import enclosing, units_by_module
 from .torchcompat import local_shape_and_offset
-from .verify.placements import actual
+from .verification.placements import actual
 
 #: Bytes per element of the optimizer states AdamW keeps for each parameter element (two fp32 states).
 ADAMW_STATE_BYTES = 8
@@ -456,8 +456,8 @@ def _training_step(plan: ir.Plan, applied, model_file: ModelFile, groups: dict[s
     group as `groups` names it (process group name -> `mesh.dim`)."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    from .verify import Context
-    from .verify.comms import Calls, count_collectives
+    from .verification import Context
+    from .verification.comms import Calls, count_collectives
 
     recorder = Calls()
     plain = (FakeTensor, torch.Tensor, nn.Parameter)  # the types FakeTensorMode runs itself

@@ -22,8 +22,8 @@ from .launch import progress
 from .modelfile import ModelFile, load_model_file
 from .report import Report
 from .runtime import mesh_device
-from .verify import Context, combine, gather, run_checks
-from .verify.layout import layout
+from .verification import Context, combine, gather, run_checks
+from .verification.layout import layout
 
 
 @frozen

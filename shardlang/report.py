@@ -11,7 +11,7 @@ from rich.table import Table
 
 from .diagnostics import Diagnostic, render_all
 from .source import Source
-from .verify import CheckResult
+from .verification import CheckResult
 
 if TYPE_CHECKING:
     from .checkpoints import Transfer

@@ -459,8 +459,8 @@ def library_verify(plan_text: str) -> tuple:
 def local_facts(plan_path: str, model_path: str) -> dict:
     """What this rank really holds after apply (local shapes, bytes) and sends in one step (counts)."""
     from shardlang.modelfile import load_model_file
-    from shardlang.verify import Context
-    from shardlang.verify.comms import count_collectives
+    from shardlang.verification import Context
+    from shardlang.verification.comms import count_collectives
 
     plan = shardlang.load(plan_path)
     model_file = load_model_file(model_path)

@@ -13,8 +13,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import shardlang
 from shardlang.apply import apply_plan
 from shardlang.modelfile import load_model_file
-from shardlang.verify import Context, combine, gather, run_checks
-from shardlang.verify.comms import count_collectives
+from shardlang.verification import Context, combine, gather, run_checks
+from shardlang.verification.comms import count_collectives
 
 
 def _applied(plan_path: str, model_path: str, seed: int = 0):

@@ -50,3 +50,21 @@ def test_python_dash_m_and_console_script_agree():
     assert module.returncode == 2 and "error[SL107]" in module.stdout
     script = subprocess.run(["shardlang", "lint", bad], capture_output=True, text=True, cwd=ROOT)
     assert (script.returncode, script.stdout) == (module.returncode, module.stdout)
+
+
+def test_the_wheel_lists_every_package():
+    """pyproject names its packages one by one: a subpackage left out works installed editable and is
+    missing from the wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(ROOT).parts) for init in (ROOT / "shardlang").rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)
+
+
+def test_library_verify_stays_a_function_after_the_checks_are_imported():
+    """`shardlang.verify` is the library's function; importing the modules behind the checks (as
+    explain does) must not replace it with a subpackage of the same name."""
+    code = "import shardlang, shardlang.explain, shardlang.job; assert callable(shardlang.verify), shardlang.verify"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
