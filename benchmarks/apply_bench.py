@@ -91,8 +91,10 @@ def main() -> None:
     dist.destroy_process_group()
 
     hand, ours = min(rows["hand"]), min(rows["shardlang"])
-    print(f"Llama plan, {args.layers} layers on meta, simulated world {args.world} (dp {args.world // args.tp} x tp {args.tp}); "
-          f"torch {torch.__version__}; best of {args.repeat}")
+    print(
+        f"Llama plan, {args.layers} layers on meta, simulated world {args.world} (dp {args.world // args.tp} x tp {args.tp}); "
+        f"torch {torch.__version__}; best of {args.repeat}"
+    )
     print(f"{'':34}{'seconds':>10}")
     print(f"{'hand-written TP + checkpoint + FSDP':34}{hand:>10.3f}")
     print(f"{'shardlang: parse + check':34}{min(rows['parse']):>10.3f}")

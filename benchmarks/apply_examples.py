@@ -29,8 +29,22 @@ def main() -> None:
     for plan in sorted((ROOT / "plans").glob("*.sl")):
         model = re.search(r"Model: (\S+\.py)", plan.read_text()).group(1)
         start = time.perf_counter()
-        done = subprocess.run([sys.executable, "-m", "shardlang", "apply", str(plan.relative_to(ROOT)), model,
-                               "--nproc", str(args.nproc), "--json"], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "shardlang",
+                "apply",
+                str(plan.relative_to(ROOT)),
+                model,
+                "--nproc",
+                str(args.nproc),
+                "--json",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
         wall = time.perf_counter() - start
         report = json.loads(done.stdout)
         seconds = {c["check"]: c["seconds"] for c in report["checks"]}
@@ -41,7 +55,9 @@ def main() -> None:
     print(header)
     for name, ok, wall, stages, seconds in rows:
         cells = "".join(f"{seconds[c]:>14.2f}" if c in seconds else f"{'-':>14}" for c in CHECKS)
-        print(f"{name:<22}{'yes' if ok else 'NO':>4}{wall:>7.1f}{stages.get('apply', 0):>7.2f}{cells}{stages.get('checks', 0):>8.2f}")
+        print(
+            f"{name:<22}{'yes' if ok else 'NO':>4}{wall:>7.1f}{stages.get('apply', 0):>7.2f}{cells}{stages.get('checks', 0):>8.2f}"
+        )
 
 
 if __name__ == "__main__":

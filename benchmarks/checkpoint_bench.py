@@ -37,7 +37,9 @@ def build_model() -> torch.nn.Module:
     from examples.llama import Transformer
 
     dim = SIZE["dim"]
-    return Transformer(vocab=SIZE["vocab"], dim=dim, heads=dim // 64, layers=SIZE["layers"], hidden=dim * 11 // 4, seq=64)
+    return Transformer(
+        vocab=SIZE["vocab"], dim=dim, heads=dim // 64, layers=SIZE["layers"], hidden=dim * 11 // 4, seq=64
+    )
 
 
 def _on_rank(size: dict, plan_params: dict, directory: str, action: str, optimizer: bool) -> float:
@@ -127,14 +129,26 @@ def main() -> None:
         rows.append(("torch.load + load_state_dict, 1 process", _median(torch_load_into_model, args.repeat)))
 
         with WorkerPool(args.nproc, "nccl" if args.device == "cuda" else "gloo") as pool:
+
             def on_ranks(action: str, params: dict) -> float:
-                return max(pool.run(_on_rank, dict(SIZE), params, str(work / "ckpt"), action, args.optimizer, timeout_s=1800))
+                return max(
+                    pool.run(_on_rank, dict(SIZE), params, str(work / "ckpt"), action, args.optimizer, timeout_s=1800)
+                )
 
             half = args.nproc // 2
-            rows.append((f"shardlang save, world {args.nproc} (dp {args.nproc // half} x tp {half})",
-                         _median(lambda: on_ranks("save", {"tp": half}), args.repeat)))  # fmt: skip
+            rows.append(
+                (
+                    f"shardlang save, world {args.nproc} (dp {args.nproc // half} x tp {half})",
+                    _median(lambda: on_ranks("save", {"tp": half}), args.repeat),
+                )
+            )
             rows.append(("shardlang load, same plan", _median(lambda: on_ranks("load", {"tp": half}), args.repeat)))
-            rows.append((f"shardlang load, resharded to tp {args.nproc}", _median(lambda: on_ranks("load", {"tp": args.nproc}), args.repeat)))
+            rows.append(
+                (
+                    f"shardlang load, resharded to tp {args.nproc}",
+                    _median(lambda: on_ranks("load", {"tp": args.nproc}), args.repeat),
+                )
+            )
 
         def into_one_process() -> float:
             with device:
@@ -152,8 +166,10 @@ def main() -> None:
 
     what = "model + Adam state" if args.optimizer else "model"
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    print(f"Llama-style, {params / 1e6:.0f}M parameters ({what}: {nbytes / 1e9:.2f} GB in float32), {where}, "
-          f"torch {torch.__version__}, {os.cpu_count()} cores, median of {args.repeat}")  # fmt: skip
+    print(
+        f"Llama-style, {params / 1e6:.0f}M parameters ({what}: {nbytes / 1e9:.2f} GB in float32), {where}, "
+        f"torch {torch.__version__}, {os.cpu_count()} cores, median of {args.repeat}"
+    )
     print(f"{'':<46}{'seconds':>9}{'GB/s':>8}")
     for label, seconds in rows:
         print(f"{label:<46}{seconds:>9.2f}{nbytes / seconds / 1e9:>8.2f}")

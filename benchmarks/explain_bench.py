@@ -26,8 +26,21 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=1024)
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    base = [sys.executable, "-m", "shardlang", "explain", "plans/llama_2d.sl", "--entry", "examples.llama:build_large",
-            "--world", str(args.world), "-D", "tp=8", "--format", "json"]  # fmt: skip
+    base = [
+        sys.executable,
+        "-m",
+        "shardlang",
+        "explain",
+        "plans/llama_2d.sl",
+        "--entry",
+        "examples.llama:build_large",
+        "--world",
+        str(args.world),
+        "-D",
+        "tp=8",
+        "--format",
+        "json",
+    ]
     rows = []
     runs = (
         ("explain (step on 2, 3, 4 blocks)", base),
@@ -48,7 +61,9 @@ def main() -> None:
     if collectives[0] != collectives[1]:
         sys.exit("the extrapolated step's collectives differ from the full step's")
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    print(f"shardlang explain plans/llama_2d.sl, 80 layers x 8192, world {args.world} (dp {args.world // 8} x tp 8); best of {args.repeat}")
+    print(
+        f"shardlang explain plans/llama_2d.sl, 80 layers x 8192, world {args.world} (dp {args.world // 8} x tp 8); best of {args.repeat}"
+    )
     print(f"{'':36}{'best':>8}{'median':>8}")
     for label, best, median in rows:
         print(f"{label:36}{best:>7.1f}s{median:>7.1f}s")

@@ -25,8 +25,26 @@ CHECKS = "gradients,module_states,init_device,placements,comms"
 
 def apply(plan: Path, model: str, nproc: int, device: str) -> tuple[dict | None, float, str]:
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "shardlang", "apply", str(plan.relative_to(ROOT)), model, "--device", device,
-                           "--nproc", str(nproc), "--verify", CHECKS, "--json"], cwd=ROOT, capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardlang",
+            "apply",
+            str(plan.relative_to(ROOT)),
+            model,
+            "--device",
+            device,
+            "--nproc",
+            str(nproc),
+            "--verify",
+            CHECKS,
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     wall = time.perf_counter() - start
     try:
         return json.loads(done.stdout), wall, done.stderr[-800:]

@@ -24,9 +24,8 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import llama_1b  # noqa: E402
-
 import shardlang  # noqa: E402
+from benchmarks import llama_1b  # noqa: E402
 from shardlang.apply import apply_plan  # noqa: E402
 from shardlang.verification.comms import Recorder  # noqa: E402
 
@@ -54,7 +53,12 @@ class Tiny:
     """The tiny example model in llama_1b's place, for a dry run."""
 
     def __init__(self, module):
-        self.build_model, self.example_input, self.loss, self.SEQ = module.build_model, module.example_input, module.loss, module.SEQ
+        self.build_model, self.example_input, self.loss, self.SEQ = (
+            module.build_model,
+            module.example_input,
+            module.loss,
+            module.SEQ,
+        )
 
     def flops_per_token(self):
         return 0.0
@@ -78,7 +82,9 @@ def handwritten(model: torch.nn.Module, config: str, world: int, device: str):
     for block in model.layers:
         fully_shard(block, mesh=dp, mp_policy=policy)
     fully_shard(model, mesh=dp, mp_policy=policy)
-    model.to_empty(device=torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu"))
+    model.to_empty(
+        device=torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    )
     with torch.no_grad():
         for module in model.modules():
             if callable(getattr(module, "reset_parameters", None)):
@@ -93,7 +99,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--explain", metavar="JSON", help="explain's prediction for this plan (to compare memory)")
-    parser.add_argument("--dry-run", action="store_true", help="check this script on CPU workers (gloo) with the tiny example model")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="check this script on CPU workers (gloo) with the tiny example model"
+    )
     args = parser.parse_args()
     global llama_1b
     if args.dry_run:
@@ -170,9 +178,18 @@ def main() -> None:
             times[name].append(timed(model, optim))
             peaks[name] = max(peaks[name], memory.max_memory_allocated() - before)
 
-    result = {"config": args.config, "world": world, "card": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-              "steps": args.steps, "counts": counts, "params_mem": params_mem, "grads_mem": grads_mem,
-              "optimizer_mem": optimizer_mem, "transient_peak": peaks}  # fmt: skip
+    result = {
+        "config": args.config,
+        "world": world,
+        "card": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "steps": args.steps,
+        "counts": counts,
+        "params_mem": params_mem,
+        "grads_mem": grads_mem,
+        "optimizer_mem": optimizer_mem,
+        "transient_peak": peaks,
+    }
     tokens_per_step = args.batch * llama_1b.SEQ * (world // tp)
     for name in times:
         median = statistics.median(times[name])
@@ -186,23 +203,31 @@ def report(result: dict, args) -> None:
     card = next((k for k in PEAK_BF16 if k in result["card"]), None)
     flops = llama_1b.flops_per_token()
     ours, theirs = result["shardlang"], result["hand-written"]
-    print(f"{result['config']} on {result['world']} x {result['card']}, torch {result['torch']}; median of {result['steps']} steps each, alternating")
+    print(
+        f"{result['config']} on {result['world']} x {result['card']}, torch {result['torch']}; median of {result['steps']} steps each, alternating"
+    )
     print(f"{'':16}{'step (s)':>10}{'tokens/s':>12}{'MFU':>8}{'step peak (GiB)':>17}")
     for name, row in (("shardlang", ours), ("hand-written", theirs)):
         mfu = row["tokens_per_s"] * flops / (result["world"] * PEAK_BF16[card]) if card else float("nan")
-        print(f"{name:16}{row['median_s']:>10.4f}{row['tokens_per_s']:>12.0f}{mfu:>8.1%}{result['transient_peak'][name] / 2**30:>17.2f}")
+        print(
+            f"{name:16}{row['median_s']:>10.4f}{row['tokens_per_s']:>12.0f}{mfu:>8.1%}{result['transient_peak'][name] / 2**30:>17.2f}"
+        )
     print(f"throughput ratio shardlang / hand-written: {ours['tokens_per_s'] / theirs['tokens_per_s']:.4f}")
     peak_ratio = result["transient_peak"]["shardlang"] / max(result["transient_peak"]["hand-written"], 1)
     print(f"step peak memory ratio: {peak_ratio:.4f}")
     same = result["counts"]["shardlang"] == result["counts"]["hand-written"]
-    print(f"collectives of one forward+backward: {'identical' if same else 'DIFFERENT'}: {result['counts']['shardlang']}"
-          + ("" if same else f" vs {result['counts']['hand-written']}"))  # fmt: skip
+    print(
+        f"collectives of one forward+backward: {'identical' if same else 'DIFFERENT'}: {result['counts']['shardlang']}"
+        + ("" if same else f" vs {result['counts']['hand-written']}")
+    )
     measured = {"params": result["params_mem"], "grads": result["grads_mem"], "optimizer": result["optimizer_mem"]}
     if args.explain:
         predicted = json.loads(Path(args.explain).read_text())["this_rank"]
         print(f"{'rank 0 memory':16}{'explain':>12}{'measured':>12}{'ratio':>8}")
         for key in ("params", "grads", "optimizer"):
-            print(f"{key:16}{predicted[key] / 2**20:>11.1f}M{measured[key] / 2**20:>11.1f}M{measured[key] / max(predicted[key], 1):>8.3f}")
+            print(
+                f"{key:16}{predicted[key] / 2**20:>11.1f}M{measured[key] / 2**20:>11.1f}M{measured[key] / max(predicted[key], 1):>8.3f}"
+            )
     print("RESULT " + json.dumps({k: v for k, v in result.items()}))
 
 

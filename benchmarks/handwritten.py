@@ -12,22 +12,39 @@ def parallelize_llama(model: torch.nn.Module, tp_mesh) -> None:
     sequence-sharded output, and a colwise output layer gathering the logits."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
-        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
-    )  # fmt: skip
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
-    parallelize_module(model, tp_mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-    })  # fmt: skip
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+    )
     for block in model.layers:
-        parallelize_module(block, tp_mesh, {
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        })  # fmt: skip
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attention_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(
+                    input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+                ),
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(input_layouts=Shard(1), desired_input_layouts=Replicate()),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            },
+        )

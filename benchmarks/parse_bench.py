@@ -40,7 +40,13 @@ def generate(kind: str, rules: int) -> str:
             lines.append(f"    layers.{i // len(LLAMA_BODY)}.{pattern} : {style}")
         else:
             lines.append(f"    blocks.{i}.{{wq,wk,wv}}.proj : {HEAVY_STYLE}")
-    lines += ["}", "fully_shard on world.dp {", "    each layers.*", "    mixed_precision(param=bf16, reduce=fp32)", "}"]
+    lines += [
+        "}",
+        "fully_shard on world.dp {",
+        "    each layers.*",
+        "    mixed_precision(param=bf16, reduce=fp32)",
+        "}",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -68,14 +74,18 @@ def main() -> None:
             path = Path(tmp) / f"{kind}.sl"
             path.write_text(generate(kind, args.rules))
             read_min, _ = best(path.read_bytes, args.repeat)
-            plan_min, plan_med = best(lambda: shardlang.load(path, world_size=64), args.repeat)
+            plan_min, plan_med = best(lambda path=path: shardlang.load(path, world_size=64), args.repeat)
             rules = sum(len(b.rules) for b in shardlang.load(path).parallelize)
             rows.append((kind, rules, path.stat().st_size, read_min, plan_min, plan_med))
 
-    print(f"shardlang front end, python {sys.version.split()[0]}; grammar build (once per process): {grammar_s * 1e3:.0f} ms")
+    print(
+        f"shardlang front end, python {sys.version.split()[0]}; grammar build (once per process): {grammar_s * 1e3:.0f} ms"
+    )
     print(f"{'plan':<8}{'rules':>8}{'bytes':>10}{'read file':>12}{'parse+check':>14}{'median':>10}{'per rule':>11}")
     for kind, rules, size, read_s, plan_s, plan_med in rows:
-        print(f"{kind:<8}{rules:>8}{size:>10}{read_s * 1e3:>10.2f}ms{plan_s:>13.3f}s{plan_med:>9.3f}s{plan_s / rules * 1e6:>9.1f}us")
+        print(
+            f"{kind:<8}{rules:>8}{size:>10}{read_s * 1e3:>10.2f}ms{plan_s:>13.3f}s{plan_med:>9.3f}s{plan_s / rules * 1e6:>9.1f}us"
+        )
 
 
 if __name__ == "__main__":

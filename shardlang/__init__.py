@@ -1,13 +1,13 @@
 """shardlang: declarative sharding plans for PyTorch, compiled to parallelize_module / fully_shard calls.
 
-    import shardlang
-    plan = shardlang.load("plan.sl", params={"tp": 4})   # raises shardlang.PlanError(diagnostics)
-    plan.lint(model, world_size=8)                        # -> list[Diagnostic]
-    plan.apply(model)                                     # inside an initialised process group
-    report = shardlang.verify(plan, build_model, example_input)
-    print(plan.to_python())
-    shardlang.save_checkpoint(model, "ckpt", optimizer)    # DCP; loads under any plan and world size
-    shardlang.load_checkpoint(model, "ckpt", optimizer)
+import shardlang
+plan = shardlang.load("plan.sl", params={"tp": 4})   # raises shardlang.PlanError(diagnostics)
+plan.lint(model, world_size=8)                        # -> list[Diagnostic]
+plan.apply(model)                                     # inside an initialised process group
+report = shardlang.verify(plan, build_model, example_input)
+print(plan.to_python())
+shardlang.save_checkpoint(model, "ckpt", optimizer)    # DCP; loads under any plan and world size
+shardlang.load_checkpoint(model, "ckpt", optimizer)
 """
 
 from __future__ import annotations
@@ -22,15 +22,29 @@ from .plan import Plan
 from .source import Source
 
 __all__ = [
-    "CODES", "Diagnostic", "Plan", "PlanError", "Severity", "load", "loads", "verify",
-    "save_checkpoint", "load_checkpoint", "read_checkpoint", "convert_checkpoint",
-]  # fmt: skip
+    "CODES",
+    "Diagnostic",
+    "Plan",
+    "PlanError",
+    "Severity",
+    "load",
+    "loads",
+    "verify",
+    "save_checkpoint",
+    "load_checkpoint",
+    "read_checkpoint",
+    "convert_checkpoint",
+]
 __version__ = "0.1.0"
 
 #: Names imported on first use: the checkpoint functions need torch.distributed.checkpoint, which
 #: `shardlang lint` and the parser never do.
-_LAZY = {"save_checkpoint": "checkpoints", "load_checkpoint": "checkpoints", "read_checkpoint": "checkpoints",
-         "convert_checkpoint": "checkpoints"}  # fmt: skip
+_LAZY = {
+    "save_checkpoint": "checkpoints",
+    "load_checkpoint": "checkpoints",
+    "read_checkpoint": "checkpoints",
+    "convert_checkpoint": "checkpoints",
+}
 
 
 def __getattr__(name: str) -> Any:
@@ -49,7 +63,9 @@ def load(path: str | Path, params: Mapping[str, Any] | None = None, *, world_siz
     return plan
 
 
-def loads(text: str, params: Mapping[str, Any] | None = None, *, name: str = "<string>", world_size: int | None = None) -> Plan:
+def loads(
+    text: str, params: Mapping[str, Any] | None = None, *, name: str = "<string>", world_size: int | None = None
+) -> Plan:
     """Parse and check plan text, as `load` does for a file."""
     source = Source(name, text)
     plan, found = compile_source(source, params, world_size)

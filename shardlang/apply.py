@@ -24,7 +24,7 @@ from . import runtime
 from .diagnostics import Diagnostic, PlanError
 from .lint import Linted, lint
 from .lower import lower
-from .predict import Placed, mesh_shapes, predict
+from .predict import Placed
 from .styles import build, import_path, to_torch
 from .torchcompat import composable_checkpoint, composable_replicate, composable_state_mapping
 
@@ -63,8 +63,16 @@ def apply_plan(plan: ir.Plan, model: nn.Module) -> Applied:
     places every tensor but skips the steps that allocate or move data."""
     sources = {plan.source.name: plan.source}
     if not dist.is_available() or not dist.is_initialized():
-        raise PlanError([Diagnostic("SL300", "apply needs an initialised process group",
-                                    help=("call torch.distributed.init_process_group() first, or use `shardlang apply`",))], sources)  # fmt: skip
+        raise PlanError(
+            [
+                Diagnostic(
+                    "SL300",
+                    "apply needs an initialised process group",
+                    help=("call torch.distributed.init_process_group() first, or use `shardlang apply`",),
+                )
+            ],
+            sources,
+        )
     world_size = dist.get_world_size()
     imported = _import_uses(plan, sources)
     user_classes = {alias: obj for alias, obj in imported.items() if isinstance(obj, type)}
@@ -136,8 +144,14 @@ def _import_uses(plan: ir.Plan, sources) -> dict[str, Any]:
         try:
             imported[use.alias] = import_path(use.path)
         except (ImportError, AttributeError, ValueError) as e:
-            found.append(Diagnostic("SL300", f"cannot import '{use.path}': {type(e).__name__}: {e}", use.span,
-                                    ("the path is imported from the current directory and sys.path",)))  # fmt: skip
+            found.append(
+                Diagnostic(
+                    "SL300",
+                    f"cannot import '{use.path}': {type(e).__name__}: {e}",
+                    use.span,
+                    ("the path is imported from the current directory and sys.path",),
+                )
+            )
     if found:
         raise PlanError(found, sources)
     return imported
@@ -152,17 +166,35 @@ def _check_devices(plan: ir.Plan, model: nn.Module) -> list[Diagnostic]:
     expect_meta = mode == "meta" or (mode == "rank0" and dist.get_rank() != 0)
     if expect_meta and devices - {"meta"}:
         where = "rank 0's model on cpu and the others' " if mode == "rank0" else "the model "
-        return [Diagnostic("SL300", f"init {mode} needs {where}on the meta device, but it has tensors on {', '.join(sorted(devices - {'meta'}))}",
-                           plan.init.span, ("build it with plan.build(build_model), or under `with torch.device('meta')`",))]  # fmt: skip
+        return [
+            Diagnostic(
+                "SL300",
+                f"init {mode} needs {where}on the meta device, but it has tensors on {', '.join(sorted(devices - {'meta'}))}",
+                plan.init.span,
+                ("build it with plan.build(build_model), or under `with torch.device('meta')`",),
+            )
+        ]
     on_meta = [name for name, t in tensors if t.device.type == "meta"]
     if not expect_meta and on_meta:
         shown = ", ".join(on_meta[:8]) + (f" and {len(on_meta) - 8} more" if len(on_meta) > 8 else "")
-        return [Diagnostic("SL300", f"init {mode} needs a materialised model, but {len(on_meta)} tensors are on the meta device: {shown}",
-                           plan.init.span, ("nothing would materialise them: say `init meta` to materialise after sharding",))]  # fmt: skip
+        return [
+            Diagnostic(
+                "SL300",
+                f"init {mode} needs a materialised model, but {len(on_meta)} tensors are on the meta device: {shown}",
+                plan.init.span,
+                ("nothing would materialise them: say `init meta` to materialise after sharding",),
+            )
+        ]
     cuda = any(runtime.mesh_device(m.device) == "cuda" for m in plan.meshes)
     if cuda and not torch.cuda.is_available():
-        return [Diagnostic("SL300", "the plan has a cuda mesh but no GPU is available", plan.meshes[0].span,
-                           ("use `cpu` or `auto` as the mesh device",))]  # fmt: skip
+        return [
+            Diagnostic(
+                "SL300",
+                "the plan has a cuda mesh but no GPU is available",
+                plan.meshes[0].span,
+                ("use `cpu` or `auto` as the mesh device",),
+            )
+        ]
     return []
 
 
@@ -201,7 +233,9 @@ def run_step(step: p.Step, ctx: _Context) -> None:
         if children:
             parallelize_module(module, mesh, children)
     elif isinstance(step, p.Distribute):
-        runtime.distribute_with_layouts(ctx.module(step.module), ctx.mesh(step.mesh), to_torch(step.input), to_torch(step.output))
+        runtime.distribute_with_layouts(
+            ctx.module(step.module), ctx.mesh(step.mesh), to_torch(step.input), to_torch(step.output)
+        )
     elif isinstance(step, p.UserStyle):
         kwargs = {k: to_torch(v) for k, v in step.kwargs}
         runtime.apply_user_style(ctx.module(step.module), ctx.mesh(step.mesh), ctx.imported[step.alias], **kwargs)

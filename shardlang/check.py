@@ -34,10 +34,13 @@ Convert = Callable[[s.Value], Any]
 
 LAYOUTS = ("shard", "replicate", "partial")
 DTYPES = {
-    "bf16": "bfloat16", "bfloat16": "bfloat16",
-    "fp16": "float16", "float16": "float16",
-    "fp32": "float32", "float32": "float32",
-}  # fmt: skip
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+    "fp32": "float32",
+    "float32": "float32",
+}
 DEVICES = ("cuda", "cpu", "auto")
 INIT_MODES = ("meta", "rank0", "cpu", "auto")
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
@@ -97,7 +100,11 @@ def layout(value: s.Value) -> ir.Layout:
         raise Invalid("SL102", "shard needs a dimension", "write shard(0), shard(1) or shard(-1)")
     name = word or (value.name.text if isinstance(value, s.Call) else None)
     if name is not None:
-        raise Invalid("SL101", f"unknown layout '{name}'", *(did_you_mean(name, LAYOUTS) or ("a layout is shard(D), replicate or partial",)))
+        raise Invalid(
+            "SL101",
+            f"unknown layout '{name}'",
+            *(did_you_mean(name, LAYOUTS) or ("a layout is shard(D), replicate or partial",)),
+        )
     raise Invalid("SL102", f"expected a layout (shard(D), replicate or partial), got {value}")
 
 
@@ -109,7 +116,9 @@ def layouts(value: s.Value) -> tuple[ir.Layout | ir.NonTensor, ...]:
     """One layout per positional input: a single layout or a tuple such as `(shard(1), _)`."""
     if isinstance(value, s.Tuple):
         if any(isinstance(item, s.Arg) for item in value.items):
-            raise Invalid("SL102", "positional layouts cannot be named", "use input_kwargs/desired_kwargs for keyword inputs")
+            raise Invalid(
+                "SL102", "positional layouts cannot be named", "use input_kwargs/desired_kwargs for keyword inputs"
+            )
         return tuple(_layout_or_skip(item) for item in value.items)
     return (_layout_or_skip(value),)
 
@@ -130,7 +139,9 @@ def dtype(value: s.Value) -> ir.DType:
     word = _word(value)
     if word in DTYPES:
         return ir.DType(DTYPES[word])
-    raise Invalid("SL101", f"unknown dtype '{value}'", *(did_you_mean(str(value), DTYPES) or ("one of bf16, fp16, fp32",)))
+    raise Invalid(
+        "SL101", f"unknown dtype '{value}'", *(did_you_mean(str(value), DTYPES) or ("one of bf16, fp16, fp32",))
+    )
 
 
 def reshard(value: s.Value) -> bool | int:
@@ -162,13 +173,15 @@ STYLES: dict[str, dict[str, Convert]] = {
     "rowwise": {"input": layout, "output": layout, "local_output": boolean},
     "sequence_parallel": {"dim": integer(), "local_output": boolean},
     "prepare_input": {
-        "input": layouts, "desired": layouts,
-        "input_kwargs": keyword_layouts, "desired_kwargs": keyword_layouts,
+        "input": layouts,
+        "desired": layouts,
+        "input_kwargs": keyword_layouts,
+        "desired_kwargs": keyword_layouts,
         "local_output": boolean,
     },
     "prepare_output": {"output": layouts, "desired": layouts, "local_output": boolean},
     "distribute": {"input": layout, "output": layout_or_local},
-}  # fmt: skip
+}
 
 MIXED_PRECISION: dict[str, Convert] = {"param": dtype, "reduce": dtype, "output": dtype, "cast_forward_inputs": boolean}
 
@@ -189,6 +202,7 @@ UNIT_OPTIONS: dict[str, dict[str, Convert]] = {
 }
 BLOCK_OPTIONS: dict[str, Convert] = {"root": boolean}
 
+
 def _model_io_layout(value: s.Value) -> ir.Layout:
     result = layout(value)
     if isinstance(result, ir.Partial):
@@ -198,16 +212,20 @@ def _model_io_layout(value: s.Value) -> ir.Layout:
 
 CHECKS: dict[str, dict[str, Convert] | None] = {
     "gradients": {
-        "steps": integer(minimum=1), "batch": integer(minimum=1),
-        "rtol": number, "atol": number, "lr": number,
+        "steps": integer(minimum=1),
+        "batch": integer(minimum=1),
+        "rtol": number,
+        "atol": number,
+        "lr": number,
         "optimizer": choice("adam", "sgd", what="optimizer"),
-        "input": _model_io_layout, "output": _model_io_layout,
+        "input": _model_io_layout,
+        "output": _model_io_layout,
     },
     "module_states": {},
     "init_device": {},
     "placements": {},
     "comms": None,  # any collective name = expected count
-}  # fmt: skip
+}
 
 # --- the checker ------------------------------------------------------------------------------
 
@@ -269,7 +287,9 @@ class _Checker:
     def resolve(self, value: s.Value) -> s.Value | None:
         if isinstance(value, s.ParamRef):
             if value.name not in self.params:
-                self.error("SL104", f"undefined param '${value.name}'", value.span, *did_you_mean(value.name, self.params))
+                self.error(
+                    "SL104", f"undefined param '${value.name}'", value.span, *did_you_mean(value.name, self.params)
+                )
                 return None
             found = self.params[value.name]
             # Keep the use site's span, so that a bad value is reported where it is used.
@@ -285,7 +305,9 @@ class _Checker:
             return None if inner is None else s.Arg(value.name, inner, value.span)
         return value
 
-    def kwargs(self, args: tuple[s.Value | s.Arg, ...], schema: Mapping[str, Convert] | None, what: str, owner: str) -> tuple:
+    def kwargs(
+        self, args: tuple[s.Value | s.Arg, ...], schema: Mapping[str, Convert] | None, what: str, owner: str
+    ) -> tuple:
         """Keyword arguments checked against `schema` (None: any name, passed through as is)."""
         typed, seen = [], {}
         for arg in args:
@@ -294,7 +316,12 @@ class _Checker:
                 continue
             name = arg.name.text
             if name in seen:
-                self.error("SL103", f"argument '{name}' is given twice", arg.name.span, f"the first is at line {seen[name].line}")
+                self.error(
+                    "SL103",
+                    f"argument '{name}' is given twice",
+                    arg.name.span,
+                    f"the first is at line {seen[name].line}",
+                )
                 continue
             seen[name] = arg.span
             if schema is not None and name not in schema:
@@ -317,7 +344,12 @@ class _Checker:
 
         for version in statements(s.VersionStmt):
             if version.number.value != 1:
-                self.error("SL102", f"unsupported language version {version.number.value}", version.number.span, "this shardlang reads `shardlang 1`")
+                self.error(
+                    "SL102",
+                    f"unsupported language version {version.number.value}",
+                    version.number.span,
+                    "this shardlang reads `shardlang 1`",
+                )
         self.unique(statements(s.VersionStmt), "the version header")
         self.declare_params(statements(s.ParamStmt), overrides)
         uses = [self.use(u) for u in statements(s.UseStmt)]
@@ -358,7 +390,9 @@ class _Checker:
         for p in params:
             if p.name.text in self.params:
                 first = self.params[p.name.text].span.line
-                self.error("SL103", f"param '{p.name.text}' is declared twice", p.name.span, f"the first is at line {first}")
+                self.error(
+                    "SL103", f"param '{p.name.text}' is declared twice", p.name.span, f"the first is at line {first}"
+                )
             elif isinstance(p.value, s.ParamRef):
                 self.error("SL102", f"param '{p.name.text}' must be a literal, not another param", p.value.span)
             else:
@@ -373,18 +407,38 @@ class _Checker:
     def use(self, use: s.UseStmt) -> ir.Use:
         alias = use.alias.text
         if alias in self.uses:
-            self.error("SL103", f"'{alias}' is declared twice by use", use.alias.span, f"the first is at line {self.uses[alias].span.line}")
+            self.error(
+                "SL103",
+                f"'{alias}' is declared twice by use",
+                use.alias.span,
+                f"the first is at line {self.uses[alias].span.line}",
+            )
         elif alias in STYLES:
-            self.error("SL103", f"'{alias}' is a built-in style; a use cannot redefine it", use.alias.span, "pick another name after `as`")
+            self.error(
+                "SL103",
+                f"'{alias}' is a built-in style; a use cannot redefine it",
+                use.alias.span,
+                "pick another name after `as`",
+            )
         if not all(part.isidentifier() for part in use.path.replace(":", ".").split(".")):
-            self.error("SL102", f"'{use.path}' is not an import path", use.span, "write package.module.Name or \"package.module:Name\"")
+            self.error(
+                "SL102",
+                f"'{use.path}' is not an import path",
+                use.span,
+                'write package.module.Name or "package.module:Name"',
+            )
         self.uses[alias] = ir.Use(use.path, alias, use.span)
         return self.uses[alias]
 
     def mesh(self, mesh: s.MeshStmt) -> ir.Mesh:
         name = mesh.name.text
         if name in self.meshes:
-            self.error("SL103", f"mesh '{name}' is declared twice", mesh.name.span, f"the first is at line {self.meshes[name].span.line}")
+            self.error(
+                "SL103",
+                f"mesh '{name}' is declared twice",
+                mesh.name.span,
+                f"the first is at line {self.meshes[name].span.line}",
+            )
         device = self.convert(choice(*DEVICES, what="device"), mesh.device) or "auto"
         dims, autos = [], []
         for arg in mesh.dims:
@@ -400,7 +454,12 @@ class _Checker:
                 size = None
             dims.append(ir.MeshDim(arg.name.text, size, arg.span))
         for extra in autos[1:]:
-            self.error("SL105", f"mesh '{name}' has more than one auto dim", extra.span, "at most one dim can take the rest of the world")
+            self.error(
+                "SL105",
+                f"mesh '{name}' has more than one auto dim",
+                extra.span,
+                "at most one dim can take the rest of the world",
+            )
         result = ir.Mesh(name, device, tuple(dims), mesh.span)
         self.meshes.setdefault(name, result)
         return result
@@ -433,15 +492,23 @@ class _Checker:
             self.error("SL102", f"{ref.mesh.text}[{', '.join(dims)}] names a dim twice", ref.span)
         elif ndims and len(dims) not in ndims:
             wanted = " or ".join(f"{n}-D" for n in ndims)
-            self.error(code, f"{what} needs a {wanted} mesh, but {ref} is {len(dims)}-D", ref.span,
-                       f"name the dims to use, e.g. {name}.{names[-1]}" if len(names) > 1 else "")  # fmt: skip
+            self.error(
+                code,
+                f"{what} needs a {wanted} mesh, but {ref} is {len(dims)}-D",
+                ref.span,
+                f"name the dims to use, e.g. {name}.{names[-1]}" if len(names) > 1 else "",
+            )
         return ir.MeshRef(name, dims, ref.span)
 
     def target(self, target: s.Target) -> s.Target:
         bad = _bad_segment(target) if isinstance(target, s.Pattern) else None
         if bad is not None:
-            self.error("SL100", f"'{bad}' is not a pattern segment", target.span,
-                       "a segment is a name, an integer, a glob (*, **, w*, layer?) or {a,b,...} of those")  # fmt: skip
+            self.error(
+                "SL100",
+                f"'{bad}' is not a pattern segment",
+                target.span,
+                "a segment is a name, an integer, a glob (*, **, w*, layer?) or {a,b,...} of those",
+            )
         return target
 
     def parallelize(self, block: s.ParallelizeStmt) -> ir.Parallelize:
@@ -465,7 +532,9 @@ class _Checker:
     def units(self, block: s.UnitsStmt) -> ir.Units:
         mesh = self.mesh_ref(block.mesh, (1, 2), "SL106", block.kind)
         schema = UNIT_OPTIONS[block.kind]
-        block_options = self.options([i for i in block.items if isinstance(i, s.Option)], {**schema, **BLOCK_OPTIONS}, block.kind)
+        block_options = self.options(
+            [i for i in block.items if isinstance(i, s.Option)], {**schema, **BLOCK_OPTIONS}, block.kind
+        )
         root = dict(block_options).pop("root", True)
         block_options = tuple((k, v) for k, v in block_options if k != "root")
         units = []
@@ -475,7 +544,9 @@ class _Checker:
         self.check_strategy(block, mesh, block_options, units)
         return ir.Units(block.kind, mesh, tuple(units), block_options, root, block.span)
 
-    def options(self, options: list[s.Option] | tuple[s.Option, ...], schema: Mapping[str, Convert], where: str) -> tuple:
+    def options(
+        self, options: list[s.Option] | tuple[s.Option, ...], schema: Mapping[str, Convert], where: str
+    ) -> tuple:
         typed, seen = [], {}
         for option in options:
             name = option.name.text
@@ -486,12 +557,22 @@ class _Checker:
                 self.error("SL101", f"unknown option '{name}' in {where}", option.name.span, *hint)
                 continue
             if name in seen:
-                self.error("SL103", f"option '{name}' is set twice", option.name.span, f"the first is at line {seen[name].line}")
+                self.error(
+                    "SL103",
+                    f"option '{name}' is set twice",
+                    option.name.span,
+                    f"the first is at line {seen[name].line}",
+                )
                 continue
             seen[name] = option.span
             if name == "mixed_precision":
                 if option.args is None:
-                    self.error("SL102", "mixed_precision takes arguments", option.span, "write mixed_precision(param=bf16, reduce=fp32)")
+                    self.error(
+                        "SL102",
+                        "mixed_precision takes arguments",
+                        option.span,
+                        "write mixed_precision(param=bf16, reduce=fp32)",
+                    )
                     continue
                 fields = dict(self.kwargs(option.args, MIXED_PRECISION, "mixed_precision", "mixed_precision"))
                 typed.append((name, ir.MixedPrecision(**fields)))
@@ -507,8 +588,12 @@ class _Checker:
         """FSDP1 `strategy` aliases: hybrid_shard needs a 2-D mesh; full_shard and shard_grad_op a 1-D one."""
         strategies = {dict(block_options).get("strategy")} | {u.get("strategy") for u in units}
         if "hybrid_shard" in strategies and len(mesh.dims) == 1:
-            self.error("SL106", "strategy = hybrid_shard needs a 2-D mesh (replicate dim, shard dim)", mesh.span,
-                       f"write fully_shard on {mesh.mesh}[<replicate dim>, <shard dim>]")  # fmt: skip
+            self.error(
+                "SL106",
+                "strategy = hybrid_shard needs a 2-D mesh (replicate dim, shard dim)",
+                mesh.span,
+                f"write fully_shard on {mesh.mesh}[<replicate dim>, <shard dim>]",
+            )
 
     def init(self, init: s.InitStmt) -> ir.Init:
         mode = self.convert(choice(*INIT_MODES, what="init mode"), init.mode) or "auto"
@@ -540,7 +625,12 @@ class _Checker:
         first: dict[str, ir.Check] = {}
         for check in checks:
             if check.name in first:
-                self.error("SL103", f"check '{check.name}' is listed twice", check.span, f"the first is at line {first[check.name].span.line}")
+                self.error(
+                    "SL103",
+                    f"check '{check.name}' is listed twice",
+                    check.span,
+                    f"the first is at line {first[check.name].span.line}",
+                )
             first.setdefault(check.name, check)
 
 
@@ -551,7 +641,11 @@ def _bad_segment(pattern: s.Pattern) -> str | None:
     """The first segment that is not a name, an integer, a glob, `**` or an alternation of those."""
     for segment in pattern.segments:
         for part in (segment,) if isinstance(segment, str) else segment:
-            if not _SEGMENT.fullmatch(part) or (part != "**" and "**" in part) or (part == "**" and not isinstance(segment, str)):
+            if (
+                not _SEGMENT.fullmatch(part)
+                or (part != "**" and "**" in part)
+                or (part == "**" and not isinstance(segment, str))
+            ):
                 return part or "{}" if isinstance(segment, str) else "{" + ",".join(segment) + "}"
     return None
 

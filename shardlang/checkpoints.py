@@ -57,11 +57,15 @@ class Checkpoint:
 
     path: Path
     model: Mapping[str, TensorStorageMetadata | BytesStorageMetadata] = field(repr=False)  # model key -> what is stored
-    optimizer: Mapping[str, TensorStorageMetadata | BytesStorageMetadata] = field(repr=False)  # flattened optimizer key -> ...
+    optimizer: Mapping[str, TensorStorageMetadata | BytesStorageMetadata] = field(
+        repr=False
+    )  # flattened optimizer key -> ...
     nested: bool  # True: {"model": ..., "optimizer": ...}; False: the model state dict at the top level
     info: Mapping[str, Any] = field(factory=dict)  # shardlang.json, or {} for a checkpoint written by other code
     # DCP key -> where it sits in {"model": {fqn: ...}, "optimizer": {...}}, with what is stored there
-    locations: Mapping[str, tuple[tuple, TensorStorageMetadata | BytesStorageMetadata]] = field(factory=dict, repr=False)
+    locations: Mapping[str, tuple[tuple, TensorStorageMetadata | BytesStorageMetadata]] = field(
+        factory=dict, repr=False
+    )
 
     @property
     def has_optimizer(self) -> bool:
@@ -87,11 +91,18 @@ class Transfer:
     optimizer: bool
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "tensors": self.tensors, "bytes": self.bytes, "seconds": round(self.seconds, 3),
-                "optimizer": self.optimizer}  # fmt: skip
+        return {
+            "path": self.path,
+            "tensors": self.tensors,
+            "bytes": self.bytes,
+            "seconds": round(self.seconds, 3),
+            "optimizer": self.optimizer,
+        }
 
     def describe(self) -> str:
-        what = f"{self.tensors} tensors, {self.bytes / 1e6:.1f} MB" + (" with optimizer state" if self.optimizer else "")
+        what = f"{self.tensors} tensors, {self.bytes / 1e6:.1f} MB" + (
+            " with optimizer state" if self.optimizer else ""
+        )
         return f"{what} in {self.seconds:.2f} s ({self.bytes / max(self.seconds, 1e-9) / 1e9:.3f} GB/s)"
 
 
@@ -103,11 +114,18 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
     path = Path(path)
     if not path.exists():
         interrupted = _stale(path, "old")
-        help_ = (f"a save was interrupted while it swapped checkpoints: the previous one is whole at {interrupted[0]}",) if interrupted else ()
+        help_ = (
+            (f"a save was interrupted while it swapped checkpoints: the previous one is whole at {interrupted[0]}",)
+            if interrupted
+            else ()
+        )
         raise _error("SL501", f"no checkpoint at {path}: it does not exist", help_)
     if not (path / ".metadata").is_file():
-        raise _error("SL501", f"{path} is not a checkpoint: it has no DCP .metadata file",
-                     ("a checkpoint is a directory written by `shardlang apply --save` or torch.distributed.checkpoint.save",))  # fmt: skip
+        raise _error(
+            "SL501",
+            f"{path} is not a checkpoint: it has no DCP .metadata file",
+            ("a checkpoint is a directory written by `shardlang apply --save` or torch.distributed.checkpoint.save",),
+        )
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # a truncated or foreign .metadata: report it, do not crash
@@ -124,7 +142,10 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
 def _contents(path: Path, metadata: Metadata, info: Mapping[str, Any]) -> Checkpoint:
     """Sort DCP's flat keys into model and optimizer entries by the nested paths DCP recorded for them
     (a checkpoint without a `model` level holds the model state dict at the top)."""
-    paths = {key: tuple(metadata.planner_data.get(key, (key,))) if metadata.planner_data else (key,) for key in metadata.state_dict_metadata}
+    paths = {
+        key: tuple(metadata.planner_data.get(key, (key,))) if metadata.planner_data else (key,)
+        for key in metadata.state_dict_metadata
+    }
     nested = bool(paths) and any(p[0] == "model" and len(p) > 1 for p in paths.values())
     model, optimizer, locations = {}, {}, {}
     for key, stored in metadata.state_dict_metadata.items():
@@ -151,7 +172,11 @@ def _nbytes(stored) -> int:
 def misfits(checkpoint: Checkpoint, state: Mapping[str, Any], what: str = "model") -> list[str]:
     """Every way `state` (a model state dict, or a flattened optimizer one) and the checkpoint differ:
     keys on one side only, and tensors of another global shape or dtype. Works on meta tensors too."""
-    stored = checkpoint.model if what == "model" else {k: v for k, v in checkpoint.optimizer.items() if k.startswith("state.")}
+    stored = (
+        checkpoint.model
+        if what == "model"
+        else {k: v for k, v in checkpoint.optimizer.items() if k.startswith("state.")}
+    )
     found = []
     for key, value in state.items():
         if key not in stored:
@@ -165,7 +190,9 @@ def misfits(checkpoint: Checkpoint, state: Mapping[str, Any], what: str = "model
         elif tuple(have.size) != tuple(value.shape):
             found.append(f"{key}: shape {tuple(have.size)} in the checkpoint, {tuple(value.shape)} in the {what}")
         elif have.properties.dtype != value.dtype:
-            found.append(f"{key}: dtype {_name(have.properties.dtype)} in the checkpoint, {_name(value.dtype)} in the {what}")
+            found.append(
+                f"{key}: dtype {_name(have.properties.dtype)} in the checkpoint, {_name(value.dtype)} in the {what}"
+            )
     found += [f"checkpoint key {key} is not in the {what}" for key in stored if key not in state]
     return found
 
@@ -183,7 +210,11 @@ def _misfit(checkpoint: Checkpoint, what: str, found: list[str]) -> PlanError:
     help_ = (*found[:LISTED], *more)
     if origin:
         help_ += (f"the checkpoint was saved by {origin} at world {checkpoint.info.get('world_size')}",)
-    return _error("SL500", f"the checkpoint at {checkpoint.path} does not fit the {what}: {len(found)} mismatch{'es' if len(found) > 1 else ''}", help_)
+    return _error(
+        "SL500",
+        f"the checkpoint at {checkpoint.path} does not fit the {what}: {len(found)} mismatch{'es' if len(found) > 1 else ''}",
+        help_,
+    )
 
 
 # --- loading ---------------------------------------------------------------------------------------
@@ -215,11 +246,17 @@ def load_checkpoint(
     before = None
     if optimizer is not None:
         if not checkpoint.has_optimizer:
-            raise _error("SL500", f"the checkpoint at {checkpoint.path} holds no optimizer state",
-                         ("it was saved without optimizer state (no training step ran); load the model alone",))  # fmt: skip
+            raise _error(
+                "SL500",
+                f"the checkpoint at {checkpoint.path} holds no optimizer state",
+                ("it was saved without optimizer state (no training step ran); load the model alone",),
+            )
         saved_class = checkpoint.info.get("optimizer")
         if saved_class and saved_class != type(optimizer).__name__:
-            raise _error("SL500", f"the checkpoint at {checkpoint.path} holds {saved_class} state, the optimizer is {type(optimizer).__name__}")
+            raise _error(
+                "SL500",
+                f"the checkpoint at {checkpoint.path} holds {saved_class} state, the optimizer is {type(optimizer).__name__}",
+            )
         # The template needs the optimizer's state tensors, which torch creates with a zero-lr step:
         # undone if the checkpoint does not fit.
         before = optimizer.state_dict()
@@ -232,7 +269,11 @@ def load_checkpoint(
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.load(target if checkpoint.nested else target.get("model", {}), checkpoint_id=str(checkpoint.path), no_dist=not _distributed())
+            dcp.load(
+                target if checkpoint.nested else target.get("model", {}),
+                checkpoint_id=str(checkpoint.path),
+                no_dist=not _distributed(),
+            )
     except Exception as e:
         if before is not None:
             optimizer.load_state_dict(before)
@@ -243,7 +284,9 @@ def load_checkpoint(
         set_optimizer_state_dict(model, optimizer, target["optimizer"])
     nbytes = sum(_nbytes(m) for m in checkpoint.model.values()) if model_state else 0
     nbytes += sum(_nbytes(m) for m in checkpoint.optimizer.values()) if optimizer is not None else 0
-    return Transfer(str(checkpoint.path), len(target.get("model", {})), nbytes, time.perf_counter() - start, optimizer is not None)
+    return Transfer(
+        str(checkpoint.path), len(target.get("model", {})), nbytes, time.perf_counter() - start, optimizer is not None
+    )
 
 
 def _model_state(model: torch.nn.Module) -> dict[str, Any]:
@@ -257,7 +300,9 @@ def _empty_like(value: Any) -> Any:
     the DTensor would run sharding propagation, which costs more than the allocation."""
     if isinstance(value, DTensor) and value.to_local().device.type == value.device_mesh.device_type:
         local = torch.empty_like(value.to_local())
-        return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride())
+        return DTensor.from_local(
+            local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+        )
     # (an offloaded FSDP shard lives on the CPU of a cuda mesh, where from_local would move it to the GPU)
     return torch.empty_like(value) if isinstance(value, torch.Tensor) else value
 
@@ -315,8 +360,12 @@ def save_checkpoint(
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-    written = _write(state, Path(path), {"optimizer": type(optimizer).__name__ if optimizer is not None else None, **(info or {})},
-                     distributed=_distributed())  # fmt: skip
+    written = _write(
+        state,
+        Path(path),
+        {"optimizer": type(optimizer).__name__ if optimizer is not None else None, **(info or {})},
+        distributed=_distributed(),
+    )
     return Transfer(str(path), written.tensors, written.bytes, time.perf_counter() - start, optimizer is not None)
 
 
@@ -343,9 +392,17 @@ def _write(state: dict[str, Any], path: Path, info: Mapping[str, Any], *, distri
         raise _error("SL501", f"cannot write the checkpoint {path}: {_first_line(e)}", (kept,)) from None
     world = dist.get_world_size() if distributed else 1
     if rank0:
-        _write_json(Path(staging) / INFO_FILE, {"format": 1, "shardlang": __version__, "torch": torch.__version__,
-                                                "world_size": world, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                                                **info})  # fmt: skip
+        _write_json(
+            Path(staging) / INFO_FILE,
+            {
+                "format": 1,
+                "shardlang": __version__,
+                "torch": torch.__version__,
+                "world_size": world,
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                **info,
+            },
+        )
     if distributed:
         dist.barrier()  # every rank's files are in place (DCP's own finish step ran on rank 0 already)
     if rank0:
@@ -446,7 +503,9 @@ def convert_checkpoint(source: str | os.PathLike, target: str | os.PathLike, *, 
     start = time.perf_counter()
     source, target = Path(source), Path(target)
     if source.is_dir() and target.is_dir():
-        raise _error("SL501", f"{target} is a directory: a checkpoint converts to a torch file (convert CHECKPOINT_DIR OUT.pt)")
+        raise _error(
+            "SL501", f"{target} is a directory: a checkpoint converts to a torch file (convert CHECKPOINT_DIR OUT.pt)"
+        )
     if not target.absolute().parent.is_dir():
         raise _error("SL501", f"cannot write {target}: {target.absolute().parent} does not exist")
     if source.is_dir():
@@ -482,7 +541,11 @@ def _read_all(checkpoint: Checkpoint, optimizer: bool) -> dict[str, Any]:
     for parts, stored in checkpoint.locations.values():
         if parts[0] == "optimizer" and not optimizer:
             continue
-        value = torch.empty(tuple(stored.size), dtype=stored.properties.dtype) if isinstance(stored, TensorStorageMetadata) else None
+        value = (
+            torch.empty(tuple(stored.size), dtype=stored.properties.dtype)
+            if isinstance(stored, TensorStorageMetadata)
+            else None
+        )
         _put(tree, parts, value)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -510,9 +573,18 @@ def _put(tree: dict, parts: tuple, value: Any) -> None:
 
 
 def _as_checkpoint_state(loaded: Any, source: Path) -> dict[str, Any]:
-    if isinstance(loaded, Mapping) and isinstance(loaded.get("model"), Mapping) and set(loaded) <= {"model", "optimizer"}:
+    if (
+        isinstance(loaded, Mapping)
+        and isinstance(loaded.get("model"), Mapping)
+        and set(loaded) <= {"model", "optimizer"}
+    ):
         return dict(loaded)
-    if isinstance(loaded, Mapping) and loaded and all(isinstance(k, str) for k in loaded) and all(isinstance(v, torch.Tensor) for v in loaded.values()):
+    if (
+        isinstance(loaded, Mapping)
+        and loaded
+        and all(isinstance(k, str) for k in loaded)
+        and all(isinstance(v, torch.Tensor) for v in loaded.values())
+    ):
         return {"model": dict(loaded)}
     raise _error("SL501", f"{source} is neither a state dict (names -> tensors) nor {{'model': ..., 'optimizer': ...}}")
 

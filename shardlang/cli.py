@@ -12,10 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+import attrs
 from rich.console import Console
 from rich.text import Text
-
-import attrs
 
 from . import __version__
 from .compile import compile_python, default_world_size
@@ -55,37 +54,72 @@ def _parser() -> argparse.ArgumentParser:
     lint = commands.add_parser("lint", help="check a plan (and, given a model, the plan against it)")
     lint.add_argument("plan", metavar="PLAN", help="the .sl plan file")
     _add_model(lint, required=False)
-    lint.add_argument("--world", type=_positive, metavar="N", help="world size: resolves `auto` mesh dims and checks the meshes fit")
+    lint.add_argument(
+        "--world", type=_positive, metavar="N", help="world size: resolves `auto` mesh dims and checks the meshes fit"
+    )
     _add_params(lint)
-    lint.add_argument("--format", choices=("text", "json"), default="text", help="how to print diagnostics (default text)")
+    lint.add_argument(
+        "--format", choices=("text", "json"), default="text", help="how to print diagnostics (default text)"
+    )
     lint.set_defaults(run=run_lint)
 
-    apply = commands.add_parser("apply", help="apply a plan to a model on N local workers (or under torchrun) and verify it")
+    apply = commands.add_parser(
+        "apply", help="apply a plan to a model on N local workers (or under torchrun) and verify it"
+    )
     apply.add_argument("plan", metavar="PLAN", help="the .sl plan file")
     _add_model(apply, required=False)
-    apply.add_argument("--nproc", type=_positive, metavar="N", help="local worker processes (default: the size the meshes fix, or one per GPU)")
-    apply.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="gloo on cpu or nccl on cuda (default auto: cuda if there are enough GPUs)")
+    apply.add_argument(
+        "--nproc",
+        type=_positive,
+        metavar="N",
+        help="local worker processes (default: the size the meshes fix, or one per GPU)",
+    )
+    apply.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="gloo on cpu or nccl on cuda (default auto: cuda if there are enough GPUs)",
+    )
     _add_params(apply)
-    apply.add_argument("--verify", metavar="LIST|none", help="checks to run, comma-separated, instead of the plan's (none: no checks)")
+    apply.add_argument(
+        "--verify", metavar="LIST|none", help="checks to run, comma-separated, instead of the plan's (none: no checks)"
+    )
     apply.add_argument("--steps", type=_positive, metavar="N", help="training steps of the gradients check")
     apply.add_argument("--seed", type=int, default=0, help="the seed every rank builds the model with (default 0)")
-    apply.add_argument("--timeout", type=float, default=600.0, metavar="S", help="stop the workers if a job runs longer (default 600)")
+    apply.add_argument(
+        "--timeout", type=float, default=600.0, metavar="S", help="stop the workers if a job runs longer (default 600)"
+    )
     apply.add_argument("--json", action="store_true", help="print the report as one JSON object on stdout")
-    apply.add_argument("--load", metavar="DIR", help="load a checkpoint (any plan, any world size) after applying the plan")
-    apply.add_argument("--save", metavar="DIR", help="save a checkpoint after the checks pass (with optimizer state if gradients ran)")
+    apply.add_argument(
+        "--load", metavar="DIR", help="load a checkpoint (any plan, any world size) after applying the plan"
+    )
+    apply.add_argument(
+        "--save", metavar="DIR", help="save a checkpoint after the checks pass (with optimizer state if gradients ran)"
+    )
     apply.set_defaults(run=run_apply)
 
-    explain = commands.add_parser("explain", help="what every rank will hold and send, at any world size, in one CPU process")
+    explain = commands.add_parser(
+        "explain", help="what every rank will hold and send, at any world size, in one CPU process"
+    )
     explain.add_argument("plan", metavar="PLAN", help="the .sl plan file")
     _add_model(explain, required=False)
     explain.add_argument("--world", type=_positive, metavar="N", required=True, help="the world size to simulate")
     explain.add_argument("--rank", type=int, default=0, metavar="R", help="the rank whose view to show (default 0)")
     _add_params(explain)
-    explain.add_argument("--param", metavar="PATTERN", help="only these parameters; with svg (or text), draw their shards")
-    explain.add_argument("--format", choices=("text", "json", "svg"), default="text", help="text (default), json or svg")
-    explain.add_argument("--no-step", dest="step", action="store_false", help="skip simulating a training step (no collectives; faster)")
-    explain.add_argument("--full-step", action="store_true",
-                         help="simulate every block of a repeated stack (default: 2, 3 and 4 blocks, extrapolated when each block adds the same)")  # fmt: skip
+    explain.add_argument(
+        "--param", metavar="PATTERN", help="only these parameters; with svg (or text), draw their shards"
+    )
+    explain.add_argument(
+        "--format", choices=("text", "json", "svg"), default="text", help="text (default), json or svg"
+    )
+    explain.add_argument(
+        "--no-step", dest="step", action="store_false", help="skip simulating a training step (no collectives; faster)"
+    )
+    explain.add_argument(
+        "--full-step",
+        action="store_true",
+        help="simulate every block of a repeated stack (default: 2, 3 and 4 blocks, extrapolated when each block adds the same)",
+    )
     explain.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
     explain.set_defaults(run=run_explain)
 
@@ -101,14 +135,20 @@ def _parser() -> argparse.ArgumentParser:
     convert = commands.add_parser("convert", help="a checkpoint directory to a torch state dict file, or back")
     convert.add_argument("source", metavar="SOURCE", help="a checkpoint directory, or a .pt file of a state dict")
     convert.add_argument("target", metavar="TARGET", help="the .pt file to write, or the checkpoint directory")
-    convert.add_argument("--optimizer", action="store_true", help="checkpoint to file: write {'model': ..., 'optimizer': ...}")
+    convert.add_argument(
+        "--optimizer", action="store_true", help="checkpoint to file: write {'model': ..., 'optimizer': ...}"
+    )
     convert.set_defaults(run=run_convert)
     return parser
 
 
 def _add_model(parser: argparse.ArgumentParser, required: bool) -> None:
-    parser.add_argument("model", metavar="MODEL", nargs=None if required else "?", help="model file defining build_model() (SPEC §6)")
-    parser.add_argument("--entry", metavar="PKG.MODULE:FUNCTION", help="build_model as an importable function instead of MODEL")
+    parser.add_argument(
+        "model", metavar="MODEL", nargs=None if required else "?", help="model file defining build_model() (SPEC §6)"
+    )
+    parser.add_argument(
+        "--entry", metavar="PKG.MODULE:FUNCTION", help="build_model as an importable function instead of MODEL"
+    )
 
 
 def _model_file(args: argparse.Namespace) -> ModelFile | None:
@@ -130,7 +170,9 @@ def _world(plan: Plan, given: int | None) -> int:
 
 
 def _add_params(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-D", dest="params", action="append", default=[], metavar="NAME=VALUE", help="override a `param` of the plan")
+    parser.add_argument(
+        "-D", dest="params", action="append", default=[], metavar="NAME=VALUE", help="override a `param` of the plan"
+    )
 
 
 def _positive(text: str) -> int:
@@ -153,7 +195,9 @@ def _params(pairs: list[str]) -> dict[str, str]:
     return params
 
 
-def compile_plan(path: str, params: list[str], world_size: int | None) -> tuple[Plan | None, list[Diagnostic], dict[str, Source]]:
+def compile_plan(
+    path: str, params: list[str], world_size: int | None
+) -> tuple[Plan | None, list[Diagnostic], dict[str, Source]]:
     """The front end for a command: diagnostics are returned, and an unreadable file is a usage error."""
     try:
         return compile_file(path, _params(params), world_size)
@@ -221,7 +265,9 @@ def run_apply(args: argparse.Namespace) -> int:
     explicit = args.verify is not None or any(c.span is not None for c in plan.checks)
     needs_input = [c.name for c in checks if c.name in ("gradients", "comms")]
     if explicit and needs_input and model_file.example_input is None:
-        raise UsageError(f"{model_file.origin} defines no example_input(batch, generator), which {' and '.join(needs_input)} need")
+        raise UsageError(
+            f"{model_file.origin} defines no example_input(batch, generator), which {' and '.join(needs_input)} need"
+        )
     meta = _meta_model(model_file)
     linted = lint(plan, meta, world)
     if not linted.ok:
@@ -231,9 +277,11 @@ def run_apply(args: argparse.Namespace) -> int:
     except PlanError as e:
         return _apply_unusable([*found, *e.diagnostics], sources, args, world, device)
 
-    from .job import Job, run
+    from .job import Job
 
-    job = Job(args.plan, _params(args.params), args.model, args.entry, checks, args.seed, load=args.load, save=args.save)
+    job = Job(
+        args.plan, _params(args.params), args.model, args.entry, checks, args.seed, load=args.load, save=args.save
+    )
     console = Console(file=sys.stderr, highlight=False)
     warnings: list[str] = []
     if torchrun:
@@ -242,7 +290,9 @@ def run_apply(args: argparse.Namespace) -> int:
     try:
         report, warnings = _run_local(job, world, device, args.timeout, console)
     except WorkerError as e:
-        print(f"shardlang: error: rank {e.rank} failed: {e.message.splitlines()[0] if e.message else ''}", file=sys.stderr)
+        print(
+            f"shardlang: error: rank {e.rank} failed: {e.message.splitlines()[0] if e.message else ''}", file=sys.stderr
+        )
         if e.details:
             print(e.details.rstrip(), file=sys.stderr)
         return UNUSABLE
@@ -293,14 +343,25 @@ def run_explain(args: argparse.Namespace) -> int:
     plan, found, sources = compile_plan(args.plan, args.params, args.world)
     model_file = _model_file(args)
     if model_file is None:
-        raise UsageError("explain needs a model: MODEL (a file defining build_model) or --entry package.module:function")
+        raise UsageError(
+            "explain needs a model: MODEL (a file defining build_model) or --entry package.module:function"
+        )
     if not 0 <= args.rank < args.world:
         raise UsageError(f"--rank {args.rank} is not in a world of {args.world}")
     if plan is None:
         emit_diagnostics(found, sources, "text", stream=sys.stderr)
         return UNUSABLE
     try:
-        explanation = explain(plan, _meta_model(model_file), args.world, args.rank, model_file, blocks_for=args.param, step=args.step, full_step=args.full_step)
+        explanation = explain(
+            plan,
+            _meta_model(model_file),
+            args.world,
+            args.rank,
+            model_file,
+            blocks_for=args.param,
+            step=args.step,
+            full_step=args.full_step,
+        )
     except PlanError as e:
         emit_diagnostics(sorted([*found, *e.diagnostics], key=sort_key), sources, "text", stream=sys.stderr)
         return UNUSABLE
@@ -370,12 +431,19 @@ def _checks(plan: Plan, args: argparse.Namespace) -> tuple:
         unknown = [n for n in names if n not in CHECKS]
         if unknown:
             hint = did_you_mean(unknown[0], CHECKS)
-            raise UsageError(f"unknown check '{unknown[0]}' in --verify" + (f"; {hint[0]}" if hint else f"; checks: {', '.join(CHECKS)}"))
+            raise UsageError(
+                f"unknown check '{unknown[0]}' in --verify"
+                + (f"; {hint[0]}" if hint else f"; checks: {', '.join(CHECKS)}")
+            )
         given = {c.name: c for c in plan.checks}
         checks = tuple(given.get(n) or Check(n, (), None) for n in names)
     if args.steps is not None:
-        checks = tuple(attrs.evolve(c, args=tuple((k, v) for k, v in c.args if k != "steps") + (("steps", args.steps),))
-                       if c.name == "gradients" else c for c in checks)  # fmt: skip
+        checks = tuple(
+            attrs.evolve(c, args=tuple((k, v) for k, v in c.args if k != "steps") + (("steps", args.steps),))
+            if c.name == "gradients"
+            else c
+            for c in checks
+        )
     return checks
 
 
@@ -394,6 +462,7 @@ def _run_local(job, world: int, device: str, timeout: float, console: Console):
 
     backend = "nccl" if device == "cuda" else "gloo"
     with console.status(f"starting {world} workers ({backend})") as status:
+
         def show(rank: int, message: str) -> None:
             if rank == 0:
                 status.update(f"rank 0: {message}")

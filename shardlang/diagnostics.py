@@ -33,14 +33,23 @@ CODES: dict[str, tuple[Severity, str]] = {
     "SL203": (Severity.WARNING, "sharded dimension not divisible by the mesh dim size (uneven shards)"),
     "SL204": (Severity.ERROR, "tied parameters would get different placements"),
     "SL205": (Severity.ERROR, "module is both a fully_shard unit and a replicate unit"),
-    "SL206": (Severity.WARNING, "parameters outside every fully_shard/replicate unit while a data-parallel dim > 1 exists"),
+    "SL206": (
+        Severity.WARNING,
+        "parameters outside every fully_shard/replicate unit while a data-parallel dim > 1 exists",
+    ),
     "SL207": (Severity.ERROR, "loss_parallel without a colwise(output=shard(-1), local_output=false) output layer"),
     "SL208": (Severity.ERROR, "meshes of different device types are combined on one module"),
     "SL209": (Severity.WARNING, "init meta but some parameters belong to modules without the init method"),
     "SL300": (Severity.ERROR, "apply failed (the model is left exactly as it was)"),
     "SL400": (Severity.ERROR, "a verification check failed"),
-    "SL500": (Severity.ERROR, "checkpoint does not fit the model or optimizer (keys, shapes, dtypes); nothing was loaded"),
-    "SL501": (Severity.ERROR, "checkpoint cannot be read or written (not a checkpoint, I/O error); nothing was changed"),
+    "SL500": (
+        Severity.ERROR,
+        "checkpoint does not fit the model or optimizer (keys, shapes, dtypes); nothing was loaded",
+    ),
+    "SL501": (
+        Severity.ERROR,
+        "checkpoint cannot be read or written (not a checkpoint, I/O error); nothing was changed",
+    ),
 }
 
 

@@ -167,7 +167,9 @@ def explain(
 
         # A model from a model file loaded by path cannot be unpickled elsewhere: rebuild it there.
         rebuild = model_file is not None and (model_file.path or model_file.entry)
-        return in_fresh_process(_explain_here, plan, None if rebuild else model, world_size, rank, model_file, blocks_for, step, full_step)
+        return in_fresh_process(
+            _explain_here, plan, None if rebuild else model, world_size, rank, model_file, blocks_for, step, full_step
+        )
     return _explain_here(plan, model, world_size, rank, model_file, blocks_for, step, full_step)
 
 
@@ -205,7 +207,9 @@ def _explain_here(plan, model, world_size, rank, model_file, blocks_for, step, f
 # --- memory --------------------------------------------------------------------------------------
 
 
-def _tensors_and_ranks(plan: ir.Plan, applied, world_size: int, blocks_for: str | None) -> tuple[tuple[TensorInfo, ...], tuple[RankBytes, ...]]:
+def _tensors_and_ranks(
+    plan: ir.Plan, applied, world_size: int, blocks_for: str | None
+) -> tuple[tuple[TensorInfo, ...], tuple[RankBytes, ...]]:
     from .runtime import pattern_regex
 
     wanted = pattern_regex(blocks_for) if blocks_for is not None else None
@@ -228,11 +232,20 @@ def _tensors_and_ranks(plan: ir.Plan, applied, world_size: int, blocks_for: str 
             element = tensor.element_size()
             placements = tuple(getattr(tensor, "placements", ()))
             blocks = _blocks(tensor, world_size) if wanted is not None and wanted.fullmatch("." + name) else ()
-            infos.append(TensorInfo(
-                name, kind, tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."), actual(tensor).dims,
-                tuple(str(p) for p in placements), tuple(local.shape), local.numel() * element,
-                (unit.fqn or "root") if fsdp else None, blocks,
-            ))  # fmt: skip
+            infos.append(
+                TensorInfo(
+                    name,
+                    kind,
+                    tuple(tensor.shape),
+                    str(tensor.dtype).removeprefix("torch."),
+                    actual(tensor).dims,
+                    tuple(str(p) for p in placements),
+                    tuple(local.shape),
+                    local.numel() * element,
+                    (unit.fqn or "root") if fsdp else None,
+                    blocks,
+                )
+            )
             if kind != "parameter":
                 continue
             numel = _numel_per_rank(tensor, world_size)
@@ -241,10 +254,14 @@ def _tensors_and_ranks(plan: ir.Plan, applied, world_size: int, blocks_for: str 
                 optimizer += numel * ADAMW_STATE_BYTES
             if fsdp:
                 compute = _compute_bytes(plan.units[unit.block], unit, element)
-                gathered[unit.fqn] += _numel_per_rank(tensor, world_size, unsharded_dims=set(plan.units[unit.block].mesh.dims)) * compute
+                gathered[unit.fqn] += (
+                    _numel_per_rank(tensor, world_size, unsharded_dims=set(plan.units[unit.block].mesh.dims)) * compute
+                )
     grads = params.copy()  # gradients share their parameters' layout and dtype
     peak = np.max(np.stack(list(gathered.values())), axis=0) if gathered else np.zeros(world_size, dtype=np.int64)
-    ranks = tuple(RankBytes(r, int(params[r]), int(grads[r]), int(optimizer[r]), int(peak[r])) for r in range(world_size))
+    ranks = tuple(
+        RankBytes(r, int(params[r]), int(grads[r]), int(optimizer[r]), int(peak[r])) for r in range(world_size)
+    )
     return tuple(infos), ranks
 
 
@@ -285,17 +302,28 @@ def _coordinates(mesh) -> np.ndarray:
 _COORDINATES: dict = {}
 
 
-def _local_numels(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple, coords: np.ndarray) -> np.ndarray:
+def _local_numels(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple, coords: np.ndarray
+) -> np.ndarray:
     """Local element counts for every rank at once (numpy, torch's chunking); torch's own function
     where a placement is beyond that arithmetic."""
     sizes = local_sizes(shape, mesh_shape, placements, coords)
     if sizes is None:
-        return np.array([math.prod(local_shape_and_offset(shape, mesh_shape, [int(c) for c in coordinate], placements)[0])
-                         if coordinate[0] >= 0 else 0 for coordinate in coords], dtype=np.int64)  # fmt: skip
+        return np.array(
+            [
+                math.prod(local_shape_and_offset(shape, mesh_shape, [int(c) for c in coordinate], placements)[0])
+                if coordinate[0] >= 0
+                else 0
+                for coordinate in coords
+            ],
+            dtype=np.int64,
+        )
     return np.prod(sizes, axis=1, dtype=np.int64) if sizes.shape[1] else np.ones(len(coords), dtype=np.int64)
 
 
-def local_sizes(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple, coords: np.ndarray) -> np.ndarray | None:
+def local_sizes(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple, coords: np.ndarray
+) -> np.ndarray | None:
     """(world, ndim) local shapes; see `local_blocks`."""
     blocks = local_blocks(shape, mesh_shape, placements, coords)
     return None if blocks is None else blocks[1]
@@ -314,7 +342,11 @@ def local_blocks(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements
         order, deferred = [], []
         for i, p in enumerate(placements):
             if type(p).__name__ == "_StridedShard" and p.dim == d:
-                later = [j for j in range(i + 1, len(placements)) if placements[j].is_shard() and getattr(placements[j], "dim", None) == d]
+                later = [
+                    j
+                    for j in range(i + 1, len(placements))
+                    if placements[j].is_shard() and getattr(placements[j], "dim", None) == d
+                ]
                 if len(later) != 1 or mesh_shape[later[0]] != p.split_factor:
                     return None
                 deferred.insert(0, i)
@@ -375,9 +407,11 @@ def _step_collectives(plan: ir.Plan, model: nn.Module, applied, model_file: Mode
                     (count, nbytes), (more, more_bytes) = first.get(key, zero), block.get(key, zero)
                     whole[key] = (count + (n - 2) * more, nbytes + (n - 2) * more_bytes)
                 *fewer, most = map(str, STEP_DEPTHS)
-                note = (f"the step was simulated on {', '.join(fewer)} and {most} of the {n} blocks of `{path}`: each block past "
-                        f"the second added the same collectives, so the counts are extrapolated to all {n} "
-                        f"(--full-step simulates every block)")  # fmt: skip
+                note = (
+                    f"the step was simulated on {', '.join(fewer)} and {most} of the {n} blocks of `{path}`: each block past "
+                    f"the second added the same collectives, so the counts are extrapolated to all {n} "
+                    f"(--full-step simulates every block)"
+                )
                 return _collectives(whole), (note,)
     return _collectives(step(applied)), ()
 
@@ -409,12 +443,15 @@ def _signature(block: nn.Module, fqn: str, resolution) -> tuple:
     """What makes a block what it is, by paths relative to it: a hashable summary."""
 
     def inside(name: str) -> str | None:
-        return name[len(fqn):] if name == fqn or name.startswith(fqn + ".") else None
+        return name[len(fqn) :] if name == fqn or name.startswith(fqn + ".") else None
 
     structure = tuple((name, type(m)) for name, m in block.named_modules())
     tensors = tuple((name, tuple(t.shape), t.dtype) for name, t in (*block.named_parameters(), *block.named_buffers()))
-    rules = tuple((r.block, inside(r.scope) if inside(r.scope) is not None else ("outside", r.scope), inside(r.fqn), r.rule)
-                  for r in resolution.rules if inside(r.fqn) is not None)  # fmt: skip
+    rules = tuple(
+        (r.block, inside(r.scope) if inside(r.scope) is not None else ("outside", r.scope), inside(r.fqn), r.rule)
+        for r in resolution.rules
+        if inside(r.fqn) is not None
+    )
     units = tuple((u.block, inside(u.fqn), u.unit) for u in resolution.units if inside(u.fqn) is not None)
     checkpoint = tuple(inside(f) for f in resolution.checkpoint if inside(f) is not None)
     return structure, tensors, rules, units, checkpoint
@@ -447,7 +484,9 @@ def _collectives(tally: dict[tuple[str, str], tuple[int, int]]) -> tuple[Collect
     return tuple(Collective(op, dim, n, b) for (op, dim), (n, b) in sorted(tally.items()))
 
 
-def _training_step(plan: ir.Plan, applied, model_file: ModelFile, groups: dict[str, str]) -> dict[tuple[str, str], tuple[int, int]]:
+def _training_step(
+    plan: ir.Plan, applied, model_file: ModelFile, groups: dict[str, str]
+) -> dict[tuple[str, str], tuple[int, int]]:
     """One forward, loss and backward on fake tensors: (op, mesh dim) -> (count, bytes) of the
     collectives, each group named as `groups` names it (process group name -> `mesh.dim`)."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -518,7 +557,9 @@ def _blocks(tensor, world_size: int) -> tuple:
         if computed is not None:
             offset, shape = computed[0][rank], computed[1][rank]
         else:
-            shape, offset = local_shape_and_offset(tuple(tensor.shape), tuple(mesh.shape), [int(c) for c in coordinate], tensor.placements)
+            shape, offset = local_shape_and_offset(
+                tuple(tensor.shape), tuple(mesh.shape), [int(c) for c in coordinate], tensor.placements
+            )
         holders[(tuple(int(o) for o in offset), tuple(int(x) for x in shape))].append(rank)
     return tuple(sorted((offset, shape, tuple(ranks)) for (offset, shape), ranks in holders.items()))
 

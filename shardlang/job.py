@@ -8,8 +8,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
 import attrs
+import torch
 import torch.distributed as dist
 from attrs import frozen
 
@@ -100,26 +100,45 @@ def _run(job: Job) -> Report:
     results = run_checks(ctx, job.checks, progress=lambda name: progress(f"check {name}"))
     checks = tuple(combine(gather(results)))
     failures = tuple(
-        Diagnostic("SL400", f"check {c.check} failed", next((k.span for k in job.checks if k.name == c.check), None),
-                   tuple(part.strip() for part in c.message.split("; ")[:4]))
-        for c in checks if c.ok is False
-    )  # fmt: skip
+        Diagnostic(
+            "SL400",
+            f"check {c.check} failed",
+            next((k.span for k in job.checks if k.name == c.check), None),
+            tuple(part.strip() for part in c.message.split("; ")[:4]),
+        )
+        for c in checks
+        if c.ok is False
+    )
     warnings = tuple(d for d in applied.linted.diagnostics if not d.is_error) + plan.diagnostics
     where = layout(ctx)
-    shape = f"{where.replicas} replica{'s' if where.replicas > 1 else ''} x tp {where.tp_size}" if where.tp_dims else f"{where.replicas} replicas"
+    shape = (
+        f"{where.replicas} replica{'s' if where.replicas > 1 else ''} x tp {where.tp_size}"
+        if where.tp_dims
+        else f"{where.replicas} replicas"
+    )
     checks_s = time.perf_counter() - checked
     notes: tuple[str, ...] = ()
     if job.save is not None and failures:
         notes = (f"not saved to {job.save}: a check failed (what was there is untouched)",)
     elif job.save is not None:
         progress(f"saving {job.save}")
-        info = {"plan": str(job.plan) if not isinstance(job.plan, ir.Plan) else "<library plan>", "params": job.params, "layout": shape}
+        info = {
+            "plan": str(job.plan) if not isinstance(job.plan, ir.Plan) else "<library plan>",
+            "params": job.params,
+            "layout": shape,
+        }
         try:
             transfers["saved"] = save_checkpoint(model, job.save, ctx.optimizer, info=info)
         except PlanError as e:
             return attrs.evolve(_failed(world, warnings + failures + e.diagnostics), checks=checks)
     total = time.perf_counter() - start
-    stages = (("apply", applied_s), ("load", transfers.get("loaded")), ("checks", checks_s), ("save", transfers.get("saved")), ("total", total))
+    stages = (
+        ("apply", applied_s),
+        ("load", transfers.get("loaded")),
+        ("checks", checks_s),
+        ("save", transfers.get("saved")),
+        ("total", total),
+    )
     seconds = {name: getattr(t, "seconds", t) for name, t in stages if t is not None}
     return Report(
         ok=not failures,
@@ -163,7 +182,11 @@ def verify(
     it starts `nproc` local workers (gloo; the functions must be importable, e.g. module-level)."""
     from .launch import WorkerPool
 
-    wanted = plan.checks if checks is None else tuple(next((c for c in plan.checks if c.name == n), ir.Check(n, ())) for n in checks)
+    wanted = (
+        plan.checks
+        if checks is None
+        else tuple(next((c for c in plan.checks if c.name == n), ir.Check(n, ())) for n in checks)
+    )
     job = Job(plan, {}, None, None, wanted, seed, ModelFile("library", build_model, example_input, loss))
     if dist.is_available() and dist.is_initialized():
         return run(job)

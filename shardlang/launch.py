@@ -64,9 +64,13 @@ def _worker(rank: int, world_size: int, port: int, backend: str, jobs, results, 
     import torch.distributed as dist
 
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
-    )  # fmt: skip
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
     if "OMP_NUM_THREADS" not in os.environ:
         # As torchrun does: N workers each with a thread per core oversubscribe the CPU, and OpenMP's
@@ -172,7 +176,11 @@ class WorkerPool:
         self._jobs = [ctx.Queue() for _ in range(world_size)]
         port = free_port()
         self._procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, backend, self._jobs[r], self._results, timeout_s), daemon=True)
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, port, backend, self._jobs[r], self._results, timeout_s),
+                daemon=True,
+            )
             for r in range(world_size)
         ]
         for proc in self._procs:
@@ -205,7 +213,9 @@ class WorkerPool:
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(self.world_size)) - set(values))
                     self.stop()
-                    raise WorkerError(missing[0], f"no result within {timeout_s:.0f} s (ranks {missing} still running)") from None
+                    raise WorkerError(
+                        missing[0], f"no result within {timeout_s:.0f} s (ranks {missing} still running)"
+                    ) from None
                 continue
             if got_id != job_id:
                 continue  # a late result of an earlier, failed job
@@ -219,7 +229,14 @@ class WorkerPool:
         return [values[r] for r in range(self.world_size)]
 
     #: Errors that a rank sees because another one failed, not failures of its own.
-    _SYMPTOMS = ("Connection closed", "Connection reset", "Timed out", "timed out", "Broken pipe", "NCCL communicator was aborted")
+    _SYMPTOMS = (
+        "Connection closed",
+        "Connection reset",
+        "Timed out",
+        "timed out",
+        "Broken pipe",
+        "NCCL communicator was aborted",
+    )
 
     def _root_cause(self, first: WorkerError, grace_s: float = 2.0) -> WorkerError:
         """After a rank's error, the error that explains it: a worker that died, or an error that is not
@@ -268,8 +285,11 @@ class WorkerPool:
         if self.broken:
             return []
         self.stop(grace_s=30.0)
-        return [f"rank {r} exited with code {p.exitcode} during teardown, after its results arrived"
-                for r, p in enumerate(self._procs) if p.exitcode not in (0, None)]  # fmt: skip
+        return [
+            f"rank {r} exited with code {p.exitcode} during teardown, after its results arrived"
+            for r, p in enumerate(self._procs)
+            if p.exitcode not in (0, None)
+        ]
 
     def __enter__(self) -> WorkerPool:
         return self

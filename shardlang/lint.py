@@ -92,20 +92,34 @@ def duplicate_matches(plan, resolution, predictions, shapes) -> list[Diagnostic]
                 pairs[(earlier.rule, match.rule)].append(match.fqn or "root")
                 break
     found = [
-        Diagnostic("SL201", f"{_modules(fqns)} matched by two rules", second.target.span,
-                   (f"the first rule is at line {rule.span.line}: {rule.target} : {rule.style.name}",), label="second match")
+        Diagnostic(
+            "SL201",
+            f"{_modules(fqns)} matched by two rules",
+            second.target.span,
+            (f"the first rule is at line {rule.span.line}: {rule.target} : {rule.style.name}",),
+            label="second match",
+        )
         for (rule, second), fqns in pairs.items()
-    ]  # fmt: skip
+    ]
     units: dict[tuple[str, str], UnitMatch] = {}
     for unit in resolution.units:
         kind = unit.kind(plan.units[unit.block])
         earlier = units.get((kind, unit.fqn))
         if earlier is not None:
-            where = f"`each {earlier.unit.target}` at line {earlier.unit.span.line}" if earlier.unit else f"the root unit at line {_unit_span(plan, earlier).line}"
-            found.append(Diagnostic(
-                "SL201", f"module '{unit.fqn or 'root'}' is made a {kind} unit twice", _unit_span(plan, unit),
-                (f"the first is {where}",), label="second match",
-            ))  # fmt: skip
+            where = (
+                f"`each {earlier.unit.target}` at line {earlier.unit.span.line}"
+                if earlier.unit
+                else f"the root unit at line {_unit_span(plan, earlier).line}"
+            )
+            found.append(
+                Diagnostic(
+                    "SL201",
+                    f"module '{unit.fqn or 'root'}' is made a {kind} unit twice",
+                    _unit_span(plan, unit),
+                    (f"the first is {where}",),
+                    label="second match",
+                )
+            )
         units[(kind, unit.fqn)] = unit
     return found
 
@@ -126,10 +140,14 @@ def unit_conflicts(plan, resolution, predictions, shapes) -> list[Diagnostic]:
     for fqn, rep in by_kind["replicate"].items():
         fs = by_kind["fully_shard"].get(fqn)
         if fs is not None:
-            found.append(Diagnostic(
-                "SL205", f"module '{fqn or 'root'}' is both a fully_shard unit and a replicate unit",
-                _unit_span(plan, rep), (f"the fully_shard unit is at line {_unit_span(plan, fs).line}",),
-            ))  # fmt: skip
+            found.append(
+                Diagnostic(
+                    "SL205",
+                    f"module '{fqn or 'root'}' is both a fully_shard unit and a replicate unit",
+                    _unit_span(plan, rep),
+                    (f"the fully_shard unit is at line {_unit_span(plan, fs).line}",),
+                )
+            )
     return found
 
 
@@ -141,7 +159,9 @@ def style_module_types(plan, resolution, predictions, shapes) -> list[Diagnostic
         module = resolution.modules[match.fqn]
         kind = style_kind(match.rule.style)
         if kind in ("colwise", "rowwise") and not isinstance(module, (nn.Linear, nn.Embedding)):
-            wrong[match.rule].append((match.fqn, module, f"{kind} shards nn.Linear and nn.Embedding only; match their submodules instead"))
+            wrong[match.rule].append(
+                (match.fqn, module, f"{kind} shards nn.Linear and nn.Embedding only; match their submodules instead")
+            )
         elif kind == "sequence_parallel":
             nested = [n for n, p in module.named_parameters() if "." in n]
             if nested:
@@ -151,8 +171,14 @@ def style_module_types(plan, resolution, predictions, shapes) -> list[Diagnostic
     for rule, items in wrong.items():
         fqn, module, why = items[0]
         more = f" (and {len(items) - 1} more)" if len(items) > 1 else ""
-        found.append(Diagnostic("SL202", f"{rule.style.name} does not apply to '{fqn or 'root'}' ({type(module).__name__}){more}",
-                                rule.style.span, (why,)))  # fmt: skip
+        found.append(
+            Diagnostic(
+                "SL202",
+                f"{rule.style.name} does not apply to '{fqn or 'root'}' ({type(module).__name__}){more}",
+                rule.style.span,
+                (why,),
+            )
+        )
     return found
 
 
@@ -180,10 +206,14 @@ def uneven_shards(plan, resolution, predictions, shapes) -> list[Diagnostic]:
                     by_origin[origin].append(f"{fqn} dim {d}: {shape[d]} over {dim}={n}")
             shape[d] = -(-shape[d] // n)
     return [
-        Diagnostic("SL203", f"uneven shards: {len(items)} tensor{'s' if len(items) > 1 else ''} not divisible by the mesh dim",
-                   span, (_few(items), "DTensor and FSDP pad uneven shards; pick sizes that divide to avoid the padding"))
+        Diagnostic(
+            "SL203",
+            f"uneven shards: {len(items)} tensor{'s' if len(items) > 1 else ''} not divisible by the mesh dim",
+            span,
+            (_few(items), "DTensor and FSDP pad uneven shards; pick sizes that divide to avoid the padding"),
+        )
         for (span, _), items in by_origin.items()
-    ]  # fmt: skip
+    ]
 
 
 def _origin(plan, rules, units, owner, mesh, dim) -> tuple[Span, str] | None:
@@ -205,7 +235,7 @@ def _origin(plan, rules, units, owner, mesh, dim) -> tuple[Span, str] | None:
 def tied_parameters(plan, resolution, predictions, shapes) -> list[Diagnostic]:
     """SL204: one Parameter under several names that the plan would place differently or shard in two units."""
     groups = defaultdict(list)
-    for fqn, owner, name, tensor in owned(resolution.modules, buffers=False):
+    for fqn, owner, _name, tensor in owned(resolution.modules, buffers=False):
         groups[id(tensor)].append((fqn, owner))
     rules = rules_by_module(resolution)
     units = units_by_module(resolution)
@@ -218,20 +248,37 @@ def tied_parameters(plan, resolution, predictions, shapes) -> list[Diagnostic]:
             a, b = predictions[first], predictions[other]
             span = _span_for(plan, rules, units, other_owner) or _span_for(plan, rules, units, first_owner)
             if a != b:
-                found.append(Diagnostic(
-                    "SL204", f"tied parameters '{first}' and '{other}' would get different placements", span,
-                    (f"{first}: {a}", f"{other}: {b}", "give both modules styles that shard the shared weight alike"),
-                ))  # fmt: skip
+                found.append(
+                    Diagnostic(
+                        "SL204",
+                        f"tied parameters '{first}' and '{other}' would get different placements",
+                        span,
+                        (
+                            f"{first}: {a}",
+                            f"{other}: {b}",
+                            "give both modules styles that shard the shared weight alike",
+                        ),
+                    )
+                )
                 continue
             ua, ub = enclosing(first_owner, units), enclosing(other_owner, units)
-            if ua is not None and ub is not None and ua.fqn != ub.fqn and "fully_shard" in (
-                ua.kind(plan.units[ua.block]), ub.kind(plan.units[ub.block])
+            if (
+                ua is not None
+                and ub is not None
+                and ua.fqn != ub.fqn
+                and "fully_shard" in (ua.kind(plan.units[ua.block]), ub.kind(plan.units[ub.block]))
             ):
-                found.append(Diagnostic(
-                    "SL204", f"tied parameters '{first}' and '{other}' would be sharded by two different units", span,
-                    (f"'{first}' is in the unit at '{ua.fqn or 'root'}', '{other}' in the unit at '{ub.fqn or 'root'}'",
-                     "put both modules under one unit (for example the root)"),
-                ))  # fmt: skip
+                found.append(
+                    Diagnostic(
+                        "SL204",
+                        f"tied parameters '{first}' and '{other}' would be sharded by two different units",
+                        span,
+                        (
+                            f"'{first}' is in the unit at '{ua.fqn or 'root'}', '{other}' in the unit at '{ub.fqn or 'root'}'",
+                            "put both modules under one unit (for example the root)",
+                        ),
+                    )
+                )
     return found
 
 
@@ -261,11 +308,15 @@ def unsynchronised_gradients(plan, resolution, predictions, shapes) -> list[Diag
         return []
     span = plan.units[0].span if plan.units else next(m.span for m in plan.meshes if m.name in used)
     hint = "wrap them: `each <module>` in a fully_shard or replicate block, or keep the root unit (no `root = false`)"
-    return [Diagnostic(
-        "SL206", f"{len(uncovered)} parameter{'s are' if len(uncovered) > 1 else ' is'} outside every fully_shard/replicate "
-        f"unit while {', '.join(dp)} is data-parallel: their gradients are never synchronised", span,
-        (f"outside every unit: {_few(uncovered)}", hint),
-    )]  # fmt: skip
+    return [
+        Diagnostic(
+            "SL206",
+            f"{len(uncovered)} parameter{'s are' if len(uncovered) > 1 else ' is'} outside every fully_shard/replicate "
+            f"unit while {', '.join(dp)} is data-parallel: their gradients are never synchronised",
+            span,
+            (f"outside every unit: {_few(uncovered)}", hint),
+        )
+    ]
 
 
 def loss_parallel_output(plan, resolution, predictions, shapes) -> list[Diagnostic]:
@@ -274,12 +325,20 @@ def loss_parallel_output(plan, resolution, predictions, shapes) -> list[Diagnost
         return []
     for match in resolution.rules:
         style = match.rule.style
-        if style_kind(style) == "colwise" and style.get("output") == ir.Shard(-1) and style.get("local_output") is False:
+        if (
+            style_kind(style) == "colwise"
+            and style.get("output") == ir.Shard(-1)
+            and style.get("local_output") is False
+        ):
             return []
-    return [Diagnostic(
-        "SL207", "loss_parallel needs an output layer with colwise(output=shard(-1), local_output=false)", plan.loss_parallel,
-        ("the loss is computed on logits sharded over the classes; give the model's output layer that style",),
-    )]  # fmt: skip
+    return [
+        Diagnostic(
+            "SL207",
+            "loss_parallel needs an output layer with colwise(output=shard(-1), local_output=false)",
+            plan.loss_parallel,
+            ("the loss is computed on logits sharded over the classes; give the model's output layer that style",),
+        )
+    ]
 
 
 def mixed_device_meshes(plan, resolution, predictions, shapes) -> list[Diagnostic]:
@@ -295,11 +354,17 @@ def mixed_device_meshes(plan, resolution, predictions, shapes) -> list[Diagnosti
         pair = {devices[tp_mesh], devices[dp_mesh]}
         if pair == {"cpu", "cuda"} and (match.fqn, unit.fqn) not in reported:
             reported.add((match.fqn, unit.fqn))
-            found.append(Diagnostic(
-                "SL208", f"module '{match.fqn or 'root'}' is parallelized on mesh '{tp_mesh}' ({devices[tp_mesh]}) "
-                f"and sharded on mesh '{dp_mesh}' ({devices[dp_mesh]})", match.rule.span,
-                (f"the {plan.units[unit.block].kind} unit is at line {_unit_span(plan, unit).line}; use one device type",),
-            ))  # fmt: skip
+            found.append(
+                Diagnostic(
+                    "SL208",
+                    f"module '{match.fqn or 'root'}' is parallelized on mesh '{tp_mesh}' ({devices[tp_mesh]}) "
+                    f"and sharded on mesh '{dp_mesh}' ({devices[dp_mesh]})",
+                    match.rule.span,
+                    (
+                        f"the {plan.units[unit.block].kind} unit is at line {_unit_span(plan, unit).line}; use one device type",
+                    ),
+                )
+            )
     return found
 
 
@@ -316,11 +381,18 @@ def uninitialised_on_meta(plan, resolution, predictions, shapes) -> list[Diagnos
     ]
     if not missing:
         return []
-    return [Diagnostic(
-        "SL209", f"init meta: {len(missing)} module{'s have' if len(missing) > 1 else ' has'} parameters or buffers "
-        f"but no {method}(), so they stay uninitialised", plan.init.span,
-        (f"without {method}(): {_few(missing)}", f"give them {method}(), or name another method: init meta with <method>"),
-    )]  # fmt: skip
+    return [
+        Diagnostic(
+            "SL209",
+            f"init meta: {len(missing)} module{'s have' if len(missing) > 1 else ' has'} parameters or buffers "
+            f"but no {method}(), so they stay uninitialised",
+            plan.init.span,
+            (
+                f"without {method}(): {_few(missing)}",
+                f"give them {method}(), or name another method: init meta with <method>",
+            ),
+        )
+    ]
 
 
 RULES = (

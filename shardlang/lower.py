@@ -24,7 +24,9 @@ FSDP = "torch.distributed.fsdp"
 
 def lower(plan: ir.Plan, resolution: Resolution | None, world_size: int | None) -> p.Program:
     steps: list[p.Step] = [
-        p.MakeMesh(m.name, m.device, m.shape(world_size) if world_size else tuple(d.size for d in m.dims), m.dim_names, m.span)
+        p.MakeMesh(
+            m.name, m.device, m.shape(world_size) if world_size else tuple(d.size for d in m.dims), m.dim_names, m.span
+        )
         for m in plan.meshes
     ]
     if plan.init.mode == "rank0":
@@ -57,7 +59,9 @@ def lower(plan: ir.Plan, resolution: Resolution | None, world_size: int | None) 
 
 def _device(plan: ir.Plan) -> str:
     """The device the model lives on: that of the first mesh a statement uses (SL208 keeps them alike)."""
-    used = [b.mesh.mesh for b in plan.parallelize] + [u.mesh.mesh for u in plan.units] + [s.mesh.mesh for s in plan.syncs]
+    used = (
+        [b.mesh.mesh for b in plan.parallelize] + [u.mesh.mesh for u in plan.units] + [s.mesh.mesh for s in plan.syncs]
+    )
     return plan.mesh(used[0]).device if used else plan.meshes[0].device if plan.meshes else "auto"
 
 
@@ -90,7 +94,13 @@ def _rule(rule: ir.Rule, module: p.Module, mesh: ir.MeshRef) -> p.Step:
         return p.UserStyle(module, mesh, style.name, constructor(style).kwargs, rule.span)
     if style.name == "distribute":
         output = style.get("output", ir.Local())
-        return p.Distribute(module, mesh, style.get("input", ir.Replicate()), None if isinstance(output, ir.Local) else output, rule.span)
+        return p.Distribute(
+            module,
+            mesh,
+            style.get("input", ir.Replicate()),
+            None if isinstance(output, ir.Local) else output,
+            rule.span,
+        )
     return p.Parallelize(module, mesh, (("", constructor(style)),), rule.span)
 
 
@@ -130,5 +140,7 @@ def _fsdp_kwargs(plan: ir.Plan, block: ir.Units, get) -> tuple:
     if get("offload") == "cpu":
         # Pinned memory needs a GPU (an `auto` mesh is judged where the program is lowered).
         pin = runtime.mesh_device(plan.mesh(block.mesh.mesh).device) == "cuda"
-        kwargs.append(("offload_policy", Constructor(f"{FSDP}.CPUOffloadPolicy", () if pin else (("pin_memory", False),))))
+        kwargs.append(
+            ("offload_policy", Constructor(f"{FSDP}.CPUOffloadPolicy", () if pin else (("pin_memory", False),)))
+        )
     return tuple(kwargs)

@@ -40,13 +40,16 @@ class ModelFile:
         if self.path or self.entry:
             return (load_model_file, (self.path, self.entry))
         return (ModelFile, (self.origin, self.build_model, self.example_input, self.loss))
+
     def build_on_meta(self) -> torch.nn.Module:
         """The model on the meta device: no memory, no GPU; what lint, compile and explain look at."""
         try:
             with torch.device("meta"):
                 return self.build_model()
         except Exception as e:  # noqa: BLE001 - any failure of user code is reported, not raised
-            raise ModelFileError(f"build_model() from {self.origin} failed on the meta device: {type(e).__name__}: {e}") from e
+            raise ModelFileError(
+                f"build_model() from {self.origin} failed on the meta device: {type(e).__name__}: {e}"
+            ) from e
 
 
 def load_model_file(path: str | None = None, entry: str | None = None) -> ModelFile:
@@ -65,7 +68,13 @@ def load_model_file(path: str | None = None, entry: str | None = None) -> ModelF
         build = getattr(module, function, None)
         if not callable(build):
             raise ModelFileError(f"{module_name} has no function {function}")
-        return ModelFile(f"--entry {entry}", build, getattr(module, "example_input", None), getattr(module, "loss", None), entry=entry)
+        return ModelFile(
+            f"--entry {entry}",
+            build,
+            getattr(module, "example_input", None),
+            getattr(module, "loss", None),
+            entry=entry,
+        )
     return _from_path(Path(path))
 
 
@@ -90,7 +99,9 @@ def _from_path(path: Path) -> ModelFile:
     build = getattr(module, "build_model", None)
     if not callable(build):
         raise ModelFileError(f"{path} defines no build_model() (SPEC §6)")
-    return ModelFile(str(path), build, getattr(module, "example_input", None), getattr(module, "loss", None), path=str(resolved))
+    return ModelFile(
+        str(path), build, getattr(module, "example_input", None), getattr(module, "loss", None), path=str(resolved)
+    )
 
 
 def _add_to_path(folder: Path) -> None:

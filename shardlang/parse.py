@@ -19,9 +19,19 @@ from .source import MAX_PLAN_BYTES, Source, Span
 
 #: Words that start a statement, for "did you mean" and for finding where to resume after an error.
 STATEMENT_KEYWORDS = (
-    "shardlang", "param", "use", "mesh", "parallelize", "fully_shard", "replicate",
-    "checkpoint", "init", "sync", "loss_parallel", "verify",
-)  # fmt: skip
+    "shardlang",
+    "param",
+    "use",
+    "mesh",
+    "parallelize",
+    "fully_shard",
+    "replicate",
+    "checkpoint",
+    "init",
+    "sync",
+    "loss_parallel",
+    "verify",
+)
 
 #: After this many syntax errors the parser stops looking for more.
 MAX_SYNTAX_ERRORS = 10
@@ -30,7 +40,7 @@ MAX_SYNTAX_ERRORS = 10
 KEYWORDS = (*STATEMENT_KEYWORDS, "on", "as", "each", "with", "over", "root", "class")
 _KEYWORD_TERMINALS = {word.upper(): word for word in KEYWORDS}
 
-_RESUME = re.compile(r"^[ \t]*(?:%s)\b" % "|".join(STATEMENT_KEYWORDS), re.MULTILINE)
+_RESUME = re.compile(r"^[ \t]*(?:{})\b".format("|".join(STATEMENT_KEYWORDS)), re.MULTILINE)
 
 _TERMINAL_WORDS = {
     "NAME": "a name",
@@ -187,7 +197,11 @@ def _unknown_keyword(e: UnexpectedToken) -> tuple[Token, str, tuple[str, ...]] |
         keywords = [_KEYWORD_TERMINALS[t] for t in e.expected if t in _KEYWORD_TERMINALS]
         if set(STATEMENT_KEYWORDS) <= set(keywords):
             hint = did_you_mean(token.value, STATEMENT_KEYWORDS)
-            return token, f"unknown statement '{token.value}'", hint or ("a statement starts with " + _join(STATEMENT_KEYWORDS),)
+            return (
+                token,
+                f"unknown statement '{token.value}'",
+                hint or ("a statement starts with " + _join(STATEMENT_KEYWORDS),),
+            )
         hint = did_you_mean(token.value, keywords)
         if hint:
             return token, f"unknown keyword '{token.value}'", hint

@@ -47,7 +47,15 @@ def grouped(tensors: Sequence[TensorInfo]) -> list[tuple[str, TensorInfo, int]]:
     collapse into one row named with `*`, with how many it stands for."""
     rows: dict[tuple, list] = {}
     for t in tensors:
-        key = (re.sub(r"(?<=\.)\d+(?=\.)|^\d+(?=\.)", "*", t.name), t.kind, t.shape, t.dtype, t.layout, t.local_shape, t.local_bytes)
+        key = (
+            re.sub(r"(?<=\.)\d+(?=\.)|^\d+(?=\.)", "*", t.name),
+            t.kind,
+            t.shape,
+            t.dtype,
+            t.layout,
+            t.local_shape,
+            t.local_bytes,
+        )
         rows.setdefault(key, [t.name, t, 0])[2] += 1
     return [(key[0] if n > 1 else name, t, n) for key, (name, t, n) in rows.items()]
 
@@ -59,19 +67,35 @@ def render_text(e: Explanation, console: Console, pattern: str | None = None) ->
     tensors = select(e, pattern)
     console.print(f"\nparameters and buffers on rank {e.rank}")
     table = Table(header_style="bold")
-    for column, justify in (("name", "left"), ("global", "right"), ("dtype", "left"), ("placements", "left"),
-                            ("local", "right"), ("bytes", "right")):  # fmt: skip
+    for column, justify in (
+        ("name", "left"),
+        ("global", "right"),
+        ("dtype", "left"),
+        ("placements", "left"),
+        ("local", "right"),
+        ("bytes", "right"),
+    ):
         table.add_column(column, justify=justify)
     for name, t, n in grouped(tensors):
-        table.add_row(name + (f" (x{n})" if n > 1 else ""), shape_text(t.shape), t.dtype, t.layout, shape_text(t.local_shape), size(t.local_bytes))
+        table.add_row(
+            name + (f" (x{n})" if n > 1 else ""),
+            shape_text(t.shape),
+            t.dtype,
+            t.layout,
+            shape_text(t.local_shape),
+            size(t.local_bytes),
+        )
     console.print(table)
 
     console.print("\nmemory per rank (AdamW: two fp32 states; gathered: the largest fully_shard unit, unsharded)")
     table = Table(header_style="bold")
     for column in ("", "params", "grads", "optimizer", "gathered", "total"):
         table.add_column(column, justify="right" if column else "left")
-    for label, r in ((f"rank {e.rank}", e.this_rank), (f"largest: rank {e.largest.rank}", e.largest),
-                     (f"smallest: rank {e.smallest.rank}", e.smallest)):  # fmt: skip
+    for label, r in (
+        (f"rank {e.rank}", e.this_rank),
+        (f"largest: rank {e.largest.rank}", e.largest),
+        (f"smallest: rank {e.smallest.rank}", e.smallest),
+    ):
         table.add_row(label, size(r.params), size(r.grads), size(r.optimizer), size(r.gathered), size(r.total))
     console.print(table)
     console.print(f"spread between the largest and the smallest rank: {size(e.spread)}")
@@ -118,8 +142,11 @@ def grid(t: TensorInfo, max_rows: int = 16, max_cols: int = 48) -> str:
     for i, (offset, shape, ranks) in enumerate(t.blocks):
         symbol = SYMBOLS[i % len(SYMBOLS)]
         r0, r1, c0, c1 = _box(t, offset, shape)
-        legend.append(f"  {symbol}: rows {r0}-{r1 - 1}, cols {c0}-{c1 - 1} on ranks {ranks_text(ranks)}" if r1 > r0 and c1 > c0
-                      else f"  {symbol}: empty on ranks {ranks_text(ranks)}")  # fmt: skip
+        legend.append(
+            f"  {symbol}: rows {r0}-{r1 - 1}, cols {c0}-{c1 - 1} on ranks {ranks_text(ranks)}"
+            if r1 > r0 and c1 > c0
+            else f"  {symbol}: empty on ranks {ranks_text(ranks)}"
+        )
         for y in range(height):
             for x in range(width):
                 if r0 <= y * rows // height < r1 and c0 <= x * cols // width < c1:
@@ -138,10 +165,14 @@ def render_svg(e: Explanation, pattern: str | None) -> str:
         scale = (width - 2 * margin) / max(cols, 1)
         height = max(24.0, min(400.0, rows * scale))
         row_h = height / max(rows, 1)
-        parts = [f'<text x="{margin}" y="{y + 20}" font-size="14" font-family="monospace">'
-                 f"{html.escape(t.name)} {shape_text(t.shape)} {html.escape(t.layout)}</text>"]  # fmt: skip
+        parts = [
+            f'<text x="{margin}" y="{y + 20}" font-size="14" font-family="monospace">'
+            f"{html.escape(t.name)} {shape_text(t.shape)} {html.escape(t.layout)}</text>"
+        ]
         top = y + title_h
-        parts.append(f'<rect x="{margin}" y="{top}" width="{width - 2 * margin}" height="{height:.1f}" fill="none" stroke="#333"/>')
+        parts.append(
+            f'<rect x="{margin}" y="{top}" width="{width - 2 * margin}" height="{height:.1f}" fill="none" stroke="#333"/>'
+        )
         for i, (offset, shape, ranks) in enumerate(t.blocks):
             r0, r1, c0, c1 = _box(t, offset, shape)
             bx, by = margin + c0 * scale, top + r0 * row_h
@@ -153,10 +184,14 @@ def render_svg(e: Explanation, pattern: str | None) -> str:
                 f'fill="{COLOURS[i % len(COLOURS)]}" stroke="white" stroke-width="1"><title>ranks {label}</title></rect>'
             )
             if bw >= 24 and bh >= 12:
-                parts.append(f'<text x="{bx + bw / 2:.1f}" y="{by + bh / 2 + 4:.1f}" font-size="11" text-anchor="middle" '
-                             f'font-family="monospace" fill="white">{label}</text>')  # fmt: skip
+                parts.append(
+                    f'<text x="{bx + bw / 2:.1f}" y="{by + bh / 2 + 4:.1f}" font-size="11" text-anchor="middle" '
+                    f'font-family="monospace" fill="white">{label}</text>'
+                )
         pictures.append("\n".join(parts))
         y = top + height + margin
     body = "\n".join(pictures) if pictures else f'<text x="{margin}" y="{margin + 14}">no tensor matches</text>'
-    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{max(y, 60):.0f}" '
-            f'viewBox="0 0 {width} {max(y, 60):.0f}">\n{body}\n</svg>\n')  # fmt: skip
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{max(y, 60):.0f}" '
+        f'viewBox="0 0 {width} {max(y, 60):.0f}">\n{body}\n</svg>\n'
+    )

@@ -269,8 +269,15 @@ class Plan:
 
         return apply_plan(self, model).model
 
-    def explain(self, model: Any, world_size: int, rank: int = 0, example_input: Any = None, loss: Any = None,
-                full_step: bool = False) -> Any:  # fmt: skip
+    def explain(
+        self,
+        model: Any,
+        world_size: int,
+        rank: int = 0,
+        example_input: Any = None,
+        loss: Any = None,
+        full_step: bool = False,
+    ) -> Any:
         """What every rank of a `world_size` world holds (and, given `example_input`, sends in one
         training step), in a simulated world in one process; `model` on the meta device is enough.
         `full_step`: run the step on every block of a repeated stack, not on 2, 3 and 4 of them."""

@@ -140,9 +140,20 @@ class MoveToDevice:
 
 
 Step = (
-    MakeMesh | Parallelize | Distribute | UserStyle | Retie | Checkpoint | FullyShard | Replicate
-    | TakeRank0Values | InitOnMesh | LoadFromRank0 | Sync | MoveToDevice
-)  # fmt: skip
+    MakeMesh
+    | Parallelize
+    | Distribute
+    | UserStyle
+    | Retie
+    | Checkpoint
+    | FullyShard
+    | Replicate
+    | TakeRank0Values
+    | InitOnMesh
+    | LoadFromRank0
+    | Sync
+    | MoveToDevice
+)
 
 
 @frozen
@@ -206,7 +217,9 @@ def _device(device: str) -> str:
 def _call(step: Step, program: Program, module: str) -> list[str]:
     """The Python lines of one step, with `module` the expression of the module it acts on."""
     if isinstance(step, MakeMesh):
-        return [f"{_var(step.name)} = init_device_mesh({_device(step.device)}, {_shape(step.shape)}, mesh_dim_names={step.dims!r})"]
+        return [
+            f"{_var(step.name)} = init_device_mesh({_device(step.device)}, {_shape(step.shape)}, mesh_dim_names={step.dims!r})"
+        ]
     if isinstance(step, Parallelize):
         mesh = mesh_expr(step.mesh, program)
         lines = []
@@ -220,7 +233,9 @@ def _call(step: Step, program: Program, module: str) -> list[str]:
             lines.append("})")
         return lines
     if isinstance(step, Distribute):
-        return [f"distribute_with_layouts({module}, {mesh_expr(step.mesh, program)}, {value_source(step.input)}, {value_source(step.output)})"]
+        return [
+            f"distribute_with_layouts({module}, {mesh_expr(step.mesh, program)}, {value_source(step.input)}, {value_source(step.output)})"
+        ]
     if isinstance(step, UserStyle):
         return [f"apply_user_style({module}, {mesh_expr(step.mesh, program)}, {step.alias}{_kwargs(step.kwargs)})"]
     if isinstance(step, Retie):
@@ -280,8 +295,10 @@ def _matching_loop(step: Step, program: Program) -> list[str]:
         lines = [f"for name in modules_matching(model, {where.target!r}):"]
         module = "model.get_submodule(name)"
     else:
-        lines = [f"for scope in modules_matching(model, {where.scope!r}):",
-                 f"    for name in modules_matching(model.get_submodule(scope), {where.target!r}):"]  # fmt: skip
+        lines = [
+            f"for scope in modules_matching(model, {where.scope!r}):",
+            f"    for name in modules_matching(model.get_submodule(scope), {where.target!r}):",
+        ]
         module = "model.get_submodule(scope).get_submodule(name)"
     pad = "    " * len(lines)
     return lines + [pad + line for line in _call(step, program, module)]
@@ -310,7 +327,10 @@ def _imports(program: Program) -> list[str]:
             for _, ctor in step.plan:
                 names |= names_used(ctor)
         elif isinstance(step, (FullyShard, Replicate, Distribute, UserStyle)):
-            values = [v for _, v in getattr(step, "kwargs", ())] + [getattr(step, "input", None), getattr(step, "output", None)]
+            values = [v for _, v in getattr(step, "kwargs", ())] + [
+                getattr(step, "input", None),
+                getattr(step, "output", None),
+            ]
             names |= set().union(*(names_used(v) for v in values))
         if isinstance(step, FullyShard):
             names.add("torch.distributed.fsdp.fully_shard")
@@ -353,7 +373,11 @@ def to_python(program: Program, command: str = "") -> str:
         "# Call apply_plan(model) on every rank inside an initialised process group; build(build_model)",
         "# builds the model the way the plan's `init` says; compute the loss inside `with loss_context():`.",
     ]
-    body = ["ties = tied_parameter_groups(model)"] if any(isinstance(s, Retie) and s.groups is None for s in program.steps) else []
+    body = (
+        ["ties = tied_parameter_groups(model)"]
+        if any(isinstance(s, Retie) and s.groups is None for s in program.steps)
+        else []
+    )
     for group in _groups(program.steps):
         step = group[0]
         units = _matching(step) and isinstance(step, (FullyShard, Replicate))
@@ -365,7 +389,9 @@ def to_python(program: Program, command: str = "") -> str:
             for unit in group:
                 (line,) = _call(unit, program, "module")
                 kind = "fully_shard" if isinstance(unit, FullyShard) else "replicate"
-                body.append(f"    ({unit.module.target!r}, {kind!r}, lambda module: {line}),  # line {unit.origin.line}")
+                body.append(
+                    f"    ({unit.module.target!r}, {kind!r}, lambda module: {line}),  # line {unit.origin.line}"
+                )
             body.append("])")
         elif _matching(step):
             body += _matching_loop(step, program)
@@ -377,8 +403,16 @@ def to_python(program: Program, command: str = "") -> str:
             body += _call(step, program, _module(getattr(step, "module", "")))
     helpers = [inspect.getsource(h).rstrip() for h in (runtime.build_for, runtime.mesh_device)] + _helpers(program)
     if any(_matching(s) for s in program.steps) or "tied_parameter_groups" in "\n".join(body):
-        matching = (runtime.split_pattern, runtime.pattern_regex, runtime.class_matches, runtime.modules_matching,
-                    runtime.depth, runtime.named_units_win, runtime.wrap_children_first, runtime.tied_parameter_groups)  # fmt: skip
+        matching = (
+            runtime.split_pattern,
+            runtime.pattern_regex,
+            runtime.class_matches,
+            runtime.modules_matching,
+            runtime.depth,
+            runtime.named_units_win,
+            runtime.wrap_children_first,
+            runtime.tied_parameter_groups,
+        )
         helpers += [inspect.getsource(h).rstrip() for h in matching]
     parts = ["\n".join(header), "\n".join(_imports(program)), *helpers, _build_function(plan)]
     parts.append("def apply_plan(model):\n" + "\n".join("    " + line for line in body) + "\n    return model")

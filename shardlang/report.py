@@ -48,7 +48,9 @@ class Report:
             "skipped": [{"check": c.check, "message": c.message} for c in self.skipped],
             "diagnostics": [d.to_json() for d in self.diagnostics],
             "warnings": list(self.warnings),
-            "checkpoint": {k: self.checkpoints[k].to_json() if k in self.checkpoints else None for k in ("loaded", "saved")},
+            "checkpoint": {
+                k: self.checkpoints[k].to_json() if k in self.checkpoints else None for k in ("loaded", "saved")
+            },
             "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
         }
 
@@ -59,13 +61,17 @@ class Report:
 def render(report: Report, sources: dict[str, Source], console: Console) -> None:
     """The text report: a heading, the table (check, result, worst error, seconds), each check's message,
     then any diagnostics."""
-    console.print(f"[bold]world {report.world_size} on {report.device}[/bold]" + (f", {report.layout}" if report.layout else ""))
+    console.print(
+        f"[bold]world {report.world_size} on {report.device}[/bold]" + (f", {report.layout}" if report.layout else "")
+    )
     if report.checks:
         table = Table(show_edge=True, header_style="bold")
         for column, justify in (("check", "left"), ("result", "left"), ("worst error", "right"), ("seconds", "right")):
             table.add_column(column, justify=justify)
         for c in report.checks:
-            result = "[green]pass[/green]" if c.ok else "[red]FAIL[/red]" if c.ok is False else "[yellow]skipped[/yellow]"
+            result = (
+                "[green]pass[/green]" if c.ok else "[red]FAIL[/red]" if c.ok is False else "[yellow]skipped[/yellow]"
+            )
             worst = "-" if c.worst is None else f"{c.worst:.2e}"
             table.add_row(c.check, result, worst, f"{c.seconds:.2f}")
         console.print(table)

@@ -51,7 +51,9 @@ class UnitMatch:
 
     def kind(self, units: ir.Units) -> str:
         """`fully_shard` or `replicate`; FSDP1's `strategy = no_shard` is plain replication."""
-        return "replicate" if units.kind == "replicate" or self.option(units, "strategy") == "no_shard" else "fully_shard"
+        return (
+            "replicate" if units.kind == "replicate" or self.option(units, "strategy") == "no_shard" else "fully_shard"
+        )
 
 
 @frozen
@@ -111,7 +113,10 @@ def resolve(plan: ir.Plan, model: nn.Module) -> tuple[Resolution, list[Diagnosti
 def _named_units_win(plan: ir.Plan, units: list[UnitMatch]) -> list[UnitMatch]:
     """A `class` target does not pick a module that a unit of the other kind names by pattern
     (runtime.named_units_win, which the printed program applies too)."""
-    matches = [(u.fqn, u.kind(plan.units[u.block]), u.unit is not None and isinstance(u.unit.target, ClassTarget), u) for u in units]
+    matches = [
+        (u.fqn, u.kind(plan.units[u.block]), u.unit is not None and isinstance(u.unit.target, ClassTarget), u)
+        for u in units
+    ]
     return [u for *_, u in runtime.named_units_win(matches)]
 
 
@@ -142,12 +147,16 @@ def _dotted(relative: str) -> str:
 
 
 def _no_match(target: Target, modules: tuple[tuple[str, nn.Module], ...], scope: str, scopes: int = 1) -> Diagnostic:
-    where = f" under {scope or 'the model'}" + (f" (the first of {scopes} scopes)" if scopes > 1 else "") if scope else ""
+    where = (
+        f" under {scope or 'the model'}" + (f" (the first of {scopes} scopes)" if scopes > 1 else "") if scope else ""
+    )
     if isinstance(target, ClassTarget):
         names = sorted({type(m).__name__ for _, m in modules})
         hint = did_you_mean(target.name.split(".")[-1], names) or (f"module classes here: {_few(names)}",)
         return Diagnostic("SL200", f"no module of class '{target.name}'{where}", target.span, hint)
-    return Diagnostic("SL200", f"pattern '{target}' matches no module{where}", target.span, _closest(target, modules, scope))
+    return Diagnostic(
+        "SL200", f"pattern '{target}' matches no module{where}", target.span, _closest(target, modules, scope)
+    )
 
 
 def _closest(pattern: Pattern, modules: tuple[tuple[str, nn.Module], ...], scope: str) -> tuple[str, ...]:

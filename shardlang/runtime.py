@@ -43,7 +43,9 @@ def pattern_regex(pattern):
             continue
         options = segment if isinstance(segment, list) else [segment]
         globs = [
-            "[^.]+" if option == "*" else "".join("[^.]*" if c == "*" else "[^.]" if c == "?" else re.escape(c) for c in option)
+            "[^.]+"
+            if option == "*"
+            else "".join("[^.]*" if c == "*" else "[^.]" if c == "?" else re.escape(c) for c in option)
             for option in options
         ]
         parts.append(r"\.(?:" + "|".join(globs) + ")")
@@ -62,7 +64,7 @@ def class_matches(name, cls):
 def modules_matching(model, target):
     """FQNs (relative to `model`) of the submodules a target matches: a pattern, `root` or `class NAME`."""
     if target.startswith("class "):
-        name = target[len("class "):].strip()
+        name = target[len("class ") :].strip()
         return [fqn for fqn, module in model.named_modules() if class_matches(name, type(module))]
     regex = pattern_regex(target)
     return [fqn for fqn, _ in model.named_modules() if regex.fullmatch("." + fqn if fqn else "")]
@@ -86,7 +88,11 @@ def wrap_children_first(model, units):
     """Apply each (target, kind, wrap) to the modules its target matches, deepest modules first, so that
     a fully_shard or replicate unit is always wrapped before any unit that contains it."""
     order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
-    matches = [(fqn, kind, target.startswith("class "), wrap) for target, kind, wrap in units for fqn in modules_matching(model, target)]
+    matches = [
+        (fqn, kind, target.startswith("class "), wrap)
+        for target, kind, wrap in units
+        for fqn in modules_matching(model, target)
+    ]
     for fqn, _, _, wrap in sorted(named_units_win(matches), key=lambda m: (-depth(m[0]), order[m[0]])):
         wrap(model.get_submodule(fqn))
 
@@ -216,7 +222,9 @@ def init_on_mesh(model, device, method, seed):
                         if isinstance(tensor, DTensor):
                             sharded[name] = (store, tensor)
                             full = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-                            store[name] = torch.nn.Parameter(full, tensor.requires_grad) if store is module._parameters else full
+                            store[name] = (
+                                torch.nn.Parameter(full, tensor.requires_grad) if store is module._parameters else full
+                            )
             try:
                 init()
             finally:
@@ -276,7 +284,7 @@ def move_to_device(model, device):
 
     with torch.no_grad():
         for module in model.modules():
-            for name, param in module._parameters.items():
+            for param in module._parameters.values():
                 if param is not None and not isinstance(param, DTensor) and param.device != torch.device(device):
                     param.data = param.data.to(device)
             for name, buffer in module._buffers.items():

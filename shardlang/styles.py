@@ -47,10 +47,16 @@ def constructor(style: ir.Style) -> Constructor:
         return Constructor(style.use.path, tuple((k, _passthrough(v)) for k, v in style.kwargs))
     if style.name in ("colwise", "rowwise"):
         cls = "ColwiseParallel" if style.name == "colwise" else "RowwiseParallel"
-        kwargs = {"input_layouts": get("input"), "output_layouts": get("output"), "use_local_output": get("local_output")}
+        kwargs = {
+            "input_layouts": get("input"),
+            "output_layouts": get("output"),
+            "use_local_output": get("local_output"),
+        }
         return Constructor(f"{TP}.{cls}", _given(kwargs))
     if style.name == "sequence_parallel":
-        return Constructor(f"{TP}.SequenceParallel", _given({"sequence_dim": get("dim"), "use_local_output": get("local_output")}))
+        return Constructor(
+            f"{TP}.SequenceParallel", _given({"sequence_dim": get("dim"), "use_local_output": get("local_output")})
+        )
     if style.name == "prepare_input":
         kwargs = {
             "input_layouts": _layouts(get("input")) if get("input") is not None else None,
@@ -76,7 +82,11 @@ def _given(kwargs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 def _passthrough(value: Any) -> Any:
     """User style arguments: `(a, b)` stays a tuple, `(x=shard(0))` becomes a dict, `_` becomes None."""
-    if isinstance(value, tuple) and value and all(isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str) for v in value):
+    if (
+        isinstance(value, tuple)
+        and value
+        and all(isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str) for v in value)
+    ):
         return {k: _passthrough(v) for k, v in value}
     if isinstance(value, tuple):
         return tuple(_passthrough(v) for v in value)

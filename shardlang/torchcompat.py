@@ -60,4 +60,6 @@ def local_shape_and_offset(global_shape, mesh_shape, coordinate, placements) -> 
     (uneven shards, empty shards and _StridedShard included); for any rank, without a process group."""
     from torch.distributed.tensor import _utils
 
-    return _utils._compute_local_shape_and_global_offset(list(global_shape), list(mesh_shape), list(coordinate), placements)
+    return _utils._compute_local_shape_and_global_offset(
+        list(global_shape), list(mesh_shape), list(coordinate), placements
+    )

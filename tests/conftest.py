@@ -23,7 +23,9 @@ def golden(request):
             if not update:
                 pytest.fail(f"golden file {path.name} was missing and has been written; check it and run again")
             return
-        assert actual == path.read_text(encoding="utf-8"), f"output differs from {path}; rerun with --update-goldens if intended"
+        assert actual == path.read_text(encoding="utf-8"), (
+            f"output differs from {path}; rerun with --update-goldens if intended"
+        )
 
     return check
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 
 import attrs
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -122,7 +121,7 @@ def same_as_handwritten(plan_text: str, model: str, hand: str, make_input, param
 
     actual = {n: describe(p) for n, p in a.named_parameters()}
     predicted = applied.predictions
-    for name, p in a.named_parameters():
+    for name, _p in a.named_parameters():
         expect = predicted[name]
         if expect.known and expect.mesh is None:
             assert actual[name] == "plain", f"{name}: predicted a plain tensor, got {actual[name]}"
@@ -158,16 +157,24 @@ def hand_mlp_tp(model):
 
 def hand_seq_mlp(model):
     tp = mesh1()
-    parallelize_module(model, tp, {
-        "norm": SequenceParallel(),
-        "mlp.w1": ColwiseParallel(input_layouts=Shard(1)),
-        "mlp.w2": RowwiseParallel(output_layouts=Shard(1)),
-    })  # fmt: skip
+    parallelize_module(
+        model,
+        tp,
+        {
+            "norm": SequenceParallel(),
+            "mlp.w1": ColwiseParallel(input_layouts=Shard(1)),
+            "mlp.w2": RowwiseParallel(output_layouts=Shard(1)),
+        },
+    )
 
 
 def hand_rmsnorm(model):
     tp = mesh1()
-    parallelize_module(model, tp, {"mlp.net1": ColwiseParallel(input_layouts=Shard(0)), "mlp.net2": RowwiseParallel(output_layouts=Shard(0))})
+    parallelize_module(
+        model,
+        tp,
+        {"mlp.net1": ColwiseParallel(input_layouts=Shard(0)), "mlp.net2": RowwiseParallel(output_layouts=Shard(0))},
+    )
 
     def prepare_input_fn(mod, inputs, device_mesh):
         return DTensor.from_local(inputs[0], device_mesh, [Shard(0)], run_check=False)
@@ -241,25 +248,37 @@ def hand_options(model):
 
 def hand_prepare_output(model):
     tp = mesh1()
-    parallelize_module(model, tp, {
-        "mlp": PrepareModuleInput(input_layouts=Shard(0), desired_input_layouts=Replicate()),
-        "mlp.w1": ColwiseParallel(),
-        "mlp.w2": RowwiseParallel(output_layouts=Partial()),
-    })  # fmt: skip
+    parallelize_module(
+        model,
+        tp,
+        {
+            "mlp": PrepareModuleInput(input_layouts=Shard(0), desired_input_layouts=Replicate()),
+            "mlp.w1": ColwiseParallel(),
+            "mlp.w2": RowwiseParallel(output_layouts=Partial()),
+        },
+    )
     parallelize_module(model.mlp, tp, PrepareModuleOutput(output_layouts=Partial(), desired_output_layouts=Shard(0)))
     parallelize_module(model, tp, {"norm": SequenceParallel(sequence_dim=0, use_local_output=True)})
 
 
 def hand_user_styles(model):
-    from examples.styles import rowwise_scaled
     from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    from examples.styles import rowwise_scaled
 
     mesh = mesh1()
     parallelize_module(model, mesh, {"net1": ColwiseParallel()})
     rowwise_scaled(model.net2, mesh, scale=0.5)
-    parallelize_module(model, mesh, PrepareModuleInputOutput(
-        input_layouts=Replicate(), desired_input_layouts=Replicate(), output_layouts=Replicate(), desired_output_layouts=Replicate(),
-    ))  # fmt: skip
+    parallelize_module(
+        model,
+        mesh,
+        PrepareModuleInputOutput(
+            input_layouts=Replicate(),
+            desired_input_layouts=Replicate(),
+            output_layouts=Replicate(),
+            desired_output_layouts=Replicate(),
+        ),
+    )
 
 
 def hand_distribute_output(model):
@@ -368,7 +387,11 @@ def failing_apply_leaves_model_unchanged(plan_text: str, model: str) -> str:
 
 
 def _values(model: nn.Module) -> list:
-    return [(n, t.detach().clone()) for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != "meta"]
+    return [
+        (n, t.detach().clone())
+        for n, t in [*model.named_parameters(), *model.named_buffers()]
+        if t.device.type != "meta"
+    ]
 
 
 def _fingerprint(model: nn.Module) -> dict:
@@ -377,14 +400,24 @@ def _fingerprint(model: nn.Module) -> dict:
     mapping = composable_state_mapping()
     return {
         "types": [type(m) for m in model.modules()],
-        "params": [(n, id(p), type(p), p.device, p.shape, p.data.data_ptr() if p.device.type != "meta" else 0)
-                   for n, p in model.named_parameters()],
+        "params": [
+            (n, id(p), type(p), p.device, p.shape, p.data.data_ptr() if p.device.type != "meta" else 0)
+            for n, p in model.named_parameters()
+        ],
         "buffers": [(n, id(b), b.device) for n, b in model.named_buffers()],
-        "hooks": [(len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks), len(m._state_dict_hooks),
-                   len(m._load_state_dict_pre_hooks)) for m in model.modules()],
+        "hooks": [
+            (
+                len(m._forward_hooks),
+                len(m._forward_pre_hooks),
+                len(m._backward_hooks),
+                len(m._state_dict_hooks),
+                len(m._load_state_dict_pre_hooks),
+            )
+            for m in model.modules()
+        ],
         "dict_keys": [sorted(m.__dict__) for m in model.modules()],
         "composable": [m in mapping for m in model.modules()] if mapping is not None else None,
-    }  # fmt: skip
+    }
 
 
 def raise_after_change(module, mesh, **kwargs):

@@ -43,8 +43,11 @@ def checks_and_counts_against_handwritten(plan_path: str, model_path: str, hand:
 def hand_tp_fsdp_integration(model, ctx) -> None:
     """test_fsdp_tp_extension_grad by hand, with FSDP2 for FSDP1."""
     mesh = init_device_mesh("cpu", (dist.get_world_size() // 2, 2), mesh_dim_names=("dp", "tp"))
-    parallelize_module(model, mesh["tp"], {"mlp.net1": ColwiseParallel(input_layouts=Shard(0)),
-                                           "mlp.net2": RowwiseParallel(output_layouts=Shard(0))})  # fmt: skip
+    parallelize_module(
+        model,
+        mesh["tp"],
+        {"mlp.net1": ColwiseParallel(input_layouts=Shard(0)), "mlp.net2": RowwiseParallel(output_layouts=Shard(0))},
+    )
 
     def prepare_input_fn(mod, inputs, device_mesh):
         return DTensor.from_local(inputs[0], device_mesh, [Shard(0)], run_check=False)
@@ -68,8 +71,10 @@ def cast_forward_inputs(plan_path: str, model_path: str) -> dict:
     ctx = _applied(plan_path, model_path)
     x = ctx.model_file.example_input(4, torch.Generator().manual_seed(dist.get_rank()))
     ctx.model(x).float().sum().backward()
-    return {name: [str(d).removeprefix("torch.") for d in module.seen] for name, module in
-            (("root", ctx.model), ("c1", ctx.model.c1), ("c2", ctx.model.c2))}  # fmt: skip
+    return {
+        name: [str(d).removeprefix("torch.") for d in module.seen]
+        for name, module in (("root", ctx.model), ("c1", ctx.model.c1), ("c2", ctx.model.c2))
+    }
 
 
 def shared_parameters(plan_path: str, model_path: str) -> dict:
@@ -97,7 +102,9 @@ def exact_uneven_chunks(plan_path: str, model_path: str) -> dict:
         chunks = torch.chunk(full, world, dim=0)
         expected = chunks[rank] if rank < len(chunks) else full.new_empty((0, *full.shape[1:]))
         local = p.to_local()
-        assert local.shape == expected.shape and torch.equal(local, expected), f"{name}: {tuple(local.shape)} vs {tuple(expected.shape)}"
+        assert local.shape == expected.shape and torch.equal(local, expected), (
+            f"{name}: {tuple(local.shape)} vs {tuple(expected.shape)}"
+        )
         shapes[name] = tuple(local.shape)
     return shapes
 

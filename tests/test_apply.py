@@ -16,13 +16,19 @@ CASES = {
     "mlp_colwise_rowwise": (
         """mesh world = cpu[tp=auto]
         parallelize on world.tp { net1 : colwise; net2 : rowwise }""",
-        MLP, "hand_mlp_tp", jobs.features(16), (2, 4),
+        MLP,
+        "hand_mlp_tp",
+        jobs.features(16),
+        (2, 4),
     ),
     "init_cpu": (
         """mesh world = cpu[tp=auto]
         parallelize on world.tp { net1 : colwise; net2 : rowwise }
         init cpu""",
-        MLP, "hand_mlp_tp", jobs.features(16), (2,),
+        MLP,
+        "hand_mlp_tp",
+        jobs.features(16),
+        (2,),
     ),
     "mlp_sequence_parallel": (
         """mesh world = cpu[tp=auto]
@@ -31,7 +37,10 @@ CASES = {
             mlp.w1 : colwise(input=shard(1))
             mlp.w2 : rowwise(output=shard(1))
         }""",
-        "tests.models:seq_mlp", "hand_seq_mlp", jobs.features(8, seq=4, shard_dim=1), (2, 4),
+        "tests.models:seq_mlp",
+        "hand_seq_mlp",
+        jobs.features(8, seq=4, shard_dim=1),
+        (2, 4),
     ),
     "rmsnorm_distribute": (
         """mesh world = cpu[tp=auto]
@@ -40,38 +49,59 @@ CASES = {
             mlp.net1 : colwise(input=shard(0))
             mlp.net2 : rowwise(output=shard(0))
         }""",
-        "examples.mlp_norm:build_model", "hand_rmsnorm", jobs.features(10, batch=4, shard_dim=0), (2,),
+        "examples.mlp_norm:build_model",
+        "hand_rmsnorm",
+        jobs.features(10, batch=4, shard_dim=0),
+        (2,),
     ),
     "embedding_colwise": (
         """mesh world = cpu[tp=auto]
         parallelize on world.tp { embedding : colwise; fc : rowwise }""",
-        "tests.models:embed", "hand_embed_colwise", jobs.tokens(16), (2, 4),
+        "tests.models:embed",
+        "hand_embed_colwise",
+        jobs.tokens(16),
+        (2, 4),
     ),
     "embedding_rowwise": (
         """mesh world = cpu[tp=auto]
         parallelize on world.tp { embedding : rowwise; fc : colwise }""",
-        "tests.models:embed", "hand_embed_rowwise", jobs.tokens(16), (2,),
+        "tests.models:embed",
+        "hand_embed_rowwise",
+        jobs.tokens(16),
+        (2,),
     ),
     "weight_tying": (
         """mesh world = cpu[tp=auto]
         parallelize on world.tp { embedding : colwise; fc : rowwise }""",
-        "examples.tied:build_model", "hand_tied", jobs.tokens(16), (2,),
+        "examples.tied:build_model",
+        "hand_tied",
+        jobs.tokens(16),
+        (2,),
     ),
     "tp_fsdp_2d": (
         """mesh world = cpu[dp=auto, tp=2]
         parallelize on world.tp { net1 : colwise; net2 : rowwise }
         fully_shard on world.dp { }""",
-        MLP, "hand_2d", jobs.features(16, dp=2), (4,),
+        MLP,
+        "hand_2d",
+        jobs.features(16, dp=2),
+        (4,),
     ),
     "hsdp": (
         """mesh world = cpu[replicate=auto, shard=2]
         fully_shard on world[replicate, shard] { each u1; each u2 }""",
-        UNITS, "hand_hsdp", jobs.features(8, dp=4), (4,),
+        UNITS,
+        "hand_hsdp",
+        jobs.features(8, dp=4),
+        (4,),
     ),
     "hsdp_strategy_alias": (
         """mesh world = cpu[replicate=auto, shard=2]
         fully_shard on world[replicate, shard] { each {u1,u2}; strategy = hybrid_shard }""",
-        UNITS, "hand_hsdp", jobs.features(8, dp=4), (4,),
+        UNITS,
+        "hand_hsdp",
+        jobs.features(8, dp=4),
+        (4,),
     ),
     "mixed_precision": (
         """mesh world = cpu[dp=auto]
@@ -80,19 +110,28 @@ CASES = {
             each u2
             mixed_precision(param=bf16, reduce=fp32)
         }""",
-        UNITS, "hand_mixed_precision", jobs.features(8, dp=2), (2,),
+        UNITS,
+        "hand_mixed_precision",
+        jobs.features(8, dp=2),
+        (2,),
     ),
     "replicate_and_fully_shard": (
         """mesh world = cpu[dp=auto]
         replicate on world.dp { each u1; root = false }
         fully_shard on world.dp { each u2 }""",
-        UNITS, "hand_replicate_and_fully_shard", jobs.features(8, dp=2), (2,),
+        UNITS,
+        "hand_replicate_and_fully_shard",
+        jobs.features(8, dp=2),
+        (2,),
     ),
     "checkpoint_fully_shard": (
         """mesh world = cpu[dp=auto]
         checkpoint u1, u2
         fully_shard on world.dp { each u*; }""",
-        UNITS, "hand_checkpoint_fully_shard", jobs.features(8, dp=2), (2,),
+        UNITS,
+        "hand_checkpoint_fully_shard",
+        jobs.features(8, dp=2),
+        (2,),
     ),
     "unit_options": (
         """mesh world = cpu[dp=auto]
@@ -103,7 +142,10 @@ CASES = {
             each head (strategy=no_shard)
             strategy = full_shard
         }""",
-        UNITS, "hand_options", jobs.features(8, dp=4), (4,),
+        UNITS,
+        "hand_options",
+        jobs.features(8, dp=4),
+        (4,),
     ),
     "prepare_input_output": (
         """mesh world = cpu[tp=auto]
@@ -114,7 +156,10 @@ CASES = {
         }
         parallelize mlp on world.tp { root : prepare_output(output=partial, desired=shard(0)) }
         parallelize on world.tp { norm : sequence_parallel(dim=0, local_output=true) }""",
-        "tests.models:seq_mlp", "hand_prepare_output", jobs.features(8, batch=4, seq=3, shard_dim=0), (2,),
+        "tests.models:seq_mlp",
+        "hand_prepare_output",
+        jobs.features(8, batch=4, seq=3, shard_dim=0),
+        (2,),
     ),
     "user_styles": (
         """use examples.styles.rowwise_scaled as rowwise_scaled
@@ -126,13 +171,19 @@ CASES = {
             root : prepare_io(input_layouts=replicate, desired_input_layouts=replicate,
                               output_layouts=replicate, desired_output_layouts=replicate)
         }""",
-        MLP, "hand_user_styles", jobs.features(16), (2,),
+        MLP,
+        "hand_user_styles",
+        jobs.features(16),
+        (2,),
     ),
     "class_targets": (
         """mesh world = cpu[dp=auto]
         checkpoint class Sequential
         fully_shard on world.dp { each class torch.nn.Sequential }""",
-        UNITS, "hand_checkpoint_fully_shard", jobs.features(8, dp=2), (2,),
+        UNITS,
+        "hand_checkpoint_fully_shard",
+        jobs.features(8, dp=2),
+        (2,),
     ),
     "distribute_output_layout": (
         """mesh world = cpu[tp=auto]
@@ -141,7 +192,10 @@ CASES = {
             mlp.w1 : colwise
             mlp.w2 : rowwise
         }""",
-        "tests.models:seq_mlp", "hand_distribute_output", jobs.features(8, seq=3), (2,),
+        "tests.models:seq_mlp",
+        "hand_distribute_output",
+        jobs.features(8, seq=3),
+        (2,),
     ),
 }
 
@@ -219,20 +273,26 @@ fully_shard on world.dp { each net1 }
 init meta"""
 
 
-@pytest.mark.parametrize(("plan", "expect"), [(FAILING_STYLE, "planted failure"), (FAILING_INIT, "planted init failure")],
-                         ids=["user-style", "init-after-fully-shard"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("plan", "expect"),
+    [(FAILING_STYLE, "planted failure"), (FAILING_INIT, "planted init failure")],
+    ids=["user-style", "init-after-fully-shard"],
+)
 def test_failed_apply_leaves_the_model_exactly_as_it_was(pools, plan, expect):
     messages = pools(2).run(jobs.failing_apply_leaves_model_unchanged, plan, "tests.models:failing_mlp")
     assert all(expect in m for m in messages)
 
 
-@pytest.mark.parametrize(("plan_name", "model", "world"), [
-    ("llama_2d", "examples.llama:build_model", 4),
-    ("mlp_norm_2d", "examples.mlp_norm:build_model", 4),
-    ("hsdp", "examples.llama:build_model", 4),
-    ("llama_custom_styles", "examples.llama:build_model", 4),
-    ("mlp_tp", "examples.mlp:build_model", 2),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("plan_name", "model", "world"),
+    [
+        ("llama_2d", "examples.llama:build_model", 4),
+        ("mlp_norm_2d", "examples.mlp_norm:build_model", 4),
+        ("hsdp", "examples.llama:build_model", 4),
+        ("llama_custom_styles", "examples.llama:build_model", 4),
+        ("mlp_tp", "examples.mlp:build_model", 2),
+    ],
+)
 @pytest.mark.parametrize("with_model", [True, False], ids=["for-the-model", "for-any-model"])
 def test_emitted_python_gives_the_same_placements(pools, plan_name, model, world, with_model):
     from .conftest import ROOT

@@ -19,8 +19,14 @@ PLANS = sorted((ROOT / "plans").glob("*.sl"))
 
 
 def shardlang_apply(*args, env=None, timeout=240):
-    return subprocess.run([sys.executable, "-m", "shardlang", "apply", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=timeout, env={**os.environ, **(env or {})})  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "shardlang", "apply", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def model_of(plan) -> str:
@@ -61,7 +67,9 @@ def test_json_report_is_the_only_stdout():
 
 def test_failed_check_exits_1_with_sl400(tmp_path):
     plan = tmp_path / "wrong_count.sl"
-    plan.write_text("mesh world = cpu[tp=auto]\nparallelize on world.tp { net1 : colwise; net2 : rowwise }\nverify comms(all_reduce=3)\n")
+    plan.write_text(
+        "mesh world = cpu[tp=auto]\nparallelize on world.tp { net1 : colwise; net2 : rowwise }\nverify comms(all_reduce=3)\n"
+    )
     done = shardlang_apply(str(plan), "examples/mlp.py", "--nproc", "2")
     assert done.returncode == 1
     assert "error[SL400] check comms failed" in done.stdout
@@ -80,7 +88,9 @@ def test_unusable_plan_exits_2_before_starting_workers():
 def test_verify_none_and_steps_override():
     done = shardlang_apply("plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--verify", "none", "--json")
     assert done.returncode == 0 and json.loads(done.stdout)["checks"] == []
-    done = shardlang_apply("plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--verify", "gradients", "--steps", "1", "--json")
+    done = shardlang_apply(
+        "plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--verify", "gradients", "--steps", "1", "--json"
+    )
     (check,) = json.loads(done.stdout)["checks"]
     assert check["data"]["steps"] == 1
     done = shardlang_apply("plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--verify", "gradient")
@@ -90,7 +100,9 @@ def test_verify_none_and_steps_override():
 @pytest.mark.parametrize("how", ["kill", "raise"])
 def test_a_dying_worker_stops_the_job_and_names_its_rank(how):
     start = time.perf_counter()
-    done = shardlang_apply("plans/mlp_tp.sl", "tests/faults/dies.py", "--nproc", "2", env={"SHARDLANG_TEST_FAULT": how}, timeout=120)
+    done = shardlang_apply(
+        "plans/mlp_tp.sl", "tests/faults/dies.py", "--nproc", "2", env={"SHARDLANG_TEST_FAULT": how}, timeout=120
+    )
     assert done.returncode == 2
     assert "shardlang: error: rank 1 failed: " in done.stderr, done.stderr
     if how == "raise":
@@ -105,12 +117,32 @@ def test_two_node_torchrun_job_on_loopback():
     from shardlang.launch import free_port
 
     port = str(free_port())
-    common = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-              "--master-addr", "127.0.0.1", "--master-port", port]  # fmt: skip
+    common = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        port,
+    ]
     command = ["-m", "shardlang", "apply", "plans/mlp_tp.sl", "examples/mlp.py", "--device", "cpu", "--json"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    nodes = [subprocess.Popen([*common, "--node-rank", str(n), *command], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for n in (0, 1)]  # fmt: skip
+    nodes = [
+        subprocess.Popen(
+            [*common, "--node-rank", str(n), *command],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in (0, 1)
+    ]
     try:
         outputs = [node.communicate(timeout=240) for node in nodes]
     finally:

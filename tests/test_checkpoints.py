@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from shardlang import PlanError
-from shardlang.checkpoints import convert_checkpoint, load_checkpoint, publish, read_checkpoint, save_checkpoint
+from shardlang.checkpoints import load_checkpoint, publish, read_checkpoint, save_checkpoint
 from shardlang.cli import main
 from shardlang.launch import WorkerError
 
@@ -28,7 +28,9 @@ def assert_bitwise(got: dict, want: dict, what: str) -> None:
     for name, value in want.items():
         if isinstance(value, torch.Tensor):
             assert got[name].dtype == value.dtype and got[name].shape == value.shape, f"{what}: {name}"
-            assert torch.equal(got[name].reshape(-1).view(torch.uint8), value.reshape(-1).view(torch.uint8)), f"{what}: {name} differs"
+            assert torch.equal(got[name].reshape(-1).view(torch.uint8), value.reshape(-1).view(torch.uint8)), (
+                f"{what}: {name} differs"
+            )
         else:
             assert got[name] == value, f"{what}: {name}"
 
@@ -52,13 +54,17 @@ def test_a_checkpoint_is_plain_dcp_with_what_wrote_it(saved):
     assert checkpoint.bytes == sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
 
 
-@pytest.mark.parametrize("world, plan, params", [
-    (4, LLAMA_2D, {"tp": 1}),   # dp 4
-    (4, LLAMA_2D, {"tp": 4}),   # tp 4
-    (4, HSDP, {"shard": 2}),    # HSDP 2 x 2
-    (2, LLAMA_2D, {"tp": 2}),   # world 2: tp 2
-    (2, HSDP, {"shard": 2}),    # world 2: FSDP 2
-], ids=["dp4", "tp4", "hsdp_2x2", "world2_tp2", "world2_fsdp2"])  # fmt: skip
+@pytest.mark.parametrize(
+    "world, plan, params",
+    [
+        (4, LLAMA_2D, {"tp": 1}),  # dp 4
+        (4, LLAMA_2D, {"tp": 4}),  # tp 4
+        (4, HSDP, {"shard": 2}),  # HSDP 2 x 2
+        (2, LLAMA_2D, {"tp": 2}),  # world 2: tp 2
+        (2, HSDP, {"shard": 2}),  # world 2: FSDP 2
+    ],
+    ids=["dp4", "tp4", "hsdp_2x2", "world2_tp2", "world2_fsdp2"],
+)
 def test_loads_bitwise_under_another_plan_and_world(pools, saved, world, plan, params):
     directory, want = saved
     for rank, got in enumerate(pools(world).run(jobs.load_under, plan, params, LLAMA, directory)):
@@ -147,11 +153,16 @@ class Small(nn.Module):
 def test_a_checkpoint_that_does_not_fit_lists_every_misfit_and_changes_nothing(tmp_path):
     save_checkpoint(Small(), tmp_path / "small")
     cases = {
-        "shape": (Small(hidden=16), ["fc1.weight: shape (8, 4) in the checkpoint, (16, 4) in the model",
-                                     "fc2.weight: shape (2, 8) in the checkpoint, (2, 16) in the model"]),
+        "shape": (
+            Small(hidden=16),
+            [
+                "fc1.weight: shape (8, 4) in the checkpoint, (16, 4) in the model",
+                "fc2.weight: shape (2, 8) in the checkpoint, (2, 16) in the model",
+            ],
+        ),
         "keys": (Small(bias=False), ["checkpoint key fc1.bias is not in the model"]),
         "dtype": (Small().half(), ["fc1.weight: dtype float32 in the checkpoint, float16 in the model"]),
-    }  # fmt: skip
+    }
     for what, (model, expected) in cases.items():
         before = {k: v.clone() for k, v in model.state_dict().items()}
         with pytest.raises(PlanError) as caught:
@@ -197,15 +208,27 @@ def test_apply_save_then_load_under_another_world(tmp_path):
     """The commands end to end: train and save at world 4 (dp 2 x tp 2), resume at world 2 (tp 2), where
     the gradients check also resumes the Adam state, in the sharded model and in its reference."""
     target = str(tmp_path / "ck")
-    saved = shardlang_apply(LLAMA_2D, "examples/llama.py", "--nproc", "4", "--verify", "gradients", "--steps", "1",
-                            "--save", target, "--json")  # fmt: skip
+    saved = shardlang_apply(
+        LLAMA_2D,
+        "examples/llama.py",
+        "--nproc",
+        "4",
+        "--verify",
+        "gradients",
+        "--steps",
+        "1",
+        "--save",
+        target,
+        "--json",
+    )
     assert saved.returncode == 0, saved.stderr
     report = json.loads(saved.stdout)
     assert report["checkpoint"]["saved"]["optimizer"] and report["checkpoint"]["loaded"] is None
     assert "save" in report["seconds"]
 
-    loaded = shardlang_apply(LLAMA_2D, "examples/llama.py", "--nproc", "2", "--verify", "gradients", "--steps", "1",
-                             "--load", target)  # fmt: skip
+    loaded = shardlang_apply(
+        LLAMA_2D, "examples/llama.py", "--nproc", "2", "--verify", "gradients", "--steps", "1", "--load", target
+    )
     assert loaded.returncode == 0, loaded.stdout + loaded.stderr
     assert f"resumed Adam state from {target}" in loaded.stdout
     assert f"loaded {target}: 21 tensors" in loaded.stdout
@@ -213,11 +236,15 @@ def test_apply_save_then_load_under_another_world(tmp_path):
 
 def test_apply_refuses_a_checkpoint_that_does_not_fit_before_starting_workers(tmp_path):
     save_checkpoint(Small(), tmp_path / "small")
-    done = shardlang_apply("plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--load", str(tmp_path / "small"), timeout=60)
+    done = shardlang_apply(
+        "plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--load", str(tmp_path / "small"), timeout=60
+    )
     assert done.returncode == 2
     assert "error[SL500] the checkpoint at" in done.stderr and "is not in the model" in done.stderr
     assert "starting" not in done.stderr  # refused before any worker started
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "keep.txt").write_text("mine")
-    done = shardlang_apply("plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--save", str(tmp_path / "notes"), timeout=60)
+    done = shardlang_apply(
+        "plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--save", str(tmp_path / "notes"), timeout=60
+    )
     assert done.returncode == 2 and "error[SL501] cannot save to" in done.stderr

@@ -33,7 +33,10 @@ def test_cli_output_is_pinned(name, capsys, monkeypatch, golden):
     monkeypatch.chdir(ROOT)
     status = main(CASES[name])
     out, err = capsys.readouterr()
-    golden(FIXTURES / "cli" / f"{name}.txt", f"$ shardlang {' '.join(CASES[name])}\nexit: {status}\n--- stdout\n{out}--- stderr\n{err}")
+    golden(
+        FIXTURES / "cli" / f"{name}.txt",
+        f"$ shardlang {' '.join(CASES[name])}\nexit: {status}\n--- stdout\n{out}--- stderr\n{err}",
+    )
 
 
 def test_usage_error_exits_2(capsys):

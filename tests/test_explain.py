@@ -94,7 +94,9 @@ def test_a_long_stack_is_stepped_on_four_blocks_and_extrapolated_exactly():
     assert len(fast.notes) == 1 and "on 2, 3 and 4 of the 10 blocks of `layers`" in fast.notes[0]
     assert not full.notes
 
-    plan = shardlang.loads("shardlang 1\nmesh world = cpu[tp=2]\nparallelize layers.* on world.tp { up : colwise; down : rowwise }\n")
+    plan = shardlang.loads(
+        "shardlang 1\nmesh world = cpu[tp=2]\nparallelize layers.* on world.tp { up : colwise; down : rowwise }\n"
+    )
     with torch.device("meta"):
         model = Alternating()
     fast = plan.explain(model, world_size=2, example_input=alternating_input)
@@ -149,8 +151,25 @@ def test_every_example_plan_explains_at_world_1024_without_real_memory():
         model = model_of(f"plans/{plan.name}")
         source = ["--entry", "examples.llama:build_large"] if model == "examples/llama.py" else [model]
         params = ["-D", "tp=8"] if re.search(r"^param tp\b", plan.read_text(), re.MULTILINE) else []
-        done = subprocess.run([sys.executable, "-m", "shardlang", "explain", f"plans/{plan.name}", *source, "--world", "1024",
-                               *params, "--format", "json"], cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "shardlang",
+                "explain",
+                f"plans/{plan.name}",
+                *source,
+                "--world",
+                "1024",
+                *params,
+                "--format",
+                "json",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, (plan.name, done.stderr[-2000:])
         data = __import__("json").loads(done.stdout)
         assert data["world_size"] == 1024 and data["tensors"]
@@ -175,21 +194,38 @@ def test_svg_has_one_block_per_shard():
     assert [b[2] for b in norm.blocks] == [(0, 1), (2, 3)]  # dp shards it, tp replicates it
 
 
-@pytest.mark.parametrize(("name", "args"), [
-    ("explain_mlp_tp", ["explain", "plans/mlp_tp.sl", "examples/mlp.py", "--world", "2"]),
-    ("explain_llama_grid", ["explain", "plans/llama_2d.sl", "examples/llama.py", "--world", "4", "--rank", "1",
-                            "--param", "layers.0.attention.{wq,wo}.weight"]),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("name", "args"),
+    [
+        ("explain_mlp_tp", ["explain", "plans/mlp_tp.sl", "examples/mlp.py", "--world", "2"]),
+        (
+            "explain_llama_grid",
+            [
+                "explain",
+                "plans/llama_2d.sl",
+                "examples/llama.py",
+                "--world",
+                "4",
+                "--rank",
+                "1",
+                "--param",
+                "layers.0.attention.{wq,wo}.weight",
+            ],
+        ),
+    ],
+)
 def test_text_rendering_is_pinned(name, args, golden):
-    done = subprocess.run([sys.executable, "-m", "shardlang", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "shardlang", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     golden(FIXTURES / "cli" / f"{name}.txt", done.stdout)
 
 
 def test_library_explain_and_json_data():
-    from examples.mlp import build_model, example_input
-
     import torch
+
+    from examples.mlp import build_model, example_input
 
     plan = shardlang.load(ROOT / "plans" / "mlp_tp.sl")
     with torch.device("meta"):

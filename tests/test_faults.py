@@ -9,13 +9,17 @@ from shardlang.job import Job, run
 FAULTS = {
     # name: (world, model, check, faulty plan, fixed plan, words the failure message must contain)
     "buffer differs across data-parallel ranks": (
-        2, "tests/faults/rank_buffer.py", "module_states",
+        2,
+        "tests/faults/rank_buffer.py",
+        "module_states",
         "mesh world = cpu[dp=auto]\nfully_shard on world.dp { }\nverify module_states\n",
         "mesh world = cpu[dp=auto]\nfully_shard on world.dp { }\nsync over world.dp\nverify module_states\n",
         ["steps", "world.dp", "max difference 1"],
     ),
     "a use style wrong on one rank": (
-        2, "examples/mlp.py", "gradients",
+        2,
+        "examples/mlp.py",
+        "gradients",
         "use tests.faults.styles.colwise_off_on_rank1 as odd\nmesh world = cpu[tp=auto]\n"
         "parallelize on world.tp { net1 : odd; net2 : rowwise }\nverify gradients(steps=1)\n",
         "use tests.faults.styles.colwise as odd\nmesh world = cpu[tp=auto]\n"
@@ -23,7 +27,9 @@ FAULTS = {
         ["loss", "step 0"],
     ),
     "a parameter left on meta": (
-        2, "examples/mlp.py", "init_device",
+        2,
+        "examples/mlp.py",
+        "init_device",
         "use tests.faults.styles.colwise_bias_on_meta as meta_bias\nmesh world = cpu[tp=auto]\n"
         "parallelize on world.tp { net1 : meta_bias; net2 : rowwise }\nverify init_device\n",
         "use tests.faults.styles.colwise as meta_bias\nmesh world = cpu[tp=auto]\n"
@@ -31,7 +37,9 @@ FAULTS = {
         ["net1.bias (meta)", "still on meta"],
     ),
     "a style placing tensors other than predicted": (
-        2, "tests/faults/seq_norm.py", "placements",
+        2,
+        "tests/faults/seq_norm.py",
+        "placements",
         "use tests.faults.styles.ShardingSequenceParallel as sp\nmesh world = cpu[tp=auto]\n"
         "parallelize on world.tp { norm : sp; mlp.w1 : colwise; mlp.w2 : rowwise }\nverify placements\n",
         "use tests.faults.styles.PlainSequenceParallel as sp\nmesh world = cpu[tp=auto]\n"
@@ -39,7 +47,9 @@ FAULTS = {
         ["norm.weight", "predicted world[tp] (Replicate())", "(Shard(0))"],
     ),
     "a wrong collective count": (
-        2, "examples/mlp.py", "comms",
+        2,
+        "examples/mlp.py",
+        "comms",
         "mesh world = cpu[tp=auto]\nparallelize on world.tp { net1 : colwise; net2 : rowwise }\nverify comms(all_reduce=5)\n",
         "mesh world = cpu[tp=auto]\nparallelize on world.tp { net1 : colwise; net2 : rowwise }\nverify comms(all_reduce=1)\n",
         ["all_reduce: expected 5, counted 1"],
@@ -80,8 +90,12 @@ def test_every_check_is_covered_by_a_fault():
 
 def test_check_without_example_input_is_not_run_and_not_passed(pools, tmp_path):
     (tmp_path / "noinput.py").write_text("from examples.mlp import build_model\n")
-    job = _job(tmp_path, "noinput", "mesh world = cpu[tp=auto]\nparallelize on world.tp { net1 : colwise; net2 : rowwise }\n",
-               str(tmp_path / "noinput.py"))  # fmt: skip
+    job = _job(
+        tmp_path,
+        "noinput",
+        "mesh world = cpu[tp=auto]\nparallelize on world.tp { net1 : colwise; net2 : rowwise }\n",
+        str(tmp_path / "noinput.py"),
+    )
     assert [c.name for c in job.checks] == ["gradients", "module_states", "init_device", "placements", "comms"]
     report = pools(2).run(run, job)[0]
     skipped = {c.check for c in report.skipped}

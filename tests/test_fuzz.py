@@ -16,7 +16,11 @@ from .conftest import FIXTURES, ROOT
 
 SEEDS = [p.read_text() for p in sorted((ROOT / "plans").glob("*.sl")) + sorted((FIXTURES / "valid").glob("*.sl"))]
 TOKEN = re.compile(r"\s+|[A-Za-z_][A-Za-z0-9_]*|-?\d+(?:\.\d+)?|\S")
-FUZZ = settings(max_examples=int(__import__("os").environ.get("SHARDLANG_FUZZ_EXAMPLES", 150)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=int(__import__("os").environ.get("SHARDLANG_FUZZ_EXAMPLES", 150)),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 def assert_only_plan_or_plan_error(text: str = None, *, path=None) -> None:
@@ -57,7 +61,41 @@ def mutated_plans(draw) -> str:
         elif op == "truncate":
             parts = parts[:i]
         elif op == "insert":
-            parts.insert(i, draw(st.sampled_from(["{", "}", "(", ")", "[", "]", ",", ";", ":", "=", "$", ".", "*", "**", '"', "#", "\n", "-1", "1e9", "on", "each", "root", "class", "mesh", "\x00", "é"])))
+            parts.insert(
+                i,
+                draw(
+                    st.sampled_from(
+                        [
+                            "{",
+                            "}",
+                            "(",
+                            ")",
+                            "[",
+                            "]",
+                            ",",
+                            ";",
+                            ":",
+                            "=",
+                            "$",
+                            ".",
+                            "*",
+                            "**",
+                            '"',
+                            "#",
+                            "\n",
+                            "-1",
+                            "1e9",
+                            "on",
+                            "each",
+                            "root",
+                            "class",
+                            "mesh",
+                            "\x00",
+                            "é",
+                        ]
+                    )
+                ),
+            )
         else:
             parts[i] = draw(st.text(max_size=6))
     return "".join(parts)

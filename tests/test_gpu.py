@@ -16,17 +16,39 @@ ALL_CHECKS = "gradients,module_states,init_device,placements,comms"
 
 
 def apply_on_gpus(plan: str, model: str, nproc: int = 2):
-    done = subprocess.run([sys.executable, "-m", "shardlang", "apply", plan, model, "--device", "cuda", "--nproc", str(nproc),
-                           "--verify", ALL_CHECKS, "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardlang",
+            "apply",
+            plan,
+            model,
+            "--device",
+            "cuda",
+            "--nproc",
+            str(nproc),
+            "--verify",
+            ALL_CHECKS,
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(done.stdout)
 
 
-@pytest.mark.parametrize(("plan", "model"), [
-    ("plans/mlp_tp.sl", "examples/mlp.py"),
-    ("plans/llama_2d.sl", "examples/llama.py"),
-    ("plans/llama_loss_parallel.sl", "examples/llama.py"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("plan", "model"),
+    [
+        ("plans/mlp_tp.sl", "examples/mlp.py"),
+        ("plans/llama_2d.sl", "examples/llama.py"),
+        ("plans/llama_loss_parallel.sl", "examples/llama.py"),
+    ],
+)
 def test_apply_with_nccl_passes_all_five_checks(plan, model):
     report = apply_on_gpus(plan, model)
     assert report["device"] == "cuda (nccl)" and report["ok"]
@@ -51,7 +73,11 @@ def shards_on_cuda_are_distinct(plan_text: str) -> dict:
         local = p.to_local() if isinstance(p, DTensor) else p
         assert local.device == torch.device("cuda", torch.cuda.current_device()), f"{name} on {local.device}"
         # Decided from the global shape, the same on every rank (each rank then joins the collective).
-        if isinstance(p, DTensor) and not all(pl.is_replicate() for pl in p.placements) and p.shape[0] % dist.get_world_size() == 0:
+        if (
+            isinstance(p, DTensor)
+            and not all(pl.is_replicate() for pl in p.placements)
+            and p.shape[0] % dist.get_world_size() == 0
+        ):
             gathered = [torch.empty_like(local.flatten()) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, local.flatten().contiguous())
             out[name] = len({tuple(t.tolist()) for t in gathered})

@@ -29,7 +29,9 @@ def test_lint_fixture_reports_expected_codes(path: Path, capsys, monkeypatch):
     model = ["--entry", _header(text, "entry")] if _header(text, "entry") else [_header(text, "model")]
     status = main(["lint", str(path.relative_to(ROOT)), *model, "--world", _header(text, "world"), "--format", "json"])
     found = [(d["code"], d["line"], d["col"]) for d in json.loads(capsys.readouterr().out)]
-    expected = [(c, int(line), int(col)) for c, line, col in re.findall(r"^# expect: (SL\d+) (\d+):(\d+)$", text, re.MULTILINE)]
+    expected = [
+        (c, int(line), int(col)) for c, line, col in re.findall(r"^# expect: (SL\d+) (\d+):(\d+)$", text, re.MULTILINE)
+    ]
     assert expected, f"{path.name} has no expect lines"
     assert found == expected
     errors = any(code != "SL203" and code not in ("SL206", "SL209") for code, _, _ in found)

@@ -39,7 +39,9 @@ def apply_and_check(pools, plan, world: int = 4, drop: str | None = None):
 
 
 def assert_all_pass(report):
-    assert report.ok, [(c.check, c.ok, c.message) for c in report.checks] + [d.message for d in report.diagnostics if d.is_error]
+    assert report.ok, [(c.check, c.ok, c.message) for c in report.checks] + [
+        d.message for d in report.diagnostics if d.is_error
+    ]
     assert all(c.ok for c in report.checks), [(c.check, c.message) for c in report.checks]
 
 
@@ -57,18 +59,29 @@ def test_fsdp_tp_integration__extension_grad(pools):
     RMSNorm, FSDP over dp. Gradients match the reference (finite: no NaN), and the collectives of one
     forward+backward are those of the same model parallelised by hand in the same run."""
     plan = ROOT / "plans" / "mlp_norm_2d.sl"
-    text = plan.read_text().replace("verify gradients(steps=2, input=shard(0), output=shard(0))", "verify gradients(steps=2, input=shard(0), output=shard(0)), comms")
+    text = plan.read_text().replace(
+        "verify gradients(steps=2, input=shard(0), output=shard(0))",
+        "verify gradients(steps=2, input=shard(0), output=shard(0)), comms",
+    )
     path = plan.with_name(".mlp_norm_2d_comms.sl")
     path.write_text(text)
     try:
-        result = pools(4).run(seed_jobs.checks_and_counts_against_handwritten, str(path), str(ROOT / "examples/mlp_norm.py"),
-                              "hand_tp_fsdp_integration")[0]  # fmt: skip
+        result = pools(4).run(
+            seed_jobs.checks_and_counts_against_handwritten,
+            str(path),
+            str(ROOT / "examples/mlp_norm.py"),
+            "hand_tp_fsdp_integration",
+        )[0]
     finally:
         path.unlink()
     assert all(ok for _, ok, _ in result["checks"]), result["checks"]
     assert result["plan_counts"] == result["hand_counts"]
-    assert result["plan_counts"]["all_gather_into_tensor"] >= 1 and result["plan_counts"]["reduce_scatter_tensor"] >= 1  # TP
-    assert result["plan_counts"]["_allgather_base_"] >= 1 and result["plan_counts"]["_reduce_scatter_base_"] >= 1  # FSDP
+    assert (
+        result["plan_counts"]["all_gather_into_tensor"] >= 1 and result["plan_counts"]["reduce_scatter_tensor"] >= 1
+    )  # TP
+    assert (
+        result["plan_counts"]["_allgather_base_"] >= 1 and result["plan_counts"]["_reduce_scatter_base_"] >= 1
+    )  # FSDP
 
 
 def test_fsdp_tp_integration__sync_module_state(pools):
@@ -116,14 +129,19 @@ def test_compose__replicate_parameters_are_the_rest(pools):
 
 def test_compose__cast_forward_inputs(pools):
     """fp16 inputs inside the fp16 unit (also when checkpointing recomputes it), fp32 outside."""
-    seen = pools(2).run(seed_jobs.cast_forward_inputs, str(SEEDS / "compose_cast_forward_inputs.sl"),
-                        str(ROOT / "examples/seeds/forward_inputs.py"))[0]  # fmt: skip
+    seen = pools(2).run(
+        seed_jobs.cast_forward_inputs,
+        str(SEEDS / "compose_cast_forward_inputs.sl"),
+        str(ROOT / "examples/seeds/forward_inputs.py"),
+    )[0]
     assert seen["root"] == ["float32"] and seen["c1"] == ["float32"]
     assert seen["c2"] and set(seen["c2"]) == {"float16"}
 
 
 def test_compose__fully_shard_and_replicate_on_one_module_is_sl205():
-    assert lint_codes(FIXTURES / "lint" / "sl205_both_units.sl", str(ROOT / "tests/faults/composite_units.py"), 2) == ["SL205"]
+    assert lint_codes(FIXTURES / "lint" / "sl205_both_units.sl", str(ROOT / "tests/faults/composite_units.py"), 2) == [
+        "SL205"
+    ]
 
 
 # --- 3. _composable/fsdp/test_fully_shard_init.py ----------------------------------------------
@@ -134,7 +152,10 @@ def test_fully_shard_init__states_moved_to_the_mesh_device(pools):
 
 
 def test_fully_shard_init__cpu_tp_mesh_with_cuda_fsdp_mesh_is_sl208_before_any_change():
-    assert lint_codes(FIXTURES / "lint" / "sl208_mixed_devices.sl", str(ROOT / "examples/mlp.py"), 4) == ["SL208", "SL208"]
+    assert lint_codes(FIXTURES / "lint" / "sl208_mixed_devices.sl", str(ROOT / "examples/mlp.py"), 4) == [
+        "SL208",
+        "SL208",
+    ]
 
 
 def test_fully_shard_init__3d_mesh_is_sl106():
@@ -173,8 +194,11 @@ def test_fully_shard_init__meta_device_init_then_an_optimizer_step(pools, name):
 
 
 def test_fully_shard_init__forgetting_to_materialise_lists_what_is_on_meta(pools):
-    message = pools(2).run(seed_jobs.forgot_to_materialise, "mesh world = cpu[dp=auto]\nfully_shard on world.dp { each odd }\n",
-                           str(ROOT / "examples/seeds/uneven.py"))[0]  # fmt: skip
+    message = pools(2).run(
+        seed_jobs.forgot_to_materialise,
+        "mesh world = cpu[dp=auto]\nfully_shard on world.dp { each odd }\n",
+        str(ROOT / "examples/seeds/uneven.py"),
+    )[0]
     assert "6 tensors are on the meta device: even.weight, even.bias, odd.weight" in message
 
 
@@ -188,7 +212,9 @@ def test_fully_shard_init__hsdp_replicas_made_equal_by_sync_then_trained(pools):
 # --- 4. tensor/parallel/test_tp_examples.py ----------------------------------------------------
 
 
-@pytest.mark.parametrize("plan", [ROOT / "plans" / "mlp_tp.sl", SEEDS / "tp_mlp_sequence_parallel.sl"], ids=["mlp", "mlp_sequence_parallel"])
+@pytest.mark.parametrize(
+    "plan", [ROOT / "plans" / "mlp_tp.sl", SEEDS / "tp_mlp_sequence_parallel.sl"], ids=["mlp", "mlp_sequence_parallel"]
+)
 def test_tp_examples__mlp_training_and_inference(pools, plan):
     """Training (gradients over steps) and inference (the losses are forward passes) with and without
     sequence parallelism."""
@@ -204,14 +230,18 @@ def test_tp_examples__weight_tying(pools):
 
 def test_tp_examples__loss_parallel_counts_as_torch_gives_them(pools):
     plan = SEEDS / "tp_loss_parallel.sl"
-    result = pools(2).run(seed_jobs.checks_and_counts_against_handwritten, str(plan), model_of(plan), "hand_loss_parallel")[0]
+    result = pools(2).run(
+        seed_jobs.checks_and_counts_against_handwritten, str(plan), model_of(plan), "hand_loss_parallel"
+    )[0]
     assert all(ok for _, ok, _ in result["checks"]), result["checks"]
     assert result["plan_counts"] == result["hand_counts"]
     assert result["plan_counts"]["all_reduce"] >= 3  # cross-entropy's max, sum-exp and target gathers
 
 
 def test_tp_examples__loss_parallel_sharded_on_another_dim_is_sl207():
-    assert lint_codes(FIXTURES / "lint" / "sl207_class_dim.sl", str(ROOT / "examples/seeds/classifier.py"), 2) == ["SL207"]
+    assert lint_codes(FIXTURES / "lint" / "sl207_class_dim.sl", str(ROOT / "examples/seeds/classifier.py"), 2) == [
+        "SL207"
+    ]
 
 
 # --- 5. test_fake_pg.py --------------------------------------------------------------------------
@@ -234,8 +264,28 @@ def test_fake_pg__explain_a_tp_fsdp_plan_at_world_1024():
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "shardlang", "explain", "plans/llama_2d.sl", "examples/llama.py", "--world", "1024",
-                           "-D", "tp=4", "--rank", "1023", "--format", "json"], cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardlang",
+            "explain",
+            "plans/llama_2d.sl",
+            "examples/llama.py",
+            "--world",
+            "1024",
+            "-D",
+            "tp=4",
+            "--rank",
+            "1023",
+            "--format",
+            "json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     data = json.loads(done.stdout)
     assert data["world_size"] == 1024 and data["rank"] == 1023

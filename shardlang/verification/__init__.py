@@ -50,7 +50,13 @@ class CheckResult:
         data = dict(self.data)
         if self.worst is not None:
             data.setdefault("worst_error", self.worst)
-        return {"check": self.check, "ok": self.ok, "message": self.message, "seconds": round(self.seconds, 4), "data": data}
+        return {
+            "check": self.check,
+            "ok": self.ok,
+            "message": self.message,
+            "seconds": round(self.seconds, 4),
+            "data": data,
+        }
 
 
 @define
@@ -92,7 +98,9 @@ def modules() -> dict[str, Any]:
     }
 
 
-def run_checks(ctx: Context, checks: Sequence[ir.Check], progress: Callable[[str], None] | None = None) -> list[CheckResult]:
+def run_checks(
+    ctx: Context, checks: Sequence[ir.Check], progress: Callable[[str], None] | None = None
+) -> list[CheckResult]:
     """Run `checks` on this rank (every rank must call this with the same checks), in ORDER."""
     by_name = {c.name: c for c in checks}
     results = {}
@@ -101,7 +109,9 @@ def run_checks(ctx: Context, checks: Sequence[ir.Check], progress: Callable[[str
             progress(name)
         start = time.perf_counter()
         outcome = modules()[name].run(ctx, by_name[name])
-        results[name] = CheckResult(name, outcome.ok, outcome.message, time.perf_counter() - start, outcome.data, outcome.worst)
+        results[name] = CheckResult(
+            name, outcome.ok, outcome.message, time.perf_counter() - start, outcome.data, outcome.worst
+        )
     return [results[c.name] for c in checks]
 
 
@@ -115,8 +125,16 @@ def combine(per_rank: Sequence[Sequence[CheckResult]]) -> list[CheckResult]:
         ok = False if failed else (None if skipped else True)
         message = f"rank {rank}: {first.message}" if failed and len(results) > 1 else first.message
         worsts = [res.worst for res in results if res.worst is not None]
-        merged.append(CheckResult(first.check, ok, message, max(res.seconds for res in results), first.data,
-                                  max(worsts) if worsts else None))  # fmt: skip
+        merged.append(
+            CheckResult(
+                first.check,
+                ok,
+                message,
+                max(res.seconds for res in results),
+                first.data,
+                max(worsts) if worsts else None,
+            )
+        )
     return merged
 
 

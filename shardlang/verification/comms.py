@@ -13,25 +13,47 @@ activation checkpointing (a KeyError on the recomputed module in torch 2.13).
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import Outcome, layout as lay
+from . import Outcome
+from . import layout as lay
 
 #: The ops that are collectives, as CommDebugMode counts them: c10d's and the functional ones.
-FUNCTIONAL_COLLECTIVES = frozenset({
-    "all_reduce", "all_reduce_coalesced", "all_gather_into_tensor", "all_gather_into_tensor_coalesced",
-    "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_to_all_single", "broadcast",
-})  # fmt: skip
-C10D_COLLECTIVES = frozenset({
-    "_allgather_base_", "_reduce_scatter_base_", "allgather_", "allgather_coalesced_", "allgather_into_tensor_coalesced_",
-    "allreduce_", "allreduce_coalesced_", "alltoall_", "alltoall_base_", "broadcast_", "gather_", "scatter_", "reduce_",
-    "reduce_scatter_", "reduce_scatter_tensor_coalesced_",
-})  # fmt: skip
+FUNCTIONAL_COLLECTIVES = frozenset(
+    {
+        "all_reduce",
+        "all_reduce_coalesced",
+        "all_gather_into_tensor",
+        "all_gather_into_tensor_coalesced",
+        "reduce_scatter_tensor",
+        "reduce_scatter_tensor_coalesced",
+        "all_to_all_single",
+        "broadcast",
+    }
+)
+C10D_COLLECTIVES = frozenset(
+    {
+        "_allgather_base_",
+        "_reduce_scatter_base_",
+        "allgather_",
+        "allgather_coalesced_",
+        "allgather_into_tensor_coalesced_",
+        "allreduce_",
+        "allreduce_coalesced_",
+        "alltoall_",
+        "alltoall_base_",
+        "broadcast_",
+        "gather_",
+        "scatter_",
+        "reduce_",
+        "reduce_scatter_",
+        "reduce_scatter_tensor_coalesced_",
+    }
+)
 FUNCTIONAL = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
 
 
@@ -43,7 +65,9 @@ def op_name(op) -> str:
 def collective(func) -> str | None:
     """The collective's name if `func` (an op overload) is one, else None."""
     namespace, _, name = str(func.overloadpacket).partition(".")
-    if (namespace == "c10d" and name in C10D_COLLECTIVES) or (namespace in FUNCTIONAL and name in FUNCTIONAL_COLLECTIVES):
+    if (namespace == "c10d" and name in C10D_COLLECTIVES) or (
+        namespace in FUNCTIONAL and name in FUNCTIONAL_COLLECTIVES
+    ):
         return name
     return None
 
@@ -70,7 +94,7 @@ class Calls:
         try:
             yield
         finally:
-            del self.calls[len(calls):]
+            del self.calls[len(calls) :]
 
     def counts(self) -> dict[str, int]:
         found: dict[str, int] = {}
@@ -142,8 +166,11 @@ def run(ctx, check) -> Outcome:
     total = sum(counts.values())
     expected = dict(check.args)
     data = {"counts": counts, "total": total, "expected": expected}
-    wrong = [f"{k}: expected {n}, counted {total if k == 'total' else counts.get(k, 0)}"
-             for k, n in expected.items() if (total if k == "total" else counts.get(k, 0)) != n]  # fmt: skip
+    wrong = [
+        f"{k}: expected {n}, counted {total if k == 'total' else counts.get(k, 0)}"
+        for k, n in expected.items()
+        if (total if k == "total" else counts.get(k, 0)) != n
+    ]
     shown = ", ".join(f"{k}={n}" for k, n in counts.items()) or "none"
     if wrong:
         return Outcome(False, f"{'; '.join(wrong)} (counted {shown})", data)

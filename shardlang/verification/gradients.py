@@ -29,7 +29,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from .. import plan as ir
-from . import Outcome, layout as lay
+from . import Outcome
+from . import layout as lay
 
 #: (rtol, atol) by the dtype the sharded model computes in: elementwise for float32, per tensor (in norm)
 #: for the low-precision dtypes.
@@ -69,7 +70,9 @@ def run(ctx, check: ir.Check) -> Outcome:
     ctx.optimizer = optim
     lr = optim.param_groups[0]["lr"]  # the check's, or the checkpoint's when it resumed
     names = [n for n, _ in model.named_parameters()]
-    worst: dict[str, list[float]] = {n: [0.0, 0.0] for n in ["loss", *(f"grad {n}" for n in names), *(f"param {n}" for n in names)]}
+    worst: dict[str, list[float]] = {
+        n: [0.0, 0.0] for n in ["loss", *(f"grad {n}" for n in names), *(f"param {n}" for n in names)]
+    }
     failures: list[str] = []
 
     for step in range(args["steps"]):
@@ -85,8 +88,13 @@ def run(ctx, check: ir.Check) -> Outcome:
         torch.stack([loss.float() for loss in ref_losses]).mean().backward()
 
         compare = functools.partial(_compare, worst, failures, rtol=rtol, elementwise=elementwise)
-        compare(f"step {step}: loss", "loss", torch.tensor([lay.value(sharded_loss)]),
-                torch.tensor([float(ref_losses[where.replica].detach())]), atol=atol)  # fmt: skip
+        compare(
+            f"step {step}: loss",
+            "loss",
+            torch.tensor([lay.value(sharded_loss)]),
+            torch.tensor([float(ref_losses[where.replica].detach())]),
+            atol=atol,
+        )
         for name, p in model.named_parameters():
             ref = reference.get_parameter(name)
             if (p.grad is None) != (ref.grad is None):
@@ -102,24 +110,41 @@ def run(ctx, check: ir.Check) -> Outcome:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 updated, ref = _full(p.detach()), reference.get_parameter(name)
-                compare(f"step {step}: {name} after the update", f"param {name}", updated, ref.detach(), atol=param_atol)
+                compare(
+                    f"step {step}: {name} after the update", f"param {name}", updated, ref.detach(), atol=param_atol
+                )
                 # Each step starts the reference from the sharded model's parameters, so that rounding
                 # differences do not compound from step to step and every step is checked on its own.
                 ref.copy_(updated)
 
     optim.zero_grad(set_to_none=True)
-    table = sorted(({"tensor": k, "max_abs": a, "rel_norm": r} for k, (a, r) in worst.items()), key=lambda row: -row["rel_norm"])
-    data = {"steps": args["steps"], "batch": args["batch"], "optimizer": args["optimizer"], "lr": lr,
-            "dtype": str(dtype).removeprefix("torch."), "rtol": rtol, "atol": atol, "replicas": where.replicas,
-            "resumed": resumed, "worst": table[:20]}  # fmt: skip
+    table = sorted(
+        ({"tensor": k, "max_abs": a, "rel_norm": r} for k, (a, r) in worst.items()), key=lambda row: -row["rel_norm"]
+    )
+    data = {
+        "steps": args["steps"],
+        "batch": args["batch"],
+        "optimizer": args["optimizer"],
+        "lr": lr,
+        "dtype": str(dtype).removeprefix("torch."),
+        "rtol": rtol,
+        "atol": atol,
+        "replicas": where.replicas,
+        "resumed": resumed,
+        "worst": table[:20],
+    }
     top = table[0] if table else {"tensor": "-", "max_abs": 0.0, "rel_norm": 0.0}
     if failures:
         more = f" (and {len(failures) - LISTED} more)" if len(failures) > LISTED else ""
         return Outcome(False, "; ".join(failures[:LISTED]) + more, data, top["rel_norm"])
-    return Outcome(True, f"{args['steps']} steps on {where.replicas} replica{'s' if where.replicas > 1 else ''} match the "
-                         f"unsharded model ({data['dtype']}, rtol {rtol:g}, atol {atol:g}); worst relative error "
-                         f"{top['rel_norm']:.2e} ({top['tensor']})" + (f"; {resumed}" if resumed else ""), data,
-                   top["rel_norm"])  # fmt: skip
+    return Outcome(
+        True,
+        f"{args['steps']} steps on {where.replicas} replica{'s' if where.replicas > 1 else ''} match the "
+        f"unsharded model ({data['dtype']}, rtol {rtol:g}, atol {atol:g}); worst relative error "
+        f"{top['rel_norm']:.2e} ({top['tensor']})" + (f"; {resumed}" if resumed else ""),
+        data,
+        top["rel_norm"],
+    )
 
 
 def _resume(ctx, optim, reference, ref_optim) -> str:
@@ -152,11 +177,25 @@ def _reference(ctx) -> torch.nn.Module:
     missing, unexpected = reference.load_state_dict({k: _full(v) for k, v in state.items()}, strict=False)
     if unexpected:
         raise ValueError(f"the sharded model's state dict has names the unsharded one lacks: {unexpected[:5]}")
-    return reference.float() if any(p.dtype != torch.float32 for p in reference.parameters() if p.is_floating_point()) else reference
+    return (
+        reference.float()
+        if any(p.dtype != torch.float32 for p in reference.parameters() if p.is_floating_point())
+        else reference
+    )
 
 
-def _compare(worst, failures, what: str, key: str, got: torch.Tensor, want: torch.Tensor, *, rtol: float, atol: float,
-             elementwise: bool) -> None:  # fmt: skip
+def _compare(
+    worst,
+    failures,
+    what: str,
+    key: str,
+    got: torch.Tensor,
+    want: torch.Tensor,
+    *,
+    rtol: float,
+    atol: float,
+    elementwise: bool,
+) -> None:
     """Record the largest absolute and relative error of `got` against `want`; a failure if they differ
     by more than the tolerance (elementwise, or for the tensor as a whole)."""
     # On the tensors' own device: a model of a billion parameters compares in seconds there, not minutes.
@@ -175,6 +214,10 @@ def _compare(worst, failures, what: str, key: str, got: torch.Tensor, want: torc
     elif elementwise:
         bad = diff > atol + rtol * want.abs()
         if bool(bad.any()):
-            failures.append(f"{what}: max error {max_abs:.3g} at {int(bad.sum())} of {bad.numel()} values (rtol {rtol:g}, atol {atol:g})")
+            failures.append(
+                f"{what}: max error {max_abs:.3g} at {int(bad.sum())} of {bad.numel()} values (rtol {rtol:g}, atol {atol:g})"
+            )
     elif diff_norm > rtol * want_norm + atol * math.sqrt(diff.numel()):
-        failures.append(f"{what}: relative error {norm_rel:.3g} in norm, max error {max_abs:.3g} (rtol {rtol:g}, atol {atol:g})")
+        failures.append(
+            f"{what}: relative error {norm_rel:.3g} in norm, max error {max_abs:.3g} (rtol {rtol:g}, atol {atol:g})"
+        )

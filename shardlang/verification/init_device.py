@@ -16,7 +16,9 @@ def run(ctx, check) -> Outcome:
     expected = ctx.device
     offloaded = _offloaded(ctx)
     wrong, seen = [], set()
-    tensors = [(n, t, True) for n, t in ctx.model.named_parameters()] + [(n, t, False) for n, t in ctx.model.named_buffers()]
+    tensors = [(n, t, True) for n, t in ctx.model.named_parameters()] + [
+        (n, t, False) for n, t in ctx.model.named_buffers()
+    ]
     for name, tensor, is_param in tensors:
         if id(tensor) in seen:
             continue
@@ -26,11 +28,17 @@ def run(ctx, check) -> Outcome:
         if not _same(local.device, want):
             wrong.append((name, str(local.device), str(want)))
     wrong.sort(key=lambda w: w[1] != "meta")  # what is still on meta first
-    data = {"device": str(expected), "tensors": len(seen), "wrong": [{"name": n, "device": d, "expected": e} for n, d, e in wrong]}
+    data = {
+        "device": str(expected),
+        "tensors": len(seen),
+        "wrong": [{"name": n, "device": d, "expected": e} for n, d, e in wrong],
+    }
     if not wrong:
         return Outcome(True, f"all {len(seen)} parameters and buffers on {expected}", data)
     on_meta = [n for n, d, _ in wrong if d == "meta"]
-    listed = ", ".join(f"{n} ({d})" for n, d, _ in wrong[:LISTED]) + (f" and {len(wrong) - LISTED} more" if len(wrong) > LISTED else "")
+    listed = ", ".join(f"{n} ({d})" for n, d, _ in wrong[:LISTED]) + (
+        f" and {len(wrong) - LISTED} more" if len(wrong) > LISTED else ""
+    )
     lead = f"{len(on_meta)} still on meta; " if on_meta else ""
     return Outcome(False, f"{lead}{len(wrong)} of {len(seen)} tensors not on {expected}: {listed}", data)
 
@@ -52,6 +60,10 @@ def _offloaded(ctx) -> set[str]:
     found = set()
     for fqn in resolution.modules:
         unit = enclosing(fqn, units)
-        if unit is not None and unit.kind(ctx.plan.units[unit.block]) == "fully_shard" and unit.option(ctx.plan.units[unit.block], "offload") == "cpu":
+        if (
+            unit is not None
+            and unit.kind(ctx.plan.units[unit.block]) == "fully_shard"
+            and unit.option(ctx.plan.units[unit.block], "offload") == "cpu"
+        ):
             found.add(fqn)
     return found

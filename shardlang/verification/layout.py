@@ -78,7 +78,9 @@ def local_inputs(full: tuple, where: Layout, input_layout: Any) -> tuple:
     if not isinstance(input_layout, ir.Shard) or where.tp_size == 1:
         return full
     return tuple(
-        x.tensor_split(where.tp_size, dim=input_layout.dim)[where.tp_index].contiguous() if isinstance(x, torch.Tensor) else x
+        x.tensor_split(where.tp_size, dim=input_layout.dim)[where.tp_index].contiguous()
+        if isinstance(x, torch.Tensor)
+        else x
         for x in full
     )
 

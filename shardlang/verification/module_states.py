@@ -42,7 +42,11 @@ def run(ctx, check) -> Outcome:
             ranks = dist.get_process_group_ranks(group)
             groups.append(f"{mesh_name}.{dim}")
             compared += len(mine)
-            flat = torch.cat([b for _, b in (_bytes(n, x) for n, x in mine)]) if mine else torch.empty(0, dtype=torch.uint8)
+            flat = (
+                torch.cat([b for _, b in (_bytes(n, x) for n, x in mine)])
+                if mine
+                else torch.empty(0, dtype=torch.uint8)
+            )
             everyone = [torch.empty_like(flat) for _ in range(size)]
             dist.all_gather(everyone, flat, group=group)
             reference = everyone[0]
@@ -51,11 +55,18 @@ def run(ctx, check) -> Outcome:
                     continue
                 name, diff = _first_difference(mine, reference, other, ctx.device)
                 data = {"tensor": name, "group": ranks, "mesh_dim": f"{mesh_name}.{dim}", "max_difference": diff}
-                return Outcome(False, f"{name} differs between rank {ranks[0]} and rank {ranks[i]} along {mesh_name}.{dim} "
-                                      f"(group {ranks}): max difference {diff:.3g}", data, diff)  # fmt: skip
+                return Outcome(
+                    False,
+                    f"{name} differs between rank {ranks[0]} and rank {ranks[i]} along {mesh_name}.{dim} "
+                    f"(group {ranks}): max difference {diff:.3g}",
+                    data,
+                    diff,
+                )
     if not groups:
         return Outcome(True, "no mesh dim has replicas to compare", {"groups": []})
-    return Outcome(True, f"replicated tensors bitwise equal along {', '.join(groups)}", {"groups": groups, "compared": compared})
+    return Outcome(
+        True, f"replicated tensors bitwise equal along {', '.join(groups)}", {"groups": groups, "compared": compared}
+    )
 
 
 def _local(tensor, device) -> torch.Tensor:

@@ -54,7 +54,9 @@ def run(ctx, check) -> Outcome:
             continue
         got = actual(tensor)
         want = _normal(want, tensor.ndim)
-        if (got.mesh is None) != (want.mesh is None) or (got.mesh is not None and (got.dims, got.placements) != (want.dims, want.placements)):
+        if (got.mesh is None) != (want.mesh is None) or (
+            got.mesh is not None and (got.dims, got.placements) != (want.dims, want.placements)
+        ):
             wrong.append((name, want, got))
         else:
             matched += 1
@@ -63,7 +65,11 @@ def run(ctx, check) -> Outcome:
         "unpredicted": unpredicted,
         "wrong": [{"name": n, "predicted": str(w), "actual": _show(g)} for n, w, g in wrong],
     }
-    note = f"; {len(unpredicted)} placed by user styles, not predicted: {', '.join(unpredicted[:LISTED])}" if unpredicted else ""
+    note = (
+        f"; {len(unpredicted)} placed by user styles, not predicted: {', '.join(unpredicted[:LISTED])}"
+        if unpredicted
+        else ""
+    )
     if wrong:
         listed = "; ".join(f"{n}: predicted {w}, got {_show(g)}" for n, w, g in wrong[:LISTED])
         return Outcome(False, f"{len(wrong)} of {len(seen)} tensors differ from the prediction: {listed}{note}", data)

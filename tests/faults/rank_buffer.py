@@ -1,6 +1,5 @@
 """A model whose buffer depends on the rank that builds it (as data read per rank would)."""
 
-import torch
 import torch.distributed as dist
 
 from examples.buffers import BufferedMLP, example_input  # noqa: F401

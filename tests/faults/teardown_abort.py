@@ -5,8 +5,8 @@ import os
 
 import torch.distributed as dist
 
-from examples.mlp import example_input  # noqa: F401
 from examples.mlp import build_model as build_mlp
+from examples.mlp import example_input  # noqa: F401
 
 
 def build_model():
