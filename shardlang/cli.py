@@ -280,7 +280,15 @@ def run_apply(args: argparse.Namespace) -> int:
     from .job import Job
 
     job = Job(
-        args.plan, _params(args.params), args.model, args.entry, checks, args.seed, load=args.load, save=args.save
+        args.plan,
+        _params(args.params),
+        args.model,
+        args.entry,
+        checks,
+        args.seed,
+        load=args.load,
+        save=args.save,
+        explicit=explicit,
     )
     console = Console(file=sys.stderr, highlight=False)
     warnings: list[str] = []

@@ -22,7 +22,8 @@ from .launch import progress
 from .modelfile import ModelFile, load_model_file
 from .report import Report
 from .runtime import mesh_device
-from .verification import Context, combine, gather, run_checks
+from .source import Span
+from .verification import FAIL, SKIPPED, Context, combine, gather, run_checks
 from .verification.layout import layout
 
 
@@ -40,6 +41,7 @@ class Job:
     model_file: ModelFile | None = None
     load: str | None = None  # a checkpoint to load after the plan is applied, before the checks
     save: str | None = None  # where to save one after the checks, if they passed
+    explicit: bool = False  # the checks were asked for (by the plan's verify or --verify): each must run
 
 
 def run(job: Job) -> Report:
@@ -95,20 +97,12 @@ def _run(job: Job) -> Report:
             transfers["loaded"] = load_checkpoint(model, checkpoint)
         except PlanError as e:
             return _failed(world, e.diagnostics)
-    ctx = Context(plan, applied, model_file, checkpoint=checkpoint)
+    ctx = Context(plan, applied, model_file, checkpoint=checkpoint, seed=job.seed)
     checked = time.perf_counter()
     results = run_checks(ctx, job.checks, progress=lambda name: progress(f"check {name}"))
     checks = tuple(combine(gather(results)))
-    failures = tuple(
-        Diagnostic(
-            "SL400",
-            f"check {c.check} failed",
-            next((k.span for k in job.checks if k.name == c.check), None),
-            tuple(part.strip() for part in c.message.split("; ")[:4]),
-        )
-        for c in checks
-        if c.ok is False
-    )
+    failures = tuple(d for c in checks if c.status == FAIL for d in _failure(c, job.checks))
+    unrun = tuple(c for c in checks if c.status == SKIPPED) if job.explicit else ()
     warnings = tuple(d for d in applied.linted.diagnostics if not d.is_error) + plan.diagnostics
     where = layout(ctx)
     shape = (
@@ -140,17 +134,48 @@ def _run(job: Job) -> Report:
         ("total", total),
     )
     seconds = {name: getattr(t, "seconds", t) for name, t in stages if t is not None}
+    notes += tuple(f"check {c.check} was asked for but compared nothing: {c.message}" for c in unrun)
     return Report(
-        ok=not failures,
+        ok=not failures and not unrun,
         world_size=world,
         device=_device(plan),
         checks=checks,
         diagnostics=warnings + failures,
         warnings=notes,
+        usable=not unrun,
         seconds=seconds,
         layout=shape,
         checkpoints=transfers,
     )
+
+
+def _failure(result, checks) -> tuple[Diagnostic, ...]:
+    """SL400 at the check's verify statement; and where the gradients check localised the failure, SL400
+    at the plan statement that governs the first module that disagrees."""
+    found = [
+        Diagnostic(
+            "SL400",
+            f"check {result.check} failed",
+            next((k.span for k in checks if k.name == result.check), None),
+            tuple(part.strip() for part in result.message.split("; ")[:4]),
+        )
+    ]
+    where = result.data.get("localised")
+    if where:
+        statements = where["statements"]
+        spans = [Span(s["file"], s["line"], s["col"], s["end_line"], s["end_col"]) for s in statements]
+        call = f" (call {where['call']})" if where["call"] > 1 else ""
+        found.append(
+            Diagnostic(
+                "SL400",
+                f"first disagreement: module '{where['module']}' ({where['class']}){call}, its {where['what']}",
+                spans[0] if spans else None,
+                tuple(f"{s['what']}: {s['file']}:{s['line']}:{s['col']}: {s['text']}" for s in statements[1:])
+                or ("no plan statement governs this module itself; look at the rules around it",),
+                label=statements[0]["what"] if statements else "",
+            )
+        )
+    return tuple(found)
 
 
 def _failed(world: int, diagnostics) -> Report:

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from .diagnostics import Diagnostic, render_all
 from .source import Source
-from .verification import CheckResult
+from .verification import PASS, SKIPPED, CheckResult, summary
 
 if TYPE_CHECKING:
     from .checkpoints import Transfer
@@ -32,19 +32,26 @@ class Report:
 
     @property
     def ran(self) -> tuple[CheckResult, ...]:
-        return tuple(c for c in self.checks if c.ok is not None)
+        """The checks that compared something (passed, failed or reported)."""
+        return tuple(c for c in self.checks if c.status != SKIPPED)
 
     @property
     def skipped(self) -> tuple[CheckResult, ...]:
-        return tuple(c for c in self.checks if c.ok is None)
+        return tuple(c for c in self.checks if c.status == SKIPPED)
+
+    @property
+    def summary(self) -> str:
+        return summary(self.checks)
 
     def to_json(self) -> dict[str, Any]:
-        """SPEC §7's object; checks that could not run are under `skipped`, never counted as passed."""
+        """SPEC §7's object: one entry per check with its status (pass, fail, skipped, reported); only
+        `pass` is a pass. `skipped` repeats the skipped ones with their reasons."""
         return {
             "ok": self.ok,
             "world_size": self.world_size,
             "device": self.device,
-            "checks": [c.to_json() for c in self.ran],
+            "summary": self.summary,
+            "checks": [c.to_json() for c in self.checks],
             "skipped": [{"check": c.check, "message": c.message} for c in self.skipped],
             "diagnostics": [d.to_json() for d in self.diagnostics],
             "warnings": list(self.warnings),
@@ -66,11 +73,16 @@ def render(report: Report, sources: dict[str, Source], console: Console) -> None
     )
     if report.checks:
         table = Table(show_edge=True, header_style="bold")
-        for column, justify in (("check", "left"), ("result", "left"), ("worst error", "right"), ("seconds", "right")):
+        for column, justify in (
+            ("check", "left"),
+            ("result", "left"),
+            ("error / allowed", "right"),
+            ("seconds", "right"),
+        ):
             table.add_column(column, justify=justify)
         for c in report.checks:
-            result = (
-                "[green]pass[/green]" if c.ok else "[red]FAIL[/red]" if c.ok is False else "[yellow]skipped[/yellow]"
+            result = {PASS: "[green]pass[/green]", SKIPPED: "[yellow]skipped[/yellow]"}.get(
+                c.status, "[red]FAIL[/red]" if c.ok is False else "[cyan]reported[/cyan]"
             )
             worst = "-" if c.worst is None else f"{c.worst:.2e}"
             table.add_row(c.check, result, worst, f"{c.seconds:.2f}")
@@ -84,5 +96,6 @@ def render(report: Report, sources: dict[str, Source], console: Console) -> None
     for warning in report.warnings:
         console.print(f"warning: {warning}", highlight=False, markup=False, style="yellow")
     timing = ", ".join(f"{k} {v:.1f} s" for k, v in report.seconds.items())
-    verdict = "[green]all checks passed[/green]" if report.ok else "[red]failed[/red]"
-    console.print(f"{verdict} ({timing})")
+    colour = "red" if not report.ok else "green" if all(c.status == PASS for c in report.checks) else "yellow"
+    verdict = report.summary if report.usable else "failed"
+    console.print(f"[{colour}]{verdict}[/{colour}] ({timing})")

@@ -23,28 +23,46 @@ from ..modelfile import ModelFile
 if TYPE_CHECKING:
     from ..checkpoints import Checkpoint
 
-#: The order checks run in: the ones that only look first, the ones that train last.
-ORDER = ("init_device", "placements", "module_states", "comms", "gradients")
+#: The order checks run in: the ones that only look first (init before anything trains), the ones that
+#: train last.
+ORDER = ("init", "init_device", "placements", "module_states", "comms", "gradients")
+
+#: How a check ends. `skipped`: it compared nothing (the message says why); `reported`: it measured and
+#: shows something but was given nothing to compare it with (comms without expected counts). Neither is
+#: a pass.
+PASS, FAIL, SKIPPED, REPORTED = "pass", "fail", "skipped", "reported"
+STATUSES = (PASS, FAIL, SKIPPED, REPORTED)
 
 
 @frozen
 class Outcome:
-    """One check on one rank. `ok` None: the check could not run here (it says why, and is not a pass)."""
+    """One check on one rank. `worst`: the largest error measured, as a fraction of what was allowed (1.0
+    is the limit), where the check has one."""
 
-    ok: bool | None
+    status: str = field(validator=lambda _, __, value: _known(value))
     message: str
     data: dict[str, Any] = field(factory=dict)
     worst: float | None = None
+
+
+def _known(status: str) -> None:
+    if status not in STATUSES:
+        raise ValueError(f"unknown check status {status!r}; expected one of {STATUSES}")
 
 
 @frozen
 class CheckResult:
     check: str
-    ok: bool | None
+    status: str
     message: str
     seconds: float
     data: dict[str, Any] = field(factory=dict)
     worst: float | None = None
+
+    @property
+    def ok(self) -> bool | None:
+        """True passed, False failed, None neither (skipped or reported)."""
+        return True if self.status == PASS else False if self.status == FAIL else None
 
     def to_json(self) -> dict[str, Any]:
         data = dict(self.data)
@@ -52,11 +70,19 @@ class CheckResult:
             data.setdefault("worst_error", self.worst)
         return {
             "check": self.check,
+            "status": self.status,
             "ok": self.ok,
             "message": self.message,
             "seconds": round(self.seconds, 4),
             "data": data,
         }
+
+
+def summary(results: Sequence[CheckResult]) -> str:
+    """What happened, in counts: `4 passed, 1 skipped`, `1 failed, 3 passed`, or `no checks ran`."""
+    words = {FAIL: "failed", PASS: "passed", SKIPPED: "skipped", REPORTED: "reported"}
+    counts = [(sum(r.status == s for r in results), words[s]) for s in (FAIL, PASS, SKIPPED, REPORTED)]
+    return ", ".join(f"{n} {word}" for n, word in counts if n) or "no checks ran"
 
 
 @define
@@ -70,6 +96,7 @@ class Context:
     model_file: ModelFile
     checkpoint: Checkpoint | None = None
     optimizer: torch.optim.Optimizer | None = None
+    seed: int = 0  # the seed the model was built with (the init check builds an unsharded one with it)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -87,9 +114,10 @@ class Context:
 
 
 def modules() -> dict[str, Any]:
-    from . import comms, gradients, init_device, module_states, placements
+    from . import comms, gradients, init, init_device, module_states, placements
 
     return {
+        "init": init,
         "init_device": init_device,
         "placements": placements,
         "module_states": module_states,
@@ -110,25 +138,24 @@ def run_checks(
         start = time.perf_counter()
         outcome = modules()[name].run(ctx, by_name[name])
         results[name] = CheckResult(
-            name, outcome.ok, outcome.message, time.perf_counter() - start, outcome.data, outcome.worst
+            name, outcome.status, outcome.message, time.perf_counter() - start, outcome.data, outcome.worst
         )
     return [results[c.name] for c in checks]
 
 
 def combine(per_rank: Sequence[Sequence[CheckResult]]) -> list[CheckResult]:
-    """One result per check from every rank's: failed anywhere is failed, the slowest rank's time."""
+    """One result per check from every rank's: failed anywhere is failed; otherwise skipped anywhere is
+    skipped (a rank compared nothing), then reported, then passed; the slowest rank's time."""
     merged = []
     for results in zip(*per_rank):
-        failed = [(r, res) for r, res in enumerate(results) if res.ok is False]
-        skipped = [res for res in results if res.ok is None]
-        rank, first = failed[0] if failed else (0, results[0])
-        ok = False if failed else (None if skipped else True)
-        message = f"rank {rank}: {first.message}" if failed and len(results) > 1 else first.message
+        status = next(s for s in (FAIL, SKIPPED, REPORTED, PASS) if any(r.status == s for r in results))
+        rank, first = next((r, res) for r, res in enumerate(results) if res.status == status)
+        message = f"rank {rank}: {first.message}" if status == FAIL and len(results) > 1 else first.message
         worsts = [res.worst for res in results if res.worst is not None]
         merged.append(
             CheckResult(
                 first.check,
-                ok,
+                status,
                 message,
                 max(res.seconds for res in results),
                 first.data,

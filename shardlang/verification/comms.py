@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import Outcome
+from . import FAIL, PASS, REPORTED, SKIPPED, Outcome
 from . import layout as lay
 
 #: The ops that are collectives, as CommDebugMode counts them: c10d's and the functional ones.
@@ -161,7 +161,7 @@ def count_collectives(ctx, model, recorder: Calls | None = None) -> dict[str, in
 
 def run(ctx, check) -> Outcome:
     if ctx.model_file.example_input is None:
-        return Outcome(None, "not run: the model file defines no example_input(batch, generator)")
+        return Outcome(SKIPPED, "not run: the model file defines no example_input(batch, generator)")
     counts = count_collectives(ctx, ctx.model)
     total = sum(counts.values())
     expected = dict(check.args)
@@ -173,6 +173,8 @@ def run(ctx, check) -> Outcome:
     ]
     shown = ", ".join(f"{k}={n}" for k, n in counts.items()) or "none"
     if wrong:
-        return Outcome(False, f"{'; '.join(wrong)} (counted {shown})", data)
-    verdict = "as expected" if expected else "not compared: the plan gives no counts"
-    return Outcome(True, f"{total} collective{'' if total == 1 else 's'} ({shown}); {verdict}", data)
+        return Outcome(FAIL, f"{'; '.join(wrong)} (counted {shown})", data)
+    counted = f"{total} collective{'' if total == 1 else 's'} ({shown})"
+    if not expected:
+        return Outcome(REPORTED, f"{counted}; not compared: the plan gives no counts, e.g. comms(total={total})", data)
+    return Outcome(PASS, f"{counted}; as expected", data)

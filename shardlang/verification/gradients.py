@@ -1,150 +1,230 @@
-"""gradients: an unsharded reference, loaded from the sharded model's full state dict, trained on every
-data-parallel replica's inputs (its loss the mean of theirs, as FSDP and DDP average gradients), gives
-the same losses, full gradients and updated parameters at every step. SPEC §7. Each step starts the
-reference from the sharded model's parameters, so rounding does not compound across steps.
+"""gradients: each part of a training step of the sharded model, checked on its own inputs against an
+unsharded reference (docs/language.md §7 and §10).
 
-When the model was loaded from a checkpoint that holds state of the same optimizer class, both the
-sharded optimizer (resharded by DCP) and the reference's (from its full state dict) resume from it, so
-the check also verifies that the saved optimizer state went on training as before.
+Per step, on every rank, for its own data-parallel replica:
+1. the loss and every gradient (`full_tensor()`) against the unsharded model trained on every
+   replica's inputs (its loss the mean of theirs, as FSDP and DDP average gradients);
+2. the optimizer: a reference optimizer is handed *the sharded model's own full gradients* and
+   steps; the updated parameters must match the sharded optimizer's. This tests the sharded
+   optimizer (its states and their sharding) and nothing else: gradient rounding, which Adam
+   amplifies where a gradient is near zero, cannot reach it.
+Each step starts every reference from the sharded model's parameters, so rounding does not compound.
 
-Every rank builds the reference and compares its own replica's loss and every full tensor; the worst
-error per parameter is kept for the report. Tolerances default by the dtype the model computes in. In
-float32 every element must agree (|got - want| <= atol + rtol |want|). In bfloat16 and float16 (mixed
-precision) elements drift by rounding, so each tensor must agree as a whole:
-||got - want|| <= rtol ||want|| + atol sqrt(n); a wrong shard or a wrong sum is off by far more.
+Tolerances come from the run. The truth is the reference in float64. A second reference computes in
+the precision the sharded model does (its parameters' dtype, and each fully_shard unit's
+`mixed_precision` emulated: parameters cast, inputs and outputs cast as FSDP does); its distance from
+the truth is the rounding error of that precision on these very inputs. A sharded tensor passes when
+
+    ||sharded - truth|| <= K * ||same precision - truth|| + K * eps(float32) * scale * sqrt(n)
+
+with K = 8 and `scale` the root-mean-square value of the truth's tensors of that kind in the step
+(a floor for tensors whose true value is zero, where the reference's own error can be tiny by luck).
+Each error is reported as a fraction of what was allowed: 1.0 is the limit. `rtol`/`atol` given in the
+plan replace the rule with a fixed one: ||sharded - truth|| <= rtol ||truth|| + atol sqrt(n).
+
+When a loss or a gradient fails, the step is run again with hooks on every module (localise.py) to
+name the first module whose output, or whose gradient with respect to its output, disagrees, and the
+plan statements that govern it.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
-    set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from .. import plan as ir
-from . import Outcome
+from . import FAIL, PASS, SKIPPED, Outcome, localise
 from . import layout as lay
+from .reference import K, References, allowed_error, full, rounding_error, shape_mismatch
 
-#: (rtol, atol) by the dtype the sharded model computes in: elementwise for float32, per tensor (in norm)
-#: for the low-precision dtypes.
-TOLERANCES = {
-    torch.float32: (1e-4, 1e-5),
-    torch.bfloat16: (5e-2, 1e-3),
-    torch.float16: (1e-2, 1e-4),
-}
 DEFAULTS = {"steps": 2, "batch": 4, "optimizer": "adam", "lr": 1e-2}
+#: Optimizer updates are computed elementwise from identical gradients: they may differ by this fraction
+#: of the largest update in the tensor, plus a few units in the last place of the parameter.
+UPDATE_RTOL = 1e-3
 LISTED = 5
-
-
-def compute_dtype(ctx) -> torch.dtype:
-    """The lowest precision any fully_shard unit computes in (mixed precision), else the parameters'."""
-    dtypes = [u.get("mixed_precision").param for b in ctx.plan.units for u in b.units if u.get("mixed_precision")]
-    dtypes += [dict(b.options)["mixed_precision"].param for b in ctx.plan.units if "mixed_precision" in dict(b.options)]
-    found = [getattr(torch, d.name) for d in dtypes if d is not None]
-    if found:
-        return min(found, key=lambda d: torch.finfo(d).bits)
-    return next((p.dtype for p in ctx.model.parameters()), torch.float32)
+OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
 
 def run(ctx, check: ir.Check) -> Outcome:
     if ctx.model_file.example_input is None:
-        return Outcome(None, "not run: the model file defines no example_input(batch, generator)")
+        return Outcome(SKIPPED, "not run: the model file defines no example_input(batch, generator)")
     args = {**DEFAULTS, **dict(check.args)}
-    dtype = compute_dtype(ctx)
-    rtol, atol = TOLERANCES.get(dtype, TOLERANCES[torch.float32])
-    rtol, atol = args.get("rtol", rtol), args.get("atol", atol)
-    elementwise = dtype == torch.float32
+    fixed = (args.get("rtol", 0.0), args.get("atol", 0.0)) if "rtol" in args or "atol" in args else None
     where = lay.layout(ctx)
     model = ctx.model
-    reference = _reference(ctx)
-    make = torch.optim.Adam if args["optimizer"] == "adam" else torch.optim.SGD
-    optim, ref_optim = make(model.parameters(), lr=args["lr"]), make(reference.parameters(), lr=args["lr"])
-    resumed = _resume(ctx, optim, reference, ref_optim)
+    mismatch = shape_mismatch(ctx)
+    if mismatch:
+        return Outcome(FAIL, f"the sharded model's full tensors do not fit the unsharded model: {mismatch}")
+    references = References.build(ctx)
+    make = OPTIMIZERS[args["optimizer"]]
+    optim, ref_optim = make(model.parameters(), lr=args["lr"]), make(references.optimizer.parameters(), lr=args["lr"])
+    resumed = _resume(ctx, optim, references.optimizer, ref_optim)
     ctx.optimizer = optim
     lr = optim.param_groups[0]["lr"]  # the check's, or the checkpoint's when it resumed
-    names = [n for n, _ in model.named_parameters()]
-    worst: dict[str, list[float]] = {
-        n: [0.0, 0.0] for n in ["loss", *(f"grad {n}" for n in names), *(f"param {n}" for n in names)]
-    }
-    failures: list[str] = []
+    tally = Tally()
+    localised = None
 
     for step in range(args["steps"]):
-        full = [lay.replica_inputs(ctx, step, i, args["batch"]) for i in range(where.replicas)]
+        batches = [lay.replica_inputs(ctx, step, i, args["batch"]) for i in range(where.replicas)]
+        references.start_from(model)
         optim.zero_grad(set_to_none=True)
-        output = model(*lay.local_inputs(full[where.replica], where, args.get("input")))
+        output = model(*lay.local_inputs(batches[where.replica], where, args.get("input")))
         whole = lay.full_output(ctx, where, output, args.get("output"))
         with lay.loss_context(ctx.plan):
-            sharded_loss = lay.loss(ctx, whole, full[where.replica])
+            sharded_loss = lay.loss(ctx, whole, batches[where.replica])
             sharded_loss.backward()
-        ref_optim.zero_grad(set_to_none=True)
-        ref_losses = [lay.loss(ctx, reference(*x), x) for x in full]
-        torch.stack([loss.float() for loss in ref_losses]).mean().backward()
+        losses = references.forward_backward(ctx, batches)
+        grads = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
 
-        compare = functools.partial(_compare, worst, failures, rtol=rtol, elementwise=elementwise)
-        compare(
-            f"step {step}: loss",
-            "loss",
-            torch.tensor([lay.value(sharded_loss)]),
-            torch.tensor([float(ref_losses[where.replica].detach())]),
-            atol=atol,
-        )
+        failed_before = len(tally.failures)
+        mine = torch.tensor([lay.value(sharded_loss)], dtype=torch.float64)
+        truth, same = (torch.tensor([float(x[where.replica])], dtype=torch.float64) for x in losses)
+        tally.compare(f"step {step}: loss", "loss", mine, truth, same, scale=abs(float(truth)), fixed=fixed)
+        scale = references.gradient_scale()
         for name, p in model.named_parameters():
-            ref = reference.get_parameter(name)
-            if (p.grad is None) != (ref.grad is None):
-                failures.append(f"step {step}: gradient of {name} is {'missing' if p.grad is None else 'unexpected'}")
+            t, s = references.truth.get_parameter(name), references.same.get_parameter(name)
+            if (p.grad is None) != (t.grad is None):
+                tally.failures.append(
+                    f"step {step}: gradient of {name} is {'missing' if p.grad is None else 'unexpected'}"
+                )
                 continue
             if p.grad is not None:
-                compare(f"step {step}: gradient of {name}", f"grad {name}", _full(p.grad), ref.grad, atol=atol)
+                tally.compare(
+                    f"step {step}: gradient of {name}", f"grad {name}", grads[name], t.grad, s.grad, scale, fixed
+                )
+        if _anywhere(len(tally.failures) > failed_before):
+            localised = localise.localise(ctx, references, batches[where.replica], where, args, tally.failing_params())
+            break
+
+        before = {}
+        for name, p in references.optimizer.named_parameters():
+            p.grad = grads[name].to(p.dtype) if name in grads else None
+            before[name] = p.detach().clone()
         optim.step()
         ref_optim.step()
-        # Adam divides each gradient by its running magnitude, so where a gradient is near zero a rounding
-        # difference moves the update by up to lr: parameters get 1% of lr on top of atol.
-        param_atol = atol + (1e-2 * lr if args["optimizer"] == "adam" else 0.0)
         with torch.no_grad():
             for name, p in model.named_parameters():
-                updated, ref = _full(p.detach()), reference.get_parameter(name)
-                compare(
-                    f"step {step}: {name} after the update", f"param {name}", updated, ref.detach(), atol=param_atol
-                )
-                # Each step starts the reference from the sharded model's parameters, so that rounding
-                # differences do not compound from step to step and every step is checked on its own.
-                ref.copy_(updated)
+                ref = references.optimizer.get_parameter(name)
+                what = f"step {step}: {name} after the optimizer step"
+                tally.compare_update(what, f"update {name}", full(p.detach()), ref, before[name])
+        if _anywhere(bool(tally.failures)):
+            break
 
     optim.zero_grad(set_to_none=True)
     table = sorted(
-        ({"tensor": k, "max_abs": a, "rel_norm": r} for k, (a, r) in worst.items()), key=lambda row: -row["rel_norm"]
+        ({"tensor": k, "error": e, "allowed": a, "ratio": r} for k, (e, a, r) in tally.worst.items()),
+        key=lambda row: -row["ratio"],
     )
     data = {
         "steps": args["steps"],
         "batch": args["batch"],
         "optimizer": args["optimizer"],
         "lr": lr,
-        "dtype": str(dtype).removeprefix("torch."),
-        "rtol": rtol,
-        "atol": atol,
+        "precision": references.precision,
+        "truth": references.truth_dtype,
+        "rule": f"fixed: rtol {fixed[0]:g}, atol {fixed[1]:g}" if fixed else f"K={K:g} x the reference's rounding",
         "replicas": where.replicas,
         "resumed": resumed,
         "worst": table[:20],
+        "failures": tally.failures[:20],
     }
-    top = table[0] if table else {"tensor": "-", "max_abs": 0.0, "rel_norm": 0.0}
-    if failures:
-        more = f" (and {len(failures) - LISTED} more)" if len(failures) > LISTED else ""
-        return Outcome(False, "; ".join(failures[:LISTED]) + more, data, top["rel_norm"])
+    top = table[0] if table else {"tensor": "-", "ratio": 0.0}
+    if tally.failures:
+        more = f" (and {len(tally.failures) - LISTED} more)" if len(tally.failures) > LISTED else ""
+        if localised is not None:
+            data["localised"] = localised
+        return Outcome(FAIL, "; ".join(tally.failures[:LISTED]) + more, data, top["ratio"])
+    replicas = f"{where.replicas} replica{'s' if where.replicas > 1 else ''}"
     return Outcome(
-        True,
-        f"{args['steps']} steps on {where.replicas} replica{'s' if where.replicas > 1 else ''} match the "
-        f"unsharded model ({data['dtype']}, rtol {rtol:g}, atol {atol:g}); worst relative error "
-        f"{top['rel_norm']:.2e} ({top['tensor']})" + (f"; {resumed}" if resumed else ""),
+        PASS,
+        f"{args['steps']} steps on {replicas} match the unsharded model: loss, every gradient and the "
+        f"{args['optimizer']} update ({references.precision}, {data['rule']}); worst {top['ratio']:.2f} of the "
+        f"allowed error ({top['tensor']})" + (f"; {resumed}" if resumed else ""),
         data,
-        top["rel_norm"],
+        top["ratio"],
     )
+
+
+class Tally:
+    """Failures so far, and the worst (error, allowed, error / allowed) per tensor over the steps."""
+
+    def __init__(self):
+        self.failures: list[str] = []
+        self.worst: dict[str, tuple[float, float, float]] = {}
+        self._failing: list[str] = []
+
+    def failing_params(self) -> list[str]:
+        return list(self._failing)
+
+    def _note(self, key: str, error: float, allowed: float) -> float:
+        ratio = error / allowed if allowed > 0 else (0.0 if error == 0 else math.inf)
+        if key not in self.worst or ratio > self.worst[key][2]:
+            self.worst[key] = (error, allowed, ratio)
+        return ratio
+
+    def compare(self, what, key, got, truth, same, scale: float, fixed) -> None:
+        """A loss or a gradient: `got` against the truth, allowed K times the same-precision reference's
+        error (or the fixed rule)."""
+        got, truth = got.detach().double(), truth.detach().to(got.device).double()
+        if got.shape != truth.shape:
+            self.failures.append(f"{what}: shape {tuple(got.shape)}, expected {tuple(truth.shape)}")
+            self._note(key, math.inf, 1.0)
+            return
+        error = float((got - truth).norm())
+        allowed = allowed_error(truth, same, scale, fixed)
+        ratio = self._note(key, error, allowed)
+        if not bool(torch.isfinite(got).all()):
+            self.failures.append(f"{what}: not finite")
+        elif ratio > 1.0:
+            self.failures.append(
+                f"{what}: error {error:.3g} is {ratio:.3g} x the allowed {allowed:.3g} "
+                f"(the reference's own rounding error {rounding_error(truth, same):.3g})"
+            )
+        else:
+            return
+        if key.startswith("grad "):
+            self._failing.append(key.removeprefix("grad "))
+
+    def compare_update(self, what, key, got, want, before) -> None:
+        """An updated parameter, elementwise: both optimizers stepped from the same gradients, so they may
+        differ by UPDATE_RTOL of the tensor's largest update plus four units in the last place."""
+        if got.shape != want.shape:
+            self.failures.append(f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}")
+            self._note(key, math.inf, 1.0)
+            return
+        eps = torch.finfo(want.dtype).eps
+        got, want = got.detach().double(), want.detach().to(got.device).double()
+        step = float((want - before.to(want.device).double()).abs().max()) if want.numel() else 0.0
+        allowed = (UPDATE_RTOL * step + 4 * eps * want.abs()).clamp_min(torch.finfo(torch.float64).tiny)
+        diff = (got - want).abs()
+        over = diff > allowed
+        ratios = diff / allowed
+        at = int(ratios.argmax()) if ratios.numel() else 0
+        if ratios.numel():
+            self._note(key, float(diff.flatten()[at]), float(allowed.flatten()[at]))
+        if not bool(torch.isfinite(got).all()):
+            self.failures.append(f"{what}: not finite")
+        elif bool(over.any()):
+            self.failures.append(
+                f"{what}: {int(over.sum())} of {over.numel()} values differ from the reference optimizer's, "
+                f"given the same gradients (max difference {float(diff.max()):.3g})"
+            )
+
+
+def _anywhere(flag: bool) -> bool:
+    """True on every rank if it is true on any (every rank must take the same path: the next steps talk)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    value = torch.tensor([1 if flag else 0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def _resume(ctx, optim, reference, ref_optim) -> str:
@@ -155,69 +235,20 @@ def _resume(ctx, optim, reference, ref_optim) -> str:
     checkpoint = ctx.checkpoint
     if checkpoint is None or not checkpoint.has_optimizer:
         return ""
-    saved = checkpoint.info.get("optimizer")
-    if saved and saved != type(optim).__name__:
-        return f"optimizer state not resumed: the checkpoint holds {saved} state, the check trains with {type(optim).__name__}"
-    load_checkpoint(ctx.model, checkpoint, optim, model_state=False)
-    full = get_optimizer_state_dict(ctx.model, optim, options=StateDictOptions(full_state_dict=True))
-    set_optimizer_state_dict(reference, ref_optim, full)
-    return f"resumed {type(optim).__name__} state from {checkpoint.path}"
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def _reference(ctx) -> torch.nn.Module:
-    """The unsharded model on this rank, loaded from the sharded model's full state dict."""
-    state = get_model_state_dict(ctx.model, options=StateDictOptions(full_state_dict=True))
-    torch.manual_seed(0)
-    with torch.device(ctx.device):
-        reference = ctx.model_file.build_model()
-    missing, unexpected = reference.load_state_dict({k: _full(v) for k, v in state.items()}, strict=False)
-    if unexpected:
-        raise ValueError(f"the sharded model's state dict has names the unsharded one lacks: {unexpected[:5]}")
-    return (
-        reference.float()
-        if any(p.dtype != torch.float32 for p in reference.parameters() if p.is_floating_point())
-        else reference
-    )
-
-
-def _compare(
-    worst,
-    failures,
-    what: str,
-    key: str,
-    got: torch.Tensor,
-    want: torch.Tensor,
-    *,
-    rtol: float,
-    atol: float,
-    elementwise: bool,
-) -> None:
-    """Record the largest absolute and relative error of `got` against `want`; a failure if they differ
-    by more than the tolerance (elementwise, or for the tensor as a whole)."""
-    # On the tensors' own device: a model of a billion parameters compares in seconds there, not minutes.
-    got, want = got.detach().double(), want.detach().to(got.device).double()
-    if got.shape != want.shape:
-        failures.append(f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}")
-        worst[key] = [math.inf, math.inf]
-        return
-    diff = (got - want).abs()
-    max_abs = float(diff.max()) if diff.numel() else 0.0
-    diff_norm, want_norm = (float(diff.norm()), float(want.norm())) if diff.numel() else (0.0, 0.0)
-    norm_rel = diff_norm / max(want_norm, 1e-12)
-    worst[key] = [max(worst[key][0], max_abs), max(worst[key][1], norm_rel)]
-    if not bool(torch.isfinite(got).all()):
-        failures.append(f"{what}: not finite")
-    elif elementwise:
-        bad = diff > atol + rtol * want.abs()
-        if bool(bad.any()):
-            failures.append(
-                f"{what}: max error {max_abs:.3g} at {int(bad.sum())} of {bad.numel()} values (rtol {rtol:g}, atol {atol:g})"
-            )
-    elif diff_norm > rtol * want_norm + atol * math.sqrt(diff.numel()):
-        failures.append(
-            f"{what}: relative error {norm_rel:.3g} in norm, max error {max_abs:.3g} (rtol {rtol:g}, atol {atol:g})"
+    info = checkpoint.info if isinstance(checkpoint.info, dict) else {}
+    kind = info.get("optimizer")
+    if kind and kind != type(optim).__name__:
+        return (
+            f"optimizer state not resumed: the checkpoint holds {kind} state, the check trains with "
+            f"{type(optim).__name__}"
         )
+    load_checkpoint(ctx.model, checkpoint, optim, model_state=False)
+    saved = get_optimizer_state_dict(ctx.model, optim, options=StateDictOptions(full_state_dict=True))
+    index = {name: i for i, (name, _) in enumerate(reference.named_parameters())}
+    state = {
+        index[k]: {n: full(v) if isinstance(v, torch.Tensor) else v for n, v in s.items()}
+        for k, s in saved["state"].items()
+    }
+    groups = [{**g, "params": [index[k] for k in g["params"]]} for g in saved["param_groups"]]
+    ref_optim.load_state_dict({"state": state, "param_groups": groups})
+    return f"resumed {type(optim).__name__} state from {checkpoint.path}"

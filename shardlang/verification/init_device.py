@@ -7,7 +7,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ..predict import enclosing, units_by_module
-from . import Outcome
+from . import FAIL, PASS, Outcome
 
 LISTED = 8
 
@@ -34,13 +34,13 @@ def run(ctx, check) -> Outcome:
         "wrong": [{"name": n, "device": d, "expected": e} for n, d, e in wrong],
     }
     if not wrong:
-        return Outcome(True, f"all {len(seen)} parameters and buffers on {expected}", data)
+        return Outcome(PASS, f"all {len(seen)} parameters and buffers on {expected}", data)
     on_meta = [n for n, d, _ in wrong if d == "meta"]
     listed = ", ".join(f"{n} ({d})" for n, d, _ in wrong[:LISTED]) + (
         f" and {len(wrong) - LISTED} more" if len(wrong) > LISTED else ""
     )
     lead = f"{len(on_meta)} still on meta; " if on_meta else ""
-    return Outcome(False, f"{lead}{len(wrong)} of {len(seen)} tensors not on {expected}: {listed}", data)
+    return Outcome(FAIL, f"{lead}{len(wrong)} of {len(seen)} tensors not on {expected}: {listed}", data)
 
 
 def _same(actual: torch.device, want: torch.device) -> bool:

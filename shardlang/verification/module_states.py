@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from . import Outcome
+from . import FAIL, PASS, SKIPPED, Outcome
 
 
 def replicated_along(tensor, dim: str, mesh_dims: tuple[str, ...]) -> bool:
@@ -56,16 +56,15 @@ def run(ctx, check) -> Outcome:
                 name, diff = _first_difference(mine, reference, other, ctx.device)
                 data = {"tensor": name, "group": ranks, "mesh_dim": f"{mesh_name}.{dim}", "max_difference": diff}
                 return Outcome(
-                    False,
+                    FAIL,
                     f"{name} differs between rank {ranks[0]} and rank {ranks[i]} along {mesh_name}.{dim} "
                     f"(group {ranks}): max difference {diff:.3g}",
                     data,
-                    diff,
                 )
     if not groups:
-        return Outcome(True, "no mesh dim has replicas to compare", {"groups": []})
+        return Outcome(SKIPPED, "nothing compared: no mesh dim has replicas of any tensor", {"groups": []})
     return Outcome(
-        True, f"replicated tensors bitwise equal along {', '.join(groups)}", {"groups": groups, "compared": compared}
+        PASS, f"replicated tensors bitwise equal along {', '.join(groups)}", {"groups": groups, "compared": compared}
     )
 
 

@@ -8,7 +8,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from .. import plan as ir
 from ..predict import PLAIN, Placed
-from . import Outcome
+from . import FAIL, PASS, SKIPPED, Outcome
 
 LISTED = 6
 
@@ -72,10 +72,10 @@ def run(ctx, check) -> Outcome:
     )
     if wrong:
         listed = "; ".join(f"{n}: predicted {w}, got {_show(g)}" for n, w, g in wrong[:LISTED])
-        return Outcome(False, f"{len(wrong)} of {len(seen)} tensors differ from the prediction: {listed}{note}", data)
+        return Outcome(FAIL, f"{len(wrong)} of {len(seen)} tensors differ from the prediction: {listed}{note}", data)
     if not matched:
-        return Outcome(None, f"nothing to check: no tensor has a prediction{note}", data)
-    return Outcome(True, f"{matched} tensors placed as predicted{note}", data)
+        return Outcome(SKIPPED, f"nothing to check: no tensor has a prediction{note}", data)
+    return Outcome(PASS, f"{matched} tensors placed as predicted{note}", data)
 
 
 def _show(placed: Placed) -> str:

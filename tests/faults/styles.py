@@ -35,3 +35,91 @@ class ShardingSequenceParallel(SequenceParallel):
 
 class PlainSequenceParallel(SequenceParallel):
     """The fixed twin: a subclass that keeps SequenceParallel's replication."""
+
+
+# --- faults users shipped (issue: verdicts) ---------------------------------------------------------
+
+
+def _rowwise_by_hand(module, mesh, *, bias_before_reduce: bool, reduce: bool = True):
+    """Row-wise parallel written by hand: the weight split over its input features, each rank's partial
+    product summed over the TP group (or not), the bias added before or after that sum."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    weight = nn.Parameter(distribute_tensor(module.weight.detach(), mesh, [Shard(1)]))
+    bias = nn.Parameter(distribute_tensor(module.bias.detach(), mesh, [Replicate()]))
+    module.weight, module.bias = weight, bias
+
+    def forward(x):  # x: this rank's slice of the features (a colwise layer's local output)
+        partial = torch.nn.functional.linear(x, weight.to_local(), bias.to_local() if bias_before_reduce else None)
+        if reduce:
+            partial = DTensor.from_local(partial, mesh, [Partial()]).redistribute(mesh, [Replicate()]).to_local()
+        return partial if bias_before_reduce else partial + bias.to_local()
+
+    module.forward = forward
+
+
+def rowwise_bias_every_rank(module, mesh):
+    """Fault: the bias is added on every TP rank before the partial sums are reduced (counted tp times)."""
+    _rowwise_by_hand(module, mesh, bias_before_reduce=True)
+
+
+def rowwise_bias_once(module, mesh):
+    """The fixed twin: the bias is added once, after the reduction."""
+    _rowwise_by_hand(module, mesh, bias_before_reduce=False)
+
+
+def rowwise_no_reduce(module, mesh):
+    """Fault: a style that forgets to redistribute its output: each rank returns its partial sum."""
+    _rowwise_by_hand(module, mesh, bias_before_reduce=False, reduce=False)
+
+
+def colwise_heads_swapped(module, mesh, head_dim: int = 8):
+    """Fault: column-wise over attention heads, but heads 1 and 2 trade places, so one head's rows sit on
+    the wrong rank (rank 0 holds heads 0 and 2, rank 1 heads 1 and 3)."""
+    with torch.no_grad():
+        w = module.weight
+        rows = torch.arange(w.shape[0])
+        rows[head_dim : 2 * head_dim], rows[2 * head_dim : 3 * head_dim] = (
+            torch.arange(2 * head_dim, 3 * head_dim),
+            torch.arange(head_dim, 2 * head_dim),
+        )
+        w.copy_(w[rows].clone())
+    parallelize_module(module, mesh, ColwiseParallel())
+
+
+def colwise_head0_frozen(module, mesh, head_dim: int = 4):
+    """Fault: column-wise, but on TP rank 0 the first head's rows get no gradient (their output is
+    computed from a detached copy of them): one head of eight silently never trains."""
+    from torch.distributed.tensor import DTensor
+
+    parallelize_module(module, mesh, ColwiseParallel())
+    if mesh.get_local_rank() != 0:
+        return
+
+    def hook(mod, args, out):
+        x = args[0].to_local() if isinstance(args[0], DTensor) else args[0]
+        w = mod.weight.to_local() if isinstance(mod.weight, DTensor) else mod.weight
+        head = torch.nn.functional.linear(x, w[:head_dim].detach())
+        return torch.cat([head, out[..., head_dim:]], dim=-1)
+
+    module.register_forward_hook(hook)
+
+
+def colwise_drops_last_rows(module, mesh):
+    """Fault: an uneven column-wise shard that gives every rank out_features // tp rows, dropping the
+    remainder (the last rows), and claims the usual Shard(0) layout."""
+    from torch.distributed.tensor import DTensor
+
+    n, tp, rank = module.weight.shape[0], mesh.size(), mesh.get_local_rank()
+    rows = n // tp
+    local = module.weight.detach()[rank * rows : (rank + 1) * rows].clone()
+    module.weight = nn.Parameter(DTensor.from_local(local, mesh, [Shard(0)], run_check=False))
+    if module.bias is not None:
+        bias = module.bias.detach()[rank * rows : (rank + 1) * rows].clone()
+        module.bias = nn.Parameter(DTensor.from_local(bias, mesh, [Shard(0)], run_check=False))
+
+    def forward(x):
+        out = torch.nn.functional.linear(x, module.weight.to_local(), module.bias.to_local())
+        return DTensor.from_local(out, mesh, [Shard(-1)]).full_tensor()
+
+    module.forward = forward

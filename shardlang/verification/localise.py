@@ -1,0 +1,230 @@
+"""Where a failing training step first goes wrong: the first module whose output, or whose gradient with
+respect to its output, disagrees with the unsharded model's, and the plan statements that govern it.
+
+The step is run once more with hooks on every module of the sharded model and of the two references
+(the float64 truth and the one computing in the sharded model's precision). A module's output on a
+tensor-parallel rank may be a DTensor (made whole with `full_tensor()`) or a local tensor whose layout
+the hooks cannot see; a local tensor is gathered from the TP group and taken as it is, summed (a
+partial result), or concatenated along any dim that gives the reference's shape, and it agrees if any
+of these agrees. A module disagrees when no reading of its output is within the gradients check's
+tolerance (K times the reference's own rounding error) by a clear margin (CLEAR times). Forward outputs are compared in the order the
+modules finished; gradients in the order backward reached them. When every activation and activation
+gradient agrees, the module holding the parameter with the worst gradient is named: its parameter's
+gradient is wrong although everything flowing through it is right (a missing reduction).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from . import layout as lay
+from .reference import K, inputs_for
+
+#: How far beyond the gradients check's tolerance an activation must be to be named: activations of a
+#: correct plan sit near the tolerance more often than parameters' gradients do (a bf16 activation
+#: gradient passes through every later layer's rounding), and a fault is off by far more.
+CLEAR = 4.0
+#: Module names that wrappers insert and the unsharded model does not have.
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
+
+
+def localise(ctx, references, inputs: tuple, where, args: dict, failing_params: list[str]) -> dict[str, Any] | None:
+    """Run one step again with hooks; where the sharded model first disagrees, or None if it cannot say."""
+    try:
+        sharded = _record(ctx.model, lambda m, stop: _sharded_step(ctx, m, inputs, where, args, stop))
+        truth = _record(references.truth, lambda m, stop: _reference_step(ctx, m, inputs, stop))
+        same = _record(references.same, lambda m, stop: _reference_step(ctx, m, inputs, stop))
+    finally:
+        ctx.model.zero_grad(set_to_none=True)
+    group = _tp_group(ctx, where)
+    for kind, label in (("outputs", "output"), ("grads", "gradient with respect to its output")):
+        want, rounding = dict(getattr(truth, kind)), dict(getattr(same, kind))
+        # Every rank reads every record (the same collectives everywhere), then looks for the first miss.
+        ratios = [
+            (key, _ratio(_readings(got, group), want.get(key), rounding.get(key), K))
+            for key, got in getattr(sharded, kind)
+        ]
+        first = next((key for key, ratio in ratios if ratio is not None and ratio > CLEAR), None)
+        if first is not None:
+            return _found(ctx, first, label, dict(ratios)[first])
+    if failing_params:
+        name = failing_params[0]
+        what = (
+            f"gradient of its parameter {name.rpartition('.')[2]} (its output and the gradient reaching it "
+            "agree: a reduction of this parameter's gradient is missing or wrong)"
+        )
+        return _found(ctx, f"{name.rpartition('.')[0]}#1", what, None)
+    return None
+
+
+class _Recording:
+    def __init__(self):
+        self.outputs: list[tuple[str, torch.Tensor]] = []
+        self.grads: list[tuple[str, torch.Tensor]] = []
+        self.forward = True
+
+
+def _record(model, step) -> _Recording:
+    """Run `step(model, stop)` with a forward hook on every module; `stop()` ends the forward phase."""
+    recording = _Recording()
+    calls: Counter = Counter()
+    handles = [m.register_forward_hook(_hook(recording, _plain(n), calls)) for n, m in model.named_modules()]
+    try:
+        step(model, lambda: setattr(recording, "forward", False))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return recording
+
+
+def _hook(recording: _Recording, name: str, calls: Counter):
+    def hook(module, args, output):
+        if not recording.forward:  # recomputation under activation checkpointing: already recorded
+            return
+        tensor = _first_tensor(output)
+        if tensor is None:
+            return
+        calls[name] += 1
+        key = f"{name}#{calls[name]}"
+        recording.outputs.append((key, tensor.detach()))
+        if tensor.requires_grad:
+            tensor.register_hook(lambda grad: recording.grads.append((key, grad.detach())))
+
+    return hook
+
+
+def _sharded_step(ctx, model, inputs, where, args, stop) -> None:
+    output = model(*lay.local_inputs(inputs, where, args.get("input")))
+    stop()
+    whole = lay.full_output(ctx, where, output, args.get("output"))
+    with lay.loss_context(ctx.plan):
+        lay.loss(ctx, whole, inputs).backward()
+
+
+def _reference_step(ctx, model, inputs, stop) -> None:
+    model.zero_grad(set_to_none=True)
+    output = model(*inputs_for(model, inputs))
+    stop()
+    lay.loss(ctx, output, inputs).backward()
+    model.zero_grad(set_to_none=True)
+
+
+def _plain(name: str) -> str:
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
+
+
+def _first_tensor(value) -> torch.Tensor | None:
+    """The first floating-point tensor of a module's output (a tensor, a tuple, a dict or a ModelOutput)."""
+    if isinstance(value, torch.Tensor):
+        return value if value.is_floating_point() else None
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _tp_group(ctx, where):
+    mesh = lay.tp_mesh(ctx, where)
+    if mesh is None:
+        return None
+    return mesh.get_group() if mesh.ndim == 1 else None
+
+
+def _readings(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    """The ways the sharded module's output can be read as a whole tensor."""
+    if isinstance(tensor, DTensor):
+        return [tensor.full_tensor()]
+    if group is None or dist.get_world_size(group) == 1:
+        return [tensor]
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, tensor.cpu(), group=group)
+    pieces = [t.to(tensor.device) for t in everyone]
+    readings = [tensor]
+    if all(p.shape == tensor.shape for p in pieces):
+        readings.append(torch.stack(pieces).sum(0))
+    for dim in range(tensor.ndim):
+        if all(p.ndim == tensor.ndim for p in pieces):
+            try:
+                readings.append(torch.cat(pieces, dim=dim))
+            except RuntimeError:
+                continue
+    return readings
+
+
+def _ratio(readings, truth: torch.Tensor | None, same: torch.Tensor | None, k: float) -> float | None:
+    """The smallest error / allowed over the readings whose shape is the reference's; None if none is."""
+    if truth is None or same is None:
+        return None
+    t = truth.detach().double()
+    s = same.detach().to(t.device).double()
+    if s.shape != t.shape:
+        return None
+    n = max(t.numel(), 1)
+    rms = float(t.norm()) / math.sqrt(n)
+    allowed = k * float((s - t).norm()) + k * torch.finfo(torch.float32).eps * rms * math.sqrt(n)
+    best = None
+    for reading in readings:
+        if reading.shape != t.shape:
+            continue
+        error = float((reading.detach().to(t.device).double() - t).norm())
+        ratio = math.inf if not math.isfinite(error) else error / allowed if allowed > 0 else (error > 0) * math.inf
+        best = ratio if best is None else min(best, ratio)
+    return best
+
+
+def _found(ctx, key: str, what: str, ratio: float | None) -> dict[str, Any]:
+    fqn, _, call = key.rpartition("#") if "#" in key else (key, "", "1")
+    module = ctx.model.get_submodule(fqn) if fqn else ctx.model
+    return {
+        "module": fqn or "root",
+        "class": type(module).__name__.removeprefix("FSDP"),
+        "call": int(call),
+        "what": what,
+        "ratio": ratio,
+        "statements": governing(ctx, fqn),
+    }
+
+
+def governing(ctx, fqn: str) -> list[dict[str, Any]]:
+    """The plan statements that govern module `fqn`: parallelize rules on it, then on its ancestors
+    (nearest first), the fully_shard or replicate unit holding it, and activation checkpointing."""
+    from ..predict import enclosing, units_by_module
+
+    resolution = ctx.applied.linted.resolution
+    plan = ctx.plan
+    found = []
+
+    def add(span, what: str) -> None:
+        if span is not None and all((s["line"], s["col"]) != (span.line, span.col) for s in found):
+            found.append(
+                {
+                    "file": span.file,
+                    "line": span.line,
+                    "col": span.col,
+                    "end_line": span.end_line,
+                    "end_col": span.end_col,
+                    "text": plan.source.line_text(span.line).strip(),
+                    "what": what,
+                }
+            )
+
+    rules = [m for m in resolution.rules if m.fqn == fqn or fqn.startswith(m.fqn + ".") or not m.fqn]
+    for match in sorted(rules, key=lambda m: -len(m.fqn)):
+        add(match.rule.span, "the parallelize rule on it" if match.fqn == fqn else f"a rule on {match.fqn or 'root'}")
+    unit = enclosing(fqn, units_by_module(resolution))
+    if unit is not None:
+        block = plan.units[unit.block]
+        add(unit.unit.span if unit.unit is not None else block.span, f"the {unit.kind(block)} unit holding it")
+    if any(fqn == c or fqn.startswith(c + ".") for c in resolution.checkpoint) and plan.checkpoint:
+        add(plan.checkpoint[0].span, "activation checkpointing")
+    return found

@@ -1,0 +1,172 @@
+"""The unsharded references of the gradients check and the tolerance rule they give (docs/language.md §7).
+
+The truth is the unsharded model in float64. A second reference computes in the precision the sharded
+model does: its parameters' dtype, with each fully_shard unit's `mixed_precision` emulated (parameters
+cast, inputs and outputs cast as FSDP does). Its distance from the truth is the rounding error of that
+precision on these very inputs, and a sharded result may be K times as far from the truth (plus a floor
+of K float32 roundings of the step's typical value, for tensors whose true value is zero). A third copy,
+in the sharded parameters' dtype, is what the reference optimizer updates.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+from . import layout as lay
+
+#: How many times the reference's own rounding error a sharded result may be off by.
+K = 8.0
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (a collective on its mesh); a plain tensor as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def rounding_error(truth: torch.Tensor, same: torch.Tensor | None) -> float:
+    if same is None:
+        return 0.0
+    return float((same.detach().to(truth.device).double() - truth).norm())
+
+
+def allowed_error(truth: torch.Tensor, same: torch.Tensor | None, scale: float, fixed) -> float:
+    n = max(truth.numel(), 1)
+    if fixed is not None:
+        rtol, atol = fixed
+        return rtol * float(truth.norm()) + atol * math.sqrt(n)
+    floor = K * torch.finfo(torch.float32).eps * scale * math.sqrt(n)
+    return K * rounding_error(truth, same) + floor
+
+
+class References:
+    """The unsharded models of one rank: the truth (float64), one computing in the sharded model's
+    precision, and one whose parameters the reference optimizer updates (the sharded parameters' dtype)."""
+
+    def __init__(self, truth, same, optimizer, precision: str, truth_dtype: str):
+        self.truth, self.same, self.optimizer = truth, same, optimizer
+        self.precision, self.truth_dtype = precision, truth_dtype
+
+    @classmethod
+    def build(cls, ctx) -> References:
+        base = _unsharded(ctx)
+        truth = copy.deepcopy(base).double()
+        same = copy.deepcopy(base)
+        precision = emulate_mixed_precision(ctx, same)
+        return cls(truth, same, base, precision, "float64")
+
+    def start_from(self, model) -> None:
+        """Every reference's parameters := the sharded model's full parameters."""
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                whole = full(p.detach())
+                for reference in (self.truth, self.same, self.optimizer):
+                    reference.get_parameter(name).copy_(whole)
+
+    def forward_backward(self, ctx, full: list[tuple]) -> tuple[list[float], list[float]]:
+        """Both computing references on every replica's inputs; each replica's loss, truth's then same's."""
+        losses = []
+        for reference in (self.truth, self.same):
+            reference.zero_grad(set_to_none=True)
+            per_replica = [lay.loss(ctx, reference(*inputs_for(reference, x)), x) for x in full]
+            torch.stack([loss.to(torch.float64) for loss in per_replica]).mean().backward()
+            losses.append([float(loss.detach()) for loss in per_replica])
+        return losses[0], losses[1]
+
+    def gradient_scale(self) -> float:
+        """The root-mean-square value of the truth's gradients this step."""
+        grads = [p.grad for p in self.truth.parameters() if p.grad is not None]
+        total = sum(g.numel() for g in grads)
+        return math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads) / total) if total else 0.0
+
+
+def inputs_for(reference, inputs: tuple) -> tuple:
+    """The float64 truth takes float64 inputs; the others take them as they are."""
+    dtype = next((p.dtype for p in reference.parameters()), None)
+    if dtype != torch.float64:
+        return inputs
+    return tuple(x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
+
+
+def emulate_mixed_precision(ctx, model) -> str:
+    """Make `model` compute as the plan's fully_shard units do (parameter dtype per unit, inputs cast to it,
+    outputs to `output`); the precision, in words."""
+    from ..predict import units_by_module
+
+    resolution = ctx.applied.linted.resolution
+    dtypes = []
+    # Parents first, so a child unit's own policy wins over its parent's, as FSDP applies them.
+    for fqn, unit in sorted(units_by_module(resolution).items(), key=lambda item: item[0].count(".") + bool(item[0])):
+        block = ctx.plan.units[unit.block]
+        policy = unit.option(block, "mixed_precision") if unit.kind(block) == "fully_shard" else None
+        if policy is None or policy.param is None:
+            continue
+        module = model.get_submodule(fqn)
+        dtype = getattr(torch, policy.param.name)
+        dtypes.append(dtype)
+        module.to(dtype)
+        if policy.cast_forward_inputs:
+            module.register_forward_pre_hook(_cast_hook(dtype), with_kwargs=True)
+        if policy.output is not None:
+            module.register_forward_hook(_cast_output(getattr(torch, policy.output.name)))
+    found = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+    if dtypes:
+        return f"mixed precision: {', '.join(sorted({str(d).removeprefix('torch.') for d in dtypes}))} compute"
+    return "/".join(found) or "float32"
+
+
+def _cast(value, dtype):
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.to(dtype)
+    if isinstance(value, tuple):
+        return tuple(_cast(v, dtype) for v in value)
+    if isinstance(value, list):
+        return [_cast(v, dtype) for v in value]
+    if isinstance(value, dict):
+        return {k: _cast(v, dtype) for k, v in value.items()}
+    return value
+
+
+def _cast_hook(dtype):
+    def hook(module, args, kwargs):
+        return _cast(args, dtype), _cast(kwargs, dtype)
+
+    return hook
+
+
+def _cast_output(dtype):
+    def hook(module, args, output):
+        return _cast(output, dtype)
+
+    return hook
+
+
+def _unsharded(ctx) -> torch.nn.Module:
+    """The unsharded model on this rank, loaded from the sharded model's full state dict, in the dtype of
+    the sharded model's parameters."""
+    state = get_model_state_dict(ctx.model, options=StateDictOptions(full_state_dict=True))
+    torch.manual_seed(0)
+    with torch.device(ctx.device):
+        reference = ctx.model_file.build_model()
+    missing, unexpected = reference.load_state_dict({k: full(v) for k, v in state.items()}, strict=False)
+    if unexpected:
+        raise ValueError(f"the sharded model's state dict has names the unsharded one lacks: {unexpected[:5]}")
+    return reference
+
+
+def shape_mismatch(ctx) -> str:
+    """The parameters and buffers whose full shape differs from the unsharded model's (a shard that lost
+    rows), in words; "" if none. The unsharded model is built on the meta device: no memory."""
+    with torch.device("meta"):
+        unsharded = ctx.model_file.build_model()
+    want = {**dict(unsharded.named_parameters()), **dict(unsharded.named_buffers())}
+    wrong = [
+        f"{name} is {tuple(t.shape)}, unsharded {tuple(want[name].shape)}"
+        for name, t in [*ctx.model.named_parameters(), *ctx.model.named_buffers()]
+        if name in want and tuple(t.shape) != tuple(want[name].shape)
+    ]
+    return "; ".join(wrong[:5]) + (f" (and {len(wrong) - 5} more)" if len(wrong) > 5 else "")
