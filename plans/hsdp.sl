@@ -12,4 +12,4 @@ fully_shard on world[replicate, shard] {
 }
 
 init rank0                                  # build once on rank 0, scatter the shards
-verify gradients(steps=2), module_states, placements, init_device
+verify init, gradients(steps=2, optimizer=adamw), module_states, placements, init_device

@@ -32,4 +32,4 @@ fully_shard on world.dp {
 }
 
 init meta
-verify gradients(steps=3), module_states, init_device, placements
+verify init, gradients(steps=3), module_states, init_device, placements

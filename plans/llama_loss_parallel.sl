@@ -28,4 +28,4 @@ fully_shard on world.dp {
 }
 
 loss_parallel
-verify gradients(steps=2), placements, module_states, init_device, comms
+verify init, gradients(steps=2, optimizer=adamw), placements, module_states, init_device, comms

@@ -34,7 +34,7 @@ def checks_and_counts_against_handwritten(plan_path: str, model_path: str, hand:
     reference = ctx.model_file.build_model()
     globals()[hand](reference, ctx)
     return {
-        "checks": [(r.check, r.ok, r.message) for r in results],
+        "checks": [(r.check, r.status, r.message) for r in results],
         "plan_counts": count_collectives(ctx, ctx.model),
         "hand_counts": count_collectives(ctx, reference),
     }

@@ -1,6 +1,7 @@
 """`shardlang apply` end to end: the launcher, the report (text and JSON), exit statuses, workers that
 die, every example plan, and a two-node torchrun job on loopback."""
 
+import importlib.util
 import json
 import os
 import re
@@ -16,6 +17,8 @@ from shardlang.job import Job, run
 from .conftest import ROOT
 
 PLANS = sorted((ROOT / "plans").glob("*.sl"))
+HF_PLANS = sorted((ROOT / "plans" / "hf").glob("*.sl"))
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 
 def shardlang_apply(*args, env=None, timeout=240):
@@ -33,13 +36,22 @@ def model_of(plan) -> str:
     return re.search(r"Model: (\S+\.py)", plan.read_text()).group(1)
 
 
-@pytest.mark.parametrize("plan", PLANS, ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "plan",
+    PLANS
+    + [
+        pytest.param(p, marks=pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs pip install -e '.[hf]'"))
+        for p in HF_PLANS
+    ],
+    ids=lambda p: p.stem if p.parent.name == "plans" else f"hf-{p.stem}",
+)
 def test_every_example_plan_passes_its_checks_on_cpu(pools, plan):
     """What `shardlang apply plans/<x>.sl <model> --nproc 4` runs on each rank, on the shared pool."""
     job = Job(str(plan), {}, str(ROOT / model_of(plan)), None, shardlang.load(plan).checks)
     report = pools(4).run(run, job)[0]
     assert report.ok, [(c.check, c.message) for c in report.checks] + [str(d.message) for d in report.diagnostics]
     assert {c.check for c in report.ran} == {c.name for c in job.checks}
+    assert all(c.status == "pass" for c in report.checks), [(c.check, c.status, c.message) for c in report.checks]
 
 
 def test_readme_main_command_text_report():
@@ -47,9 +59,9 @@ def test_readme_main_command_text_report():
     done = shardlang_apply("plans/llama_2d.sl", "examples/llama.py", "--nproc", "4")
     assert done.returncode == 0, done.stdout + done.stderr
     assert time.perf_counter() - start < 60
-    for check in ("gradients", "module_states", "init_device", "placements"):
+    for check in ("init", "gradients", "module_states", "init_device", "placements"):
         assert re.search(rf"│ {check}\s+│ pass", done.stdout), done.stdout
-    assert "all checks passed" in done.stdout
+    assert re.search(r"^5 passed \(", done.stdout, re.MULTILINE), done.stdout
     assert "world 4 on cpu (gloo), 2 replicas x tp 2" in done.stdout
 
 
@@ -61,7 +73,7 @@ def test_json_report_is_the_only_stdout():
     checks = {c["check"]: c for c in report["checks"]}
     assert set(checks) == {"gradients", "placements", "init_device", "module_states", "comms"}
     assert checks["comms"]["data"]["counts"] == {"all_reduce": 1}
-    assert all(set(c) == {"check", "ok", "message", "seconds", "data"} for c in report["checks"])
+    assert all(set(c) == {"check", "status", "ok", "message", "seconds", "data"} for c in report["checks"])
     assert checks["gradients"]["data"]["worst"][0]["tensor"]
 
 

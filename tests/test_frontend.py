@@ -136,9 +136,9 @@ def test_unit_options_merge_block_then_unit():
     assert block.root is False
 
 
-def test_default_checks_are_all_five():
+def test_default_checks_are_all_six():
     plan = shardlang.loads("mesh world = cpu[dp=2]\n")
-    assert [c.name for c in plan.checks] == ["gradients", "module_states", "init_device", "placements", "comms"]
+    assert [c.name for c in plan.checks] == ["gradients", "init", "module_states", "init_device", "placements", "comms"]
     assert plan.init.mode == "auto"
 
 

@@ -32,17 +32,20 @@ def apply_and_check(pools, plan, world: int = 4, drop: str | None = None):
     if drop is not None:
         path.write_text(text)
     try:
-        return pools(world).run(run, Job(str(path), {}, model_of(plan), None, checks))[0]
+        return pools(world).run(run, Job(str(path), {}, model_of(plan), None, checks, explicit=True))[0]
     finally:
         if drop is not None:
             path.unlink()
 
 
 def assert_all_pass(report):
-    assert report.ok, [(c.check, c.ok, c.message) for c in report.checks] + [
+    """Every check passed; comms may be `reported` where the plan gives no counts (it compared nothing)."""
+    assert report.ok, [(c.check, c.status, c.message) for c in report.checks] + [
         d.message for d in report.diagnostics if d.is_error
     ]
-    assert all(c.ok for c in report.checks), [(c.check, c.message) for c in report.checks]
+    assert all(c.status == "pass" or (c.check, c.status) == ("comms", "reported") for c in report.checks), [
+        (c.check, c.status, c.message) for c in report.checks
+    ]
 
 
 def lint_codes(plan, model_path, world):
@@ -74,7 +77,7 @@ def test_fsdp_tp_integration__extension_grad(pools):
         )[0]
     finally:
         path.unlink()
-    assert all(ok for _, ok, _ in result["checks"]), result["checks"]
+    assert all(status in ("pass", "reported") for _, status, _ in result["checks"]), result["checks"]
     assert result["plan_counts"] == result["hand_counts"]
     assert (
         result["plan_counts"]["all_gather_into_tensor"] >= 1 and result["plan_counts"]["reduce_scatter_tensor"] >= 1
@@ -233,7 +236,7 @@ def test_tp_examples__loss_parallel_counts_as_torch_gives_them(pools):
     result = pools(2).run(
         seed_jobs.checks_and_counts_against_handwritten, str(plan), model_of(plan), "hand_loss_parallel"
     )[0]
-    assert all(ok for _, ok, _ in result["checks"]), result["checks"]
+    assert all(status in ("pass", "reported") for _, status, _ in result["checks"]), result["checks"]
     assert result["plan_counts"] == result["hand_counts"]
     assert result["plan_counts"]["all_reduce"] >= 3  # cross-entropy's max, sum-exp and target gathers
 

@@ -12,4 +12,6 @@ fully_shard on world.dp {
 }
 
 init meta
-verify init_device, placements, gradients(steps=2, optimizer=adam), module_states
+# No module_states: FSDP over the only mesh dim shards every parameter and the model has no buffers,
+# so no tensor is replicated and the check would compare nothing (it would be skipped, not passed).
+verify init, init_device, placements, gradients(steps=2, optimizer=adam)

@@ -17,7 +17,7 @@ the truth is the rounding error of that precision on these very inputs. A sharde
 
     ||sharded - truth|| <= K * ||same precision - truth|| + K * eps(float32) * scale * sqrt(n)
 
-with K = 8 and `scale` the root-mean-square value of the truth's tensors of that kind in the step
+with K = 12 and `scale` the root-mean-square value of the truth's tensors of that kind in the step
 (a floor for tensors whose true value is zero, where the reference's own error can be tiny by luck).
 Each error is reported as a fraction of what was allowed: 1.0 is the limit. `rtol`/`atol` given in the
 plan replace the rule with a fixed one: ||sharded - truth|| <= rtol ||truth|| + atol sqrt(n).
@@ -249,6 +249,7 @@ def _resume(ctx, optim, reference, ref_optim) -> str:
         index[k]: {n: full(v) if isinstance(v, torch.Tensor) else v for n, v in s.items()}
         for k, s in saved["state"].items()
     }
-    groups = [{**g, "params": [index[k] for k in g["params"]]} for g in saved["param_groups"]]
+    # load_state_dict pairs saved parameters with the optimizer's by position: list them in its order.
+    groups = [{**g, "params": sorted(index[k] for k in g["params"])} for g in saved["param_groups"]]
     ref_optim.load_state_dict({"state": state, "param_groups": groups})
     return f"resumed {type(optim).__name__} state from {checkpoint.path}"
