@@ -45,9 +45,7 @@ def run(ctx, check) -> Outcome:
         want = reference.get_parameter(name) if kind == "parameter" else reference.get_buffer(name)
         got, want = got.cpu(), want.detach().cpu()
         if got.shape != want.shape or got.dtype != want.dtype:
-            wrong.append(
-                f"{name}: {tuple(got.shape)} {_dtype(got)}, unsharded {tuple(want.shape)} {_dtype(want)}"
-            )
+            wrong.append(f"{name}: {tuple(got.shape)} {_dtype(got)}, unsharded {tuple(want.shape)} {_dtype(want)}")
         elif mode != "meta" or kind == "buffer" or _constant(want):
             if not torch.equal(got, want):
                 wrong.append(f"{name}: not bitwise equal to the unsharded {kind}{_max_difference(got, want)}")
