@@ -51,7 +51,10 @@ def test_every_example_plan_passes_its_checks_on_cpu(pools, plan):
     report = pools(4).run(run, job)[0]
     assert report.ok, [(c.check, c.message) for c in report.checks] + [str(d.message) for d in report.diagnostics]
     assert {c.check for c in report.ran} == {c.name for c in job.checks}
-    assert all(c.status == "pass" for c in report.checks), [(c.check, c.status, c.message) for c in report.checks]
+    # comms is `reported` where the plan gives no counts: it compared nothing, and is not a pass.
+    assert all(c.status == "pass" or (c.check, c.status) == ("comms", "reported") for c in report.checks), [
+        (c.check, c.status, c.message) for c in report.checks
+    ]
 
 
 def test_readme_main_command_text_report():

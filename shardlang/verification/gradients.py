@@ -246,7 +246,9 @@ def _resume(ctx, optim, reference, ref_optim) -> str:
     saved = get_optimizer_state_dict(ctx.model, optim, options=StateDictOptions(full_state_dict=True))
     index = {name: i for i, (name, _) in enumerate(reference.named_parameters())}
     state = {
-        index[k]: {n: full(v) if isinstance(v, torch.Tensor) else v for n, v in s.items()}
+        # Copies: a full state dict hands back the optimizer's own plain tensors (Adam's `step`), which
+        # the two optimizers would otherwise share and each advance.
+        index[k]: {n: full(v).detach().clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
         for k, s in saved["state"].items()
     }
     # load_state_dict pairs saved parameters with the optimizer's by position: list them in its order.
