@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import shardlang
-from shardlang.parse import _lark
+from shardlang.frontend.parse import _lark
 
 LLAMA_BODY = [
     ("attention_norm", "sequence_parallel"),

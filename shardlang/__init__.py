@@ -16,10 +16,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .diagnostics import CODES, Diagnostic, PlanError, Severity
-from .frontend import compile_file, compile_source
-from .plan import Plan
-from .source import Source
+from .frontend.diagnostics import CODES, Diagnostic, PlanError, Severity
+from .frontend.ir import Plan
+from .frontend.read import compile_file, compile_source
+from .frontend.source import Source
 
 __all__ = [
     "CODES",
@@ -76,6 +76,6 @@ def loads(
 
 def verify(plan: Plan, build_model, example_input=None, loss=None, **options):
     """Apply `plan` to `build_model()` and run its checks; a Report (see shardlang.job.verify)."""
-    from .job import verify as run_verify
+    from .launch.job import verify as run_verify
 
     return run_verify(plan, build_model, example_input, loss, **options)

@@ -4,8 +4,8 @@ the placements the compiler predicted."""
 
 import pytest
 
-from shardlang.launch import WorkerError
-from shardlang.torchcompat import fsdp_strided_shard
+from shardlang.launch.workers import WorkerError
+from shardlang.runtime.torchcompat import fsdp_strided_shard
 
 from . import dist_jobs as jobs
 

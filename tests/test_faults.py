@@ -3,8 +3,8 @@ fault is fixed. Runs `shardlang apply`'s job on the test worker pools."""
 
 import pytest
 
-from shardlang.check import CHECKS
-from shardlang.job import Job, run
+from shardlang.frontend.static_checks import CHECKS
+from shardlang.launch.job import Job, run
 
 FAULTS = {
     # name: (world, model, check, faulty plan, fixed plan, words the failure message must contain)

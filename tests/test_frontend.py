@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 import shardlang
-from shardlang.diagnostics import render_text
-from shardlang.plan import Shard, dump
-from shardlang.source import MAX_PLAN_BYTES
+from shardlang.frontend.diagnostics import render_text
+from shardlang.frontend.ir import Shard, dump
+from shardlang.frontend.source import MAX_PLAN_BYTES
 
 from .conftest import FIXTURES, ROOT
 

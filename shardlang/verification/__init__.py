@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 from attrs import define, field, frozen
 
-from .. import plan as ir
-from ..apply import Applied
-from ..modelfile import ModelFile
+from ..frontend import ir
+from ..runtime.apply import Applied
+from ..runtime.modelfile import ModelFile
 
 if TYPE_CHECKING:
-    from ..checkpoints import Checkpoint
+    from ..checkpoints.dcp import Checkpoint
 
 #: The order checks run in: the ones that only look first, the ones that train last.
 ORDER = ("init_device", "placements", "module_states", "comms", "gradients")
@@ -78,7 +78,7 @@ class Context:
     @property
     def device(self) -> torch.device:
         """The device the model's tensors should be on: cuda:<local rank> or cpu."""
-        from ..runtime import mesh_device
+        from ..runtime.helpers import mesh_device
 
         kinds = {mesh_device(m.device) for m in self.plan.meshes} or {"cpu"}
         if "cuda" in kinds:

@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from .. import plan as ir
+from ..frontend import ir
 from . import Outcome
 from . import layout as lay
 
@@ -150,7 +150,7 @@ def run(ctx, check: ir.Check) -> Outcome:
 def _resume(ctx, optim, reference, ref_optim) -> str:
     """Load the checkpoint's optimizer state into both optimizers, if it holds state of their class; what
     was done, for the message ("" if the checkpoint holds none)."""
-    from ..checkpoints import load_checkpoint
+    from ..checkpoints.dcp import load_checkpoint
 
     checkpoint = ctx.checkpoint
     if checkpoint is None or not checkpoint.has_optimizer:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..predict import enclosing, units_by_module
+from ..compiler.predict import enclosing, units_by_module
 from . import Outcome
 
 LISTED = 8

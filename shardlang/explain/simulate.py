@@ -25,14 +25,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from attrs import frozen
 
-from . import plan as ir
-from .apply import apply_plan
-from .diagnostics import PlanError
-from .lint import lint
-from .modelfile import ModelFile
-from .predict import enclosing, units_by_module
-from .torchcompat import local_shape_and_offset
-from .verification.placements import actual
+from ..compiler.lint import lint
+from ..compiler.predict import enclosing, units_by_module
+from ..frontend import ir
+from ..frontend.diagnostics import PlanError
+from ..runtime.apply import apply_plan
+from ..runtime.modelfile import ModelFile
+from ..runtime.torchcompat import local_shape_and_offset
+from ..verification.placements import actual
 
 #: Bytes per element of the optimizer states AdamW keeps for each parameter element (two fp32 states).
 ADAMW_STATE_BYTES = 8
@@ -163,7 +163,7 @@ def explain(
     The first call in a process simulates here; later ones (and any call inside a process group) in a
     fresh process, since torch's DTensor caches remember the meshes of a world that is gone."""
     if _simulated_before or (dist.is_available() and dist.is_initialized()):
-        from .launch import in_fresh_process
+        from ..launch.workers import in_fresh_process
 
         # A model from a model file loaded by path cannot be unpickled elsewhere: rebuild it there.
         rebuild = model_file is not None and (model_file.path or model_file.entry)
@@ -210,7 +210,7 @@ def _explain_here(plan, model, world_size, rank, model_file, blocks_for, step, f
 def _tensors_and_ranks(
     plan: ir.Plan, applied, world_size: int, blocks_for: str | None
 ) -> tuple[tuple[TensorInfo, ...], tuple[RankBytes, ...]]:
-    from .runtime import pattern_regex
+    from ..runtime.helpers import pattern_regex
 
     wanted = pattern_regex(blocks_for) if blocks_for is not None else None
     model = applied.model
@@ -491,8 +491,8 @@ def _training_step(
     collectives, each group named as `groups` names it (process group name -> `mesh.dim`)."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    from .verification import Context
-    from .verification.comms import Calls, count_collectives
+    from ..verification import Context
+    from ..verification.comms import Calls, count_collectives
 
     recorder = Calls()
     plain = (FakeTensor, torch.Tensor, nn.Parameter)  # the types FakeTensorMode runs itself
@@ -568,7 +568,7 @@ def select(explanation: Explanation, pattern: str | None) -> tuple[TensorInfo, .
     """The tensors whose names a pattern matches (the module pattern syntax, on parameter names)."""
     if pattern is None:
         return explanation.tensors
-    from .runtime import pattern_regex
+    from ..runtime.helpers import pattern_regex
 
     regex = pattern_regex(pattern)
     return tuple(t for t in explanation.tensors if regex.fullmatch("." + t.name))

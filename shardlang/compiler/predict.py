@@ -13,9 +13,9 @@ from collections.abc import Iterator, Mapping
 import torch.nn as nn
 from attrs import frozen
 
-from . import plan as ir
+from ..frontend import ir
+from ..runtime.torchcompat import fsdp_strided_shard
 from .resolve import Resolution, RuleMatch, UnitMatch
-from .torchcompat import fsdp_strided_shard
 
 #: TP styles by what they do to parameters; user styles are mapped by their torch base class.
 SHARDING_STYLES = ("colwise", "rowwise")

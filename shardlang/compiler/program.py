@@ -12,9 +12,9 @@ from typing import Any
 import attrs
 from attrs import frozen
 
-from . import plan as ir
-from . import runtime
-from .source import Span
+from ..frontend import ir
+from ..frontend.source import Span
+from ..runtime import helpers as runtime
 from .styles import Constructor, names_used, source, value_source
 
 

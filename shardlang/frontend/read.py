@@ -6,11 +6,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from .check import check
 from .diagnostics import Diagnostic, sort_key
+from .ir import Plan
 from .parse import decode, parse
-from .plan import Plan
 from .source import Source
+from .static_checks import check
 
 
 def compile_source(

@@ -13,9 +13,9 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedTok
 from lark.lexer import PatternStr
 
 from . import syntax
-from .build import Build
 from .diagnostics import Diagnostic, did_you_mean
 from .source import MAX_PLAN_BYTES, Source, Span
+from .transformer import Build
 
 #: Words that start a statement, for "did you mean" and for finding where to resume after an error.
 STATEMENT_KEYWORDS = (
@@ -57,7 +57,7 @@ def grammar_path() -> Path:
     packaged = resources.files("shardlang").joinpath("grammar", "shardlang.lark")
     if packaged.is_file():
         return Path(str(packaged))
-    return Path(__file__).resolve().parent.parent / "grammar" / "shardlang.lark"
+    return Path(__file__).resolve().parents[2] / "grammar" / "shardlang.lark"
 
 
 _BUILD = Build()

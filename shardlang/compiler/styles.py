@@ -12,7 +12,7 @@ from typing import Any
 
 from attrs import frozen
 
-from . import plan as ir
+from ..frontend import ir
 
 TP = "torch.distributed.tensor.parallel"
 

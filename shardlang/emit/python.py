@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from . import plan as ir
-from .diagnostics import PlanError
-from .lint import lint
-from .lower import lower
-from .program import Program, to_python
+from ..compiler.lint import lint
+from ..compiler.lower import lower
+from ..compiler.program import Program, to_python
+from ..frontend import ir
+from ..frontend.diagnostics import PlanError
 
 
 def compile_program(plan: ir.Plan, model: nn.Module, world_size: int) -> Program:

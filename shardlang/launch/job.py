@@ -13,17 +13,17 @@ import torch
 import torch.distributed as dist
 from attrs import frozen
 
-from . import plan as ir
-from .apply import apply_plan
-from .checkpoints import Transfer, load_checkpoint, read_checkpoint, save_checkpoint
-from .diagnostics import Diagnostic, PlanError
-from .frontend import compile_file
-from .launch import progress
-from .modelfile import ModelFile, load_model_file
+from ..checkpoints.dcp import Transfer, load_checkpoint, read_checkpoint, save_checkpoint
+from ..frontend import ir
+from ..frontend.diagnostics import Diagnostic, PlanError
+from ..frontend.read import compile_file
+from ..runtime.apply import apply_plan
+from ..runtime.helpers import mesh_device
+from ..runtime.modelfile import ModelFile, load_model_file
+from ..verification import Context, combine, gather, run_checks
+from ..verification.layout import layout
 from .report import Report
-from .runtime import mesh_device
-from .verification import Context, combine, gather, run_checks
-from .verification.layout import layout
+from .workers import progress
 
 
 @frozen
@@ -180,7 +180,7 @@ def verify(
 
     Inside an initialised process group every rank calls this and gets the same report. Outside one,
     it starts `nproc` local workers (gloo; the functions must be importable, e.g. module-level)."""
-    from .launch import WorkerPool
+    from .workers import WorkerPool
 
     wanted = (
         plan.checks
@@ -191,7 +191,7 @@ def verify(
     if dist.is_available() and dist.is_initialized():
         return run(job)
     if nproc is None:
-        from .compile import default_world_size
+        from ..emit.python import default_world_size
 
         nproc = default_world_size(plan)
     with WorkerPool(nproc) as pool:

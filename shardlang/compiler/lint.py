@@ -12,9 +12,10 @@ from collections.abc import Iterable
 import torch.nn as nn
 from attrs import frozen
 
-from . import plan as ir
-from .check import check_world
-from .diagnostics import Diagnostic
+from ..frontend import ir
+from ..frontend.diagnostics import Diagnostic
+from ..frontend.source import Span
+from ..frontend.static_checks import check_world
 from .predict import (
     INPUT_OUTPUT_STYLES,
     Placed,
@@ -27,7 +28,6 @@ from .predict import (
     units_by_module,
 )
 from .resolve import Resolution, RuleMatch, UnitMatch, resolve
-from .source import Span
 
 #: How many names a diagnostic lists before it says how many more there are.
 LISTED = 6

@@ -9,12 +9,12 @@ from attrs import field, frozen
 from rich.console import Console
 from rich.table import Table
 
-from .diagnostics import Diagnostic, render_all
-from .source import Source
-from .verification import CheckResult
+from ..frontend.diagnostics import Diagnostic, render_all
+from ..frontend.source import Source
+from ..verification import CheckResult
 
 if TYPE_CHECKING:
-    from .checkpoints import Transfer
+    from ..checkpoints.dcp import Transfer
 
 
 @frozen

@@ -42,8 +42,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from . import __version__
-from .diagnostics import Diagnostic, PlanError
+from .. import __version__
+from ..frontend.diagnostics import Diagnostic, PlanError
 
 #: The file beside DCP's own that says what wrote a checkpoint.
 INFO_FILE = "shardlang.json"

@@ -245,27 +245,27 @@ class Plan:
 
     def with_world(self, world_size: int) -> list[Diagnostic]:
         """SL105 diagnostics if the meshes cannot be laid over `world_size` ranks."""
-        from .check import check_world
+        from .static_checks import check_world
 
         return check_world(self, world_size)
 
     def lint(self, model: Any, world_size: int) -> list[Diagnostic]:
         """Every diagnostic of this plan against `model` (built on the meta device is enough) at `world_size`."""
-        from .lint import lint
+        from ..compiler.lint import lint
 
         return [*self.diagnostics, *lint(self, model, world_size).diagnostics]
 
     def build(self, build_model: Any) -> Any:
         """Call `build_model()` where this plan's `init` says: on meta (`meta`; `rank0` except on rank 0),
         on the CPU (`cpu`, rank 0 of `rank0`) or on the mesh device (`auto`)."""
-        from .runtime import build_for
+        from ..runtime.helpers import build_for
 
         return build_for(self.init.mode, self.meshes[0].device if self.meshes else "auto", build_model)
 
     def apply(self, model: Any) -> Any:
         """Shard `model` in place by this plan; call on every rank inside an initialised process group.
         Raises PlanError (nothing changed) if the plan does not fit the model or a step fails."""
-        from .apply import apply_plan
+        from ..runtime.apply import apply_plan
 
         return apply_plan(self, model).model
 
@@ -284,8 +284,8 @@ class Plan:
         import copy
         import functools
 
-        from .explain import explain
-        from .modelfile import ModelFile
+        from ..explain.simulate import explain
+        from ..runtime.modelfile import ModelFile
 
         build = functools.partial(copy.deepcopy, model)  # picklable, for a simulation in a fresh process
         model_file = ModelFile("library", build, example_input, loss) if example_input is not None else None
@@ -293,7 +293,7 @@ class Plan:
 
     def to_python(self, model: Any = None, world_size: int | None = None) -> str:
         """The program as plain torch code; resolved against `model` (any device, meta is enough) if given."""
-        from .compile import compile_python
+        from ..emit.python import compile_python
 
         return compile_python(self, model, world_size)
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from . import plan as ir
+from ..frontend import ir
+from ..runtime import helpers as runtime
 from . import program as p
-from . import runtime
 from .predict import owned
 from .resolve import Resolution, UnitMatch
 from .styles import Constructor, constructor

@@ -16,15 +16,15 @@ import attrs
 from rich.console import Console
 from rich.text import Text
 
-from . import __version__
-from .compile import compile_python, default_world_size
-from .diagnostics import Diagnostic, PlanError, did_you_mean, render_all, render_json, sort_key
-from .frontend import compile_file
-from .lint import lint
-from .modelfile import ModelFile, ModelFileError, load_model_file
-from .plan import Plan
-from .report import Report, render
-from .source import Source
+from .. import __version__
+from ..compiler.lint import lint
+from ..emit.python import compile_python, default_world_size
+from ..frontend.diagnostics import Diagnostic, PlanError, did_you_mean, render_all, render_json, sort_key
+from ..frontend.ir import Plan
+from ..frontend.read import compile_file
+from ..frontend.source import Source
+from ..launch.report import Report, render
+from ..runtime.modelfile import ModelFile, ModelFileError, load_model_file
 
 #: Exit statuses (SPEC §5).
 OK, FOUND, UNUSABLE = 0, 1, 2
@@ -246,7 +246,7 @@ def run_compile(args: argparse.Namespace) -> int:
 
 def run_apply(args: argparse.Namespace) -> int:
     """Compile and lint here, then run the job on every rank; rank 0's report. Exit 0 / 1 (SL400) / 2."""
-    from .launch import WorkerError, under_torchrun
+    from ..launch.workers import WorkerError, under_torchrun
 
     torchrun = under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc
@@ -277,7 +277,7 @@ def run_apply(args: argparse.Namespace) -> int:
     except PlanError as e:
         return _apply_unusable([*found, *e.diagnostics], sources, args, world, device)
 
-    from .job import Job
+    from ..launch.job import Job
 
     job = Job(
         args.plan, _params(args.params), args.model, args.entry, checks, args.seed, load=args.load, save=args.save
@@ -314,7 +314,7 @@ def _show_report(report, warnings: list[str], sources: dict[str, Source], args: 
 
 def _check_checkpoint_paths(args: argparse.Namespace, meta) -> None:
     """Before any worker starts: --load names a checkpoint that fits the model, --save a replaceable path."""
-    from .checkpoints import check_fits, check_save_target, read_checkpoint
+    from ..checkpoints.dcp import check_fits, check_save_target, read_checkpoint
 
     if args.load is not None:
         check_fits(read_checkpoint(args.load), meta)
@@ -324,7 +324,7 @@ def _check_checkpoint_paths(args: argparse.Namespace, meta) -> None:
 
 def run_convert(args: argparse.Namespace) -> int:
     """DCP checkpoint -> torch file, or torch file -> checkpoint; diagnostics (SL501) and exit 2 if not."""
-    from .checkpoints import convert_checkpoint
+    from ..checkpoints.dcp import convert_checkpoint
 
     try:
         done = convert_checkpoint(args.source, args.target, optimizer=args.optimizer)
@@ -337,8 +337,8 @@ def run_convert(args: argparse.Namespace) -> int:
 
 def run_explain(args: argparse.Namespace) -> int:
     """Per-parameter layouts, per-rank memory and one step's collectives at `--world N` (SPEC §8)."""
-    from .explain import explain
-    from .pictures import render_svg, render_text
+    from ..explain.pictures import render_svg, render_text
+    from ..explain.simulate import explain
 
     plan, found, sources = compile_plan(args.plan, args.params, args.world)
     model_file = _model_file(args)
@@ -383,8 +383,8 @@ def run_explain(args: argparse.Namespace) -> int:
 
 
 def explanation_data(explanation, pattern: str | None) -> dict:
-    from .explain import select
-    from .plan import to_data
+    from ..explain.simulate import select
+    from ..frontend.ir import to_data
 
     data = to_data(explanation)
     data["tensors"] = [to_data(t) for t in select(explanation, pattern)]
@@ -404,7 +404,7 @@ def _apply_device(choice: str, world: int | None) -> str:
     if choice != "auto":
         return choice
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    from .launch import under_torchrun
+    from ..launch.workers import under_torchrun
 
     return "cuda" if gpus and (world is None or world <= gpus or under_torchrun()) else "cpu"
 
@@ -422,8 +422,8 @@ def _default_nproc(plan: Plan, device: str) -> int:
 
 def _checks(plan: Plan, args: argparse.Namespace) -> tuple:
     """The checks to run: the plan's, or --verify's (with the plan's arguments where it has them)."""
-    from .check import CHECKS
-    from .plan import Check
+    from ..frontend.ir import Check
+    from ..frontend.static_checks import CHECKS
 
     checks = plan.checks
     if args.verify is not None:
@@ -457,8 +457,8 @@ def _apply_unusable(found, sources, args, world: int, device: str) -> int:
 
 
 def _run_local(job, world: int, device: str, timeout: float, console: Console):
-    from .job import run
-    from .launch import WorkerPool
+    from ..launch.job import run
+    from ..launch.workers import WorkerPool
 
     backend = "nccl" if device == "cuda" else "gloo"
     with console.status(f"starting {world} workers ({backend})") as status:
@@ -480,8 +480,8 @@ def _run_under_torchrun(job, device: str, console: Console):
     import torch
     import torch.distributed as dist
 
-    from .job import run
-    from .launch import destroy_process_groups
+    from ..launch.job import run
+    from ..launch.workers import destroy_process_groups
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if device == "cuda":

@@ -14,10 +14,10 @@ from functools import cache
 import torch.nn as nn
 from attrs import field, frozen
 
-from . import plan as ir
-from . import runtime
-from .diagnostics import Diagnostic, did_you_mean
-from .syntax import ClassTarget, Pattern, Target
+from ..frontend import ir
+from ..frontend.diagnostics import Diagnostic, did_you_mean
+from ..frontend.syntax import ClassTarget, Pattern, Target
+from ..runtime import helpers as runtime
 
 
 @frozen

@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from . import plan as ir
+from . import ir
 from . import syntax as s
 from .diagnostics import Diagnostic, did_you_mean
 from .parse import parse_value

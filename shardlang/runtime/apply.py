@@ -18,14 +18,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from attrs import define, field
 
-from . import plan as ir
-from . import program as p
-from . import runtime
-from .diagnostics import Diagnostic, PlanError
-from .lint import Linted, lint
-from .lower import lower
-from .predict import Placed
-from .styles import build, import_path, to_torch
+from ..compiler import program as p
+from ..compiler.lint import Linted, lint
+from ..compiler.lower import lower
+from ..compiler.predict import Placed
+from ..compiler.styles import build, import_path, to_torch
+from ..frontend import ir
+from ..frontend.diagnostics import Diagnostic, PlanError
+from . import helpers as runtime
 from .torchcompat import composable_checkpoint, composable_replicate, composable_state_mapping
 
 
