@@ -3,7 +3,7 @@ fault is fixed. Runs `shardlang apply`'s job on the test worker pools."""
 
 import pytest
 
-from shardlang.frontend.static_checks import CHECKS
+from shardlang.frontend.schema import CHECKS
 from shardlang.launch.job import Job, run
 
 FAULTS = {

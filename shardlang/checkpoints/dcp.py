@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from .. import __version__
+from .._version import __version__
 from ..frontend.diagnostics import Diagnostic, PlanError
 
 #: The file beside DCP's own that says what wrote a checkpoint.

@@ -16,14 +16,13 @@ import attrs
 from rich.console import Console
 from rich.text import Text
 
-from .. import __version__
+from .._version import __version__
 from ..compiler.lint import lint
-from ..emit.python import compile_python, default_world_size
+from ..emit.python import compile_python
 from ..frontend.diagnostics import Diagnostic, PlanError, did_you_mean, render_all, render_json, sort_key
 from ..frontend.ir import Plan
-from ..frontend.read import compile_file
+from ..frontend.read import read_file
 from ..frontend.source import Source
-from ..launch.report import Report, render
 from ..runtime.modelfile import ModelFile, ModelFileError, load_model_file
 
 #: Exit statuses (SPEC §5).
@@ -164,7 +163,7 @@ def _world(plan: Plan, given: int | None) -> int:
     if given is not None:
         return given
     try:
-        return default_world_size(plan)
+        return plan.fixed_world_size()
     except ValueError as e:
         raise UsageError(f"{e} with --world N") from None
 
@@ -200,7 +199,7 @@ def compile_plan(
 ) -> tuple[Plan | None, list[Diagnostic], dict[str, Source]]:
     """The front end for a command: diagnostics are returned, and an unreadable file is a usage error."""
     try:
-        return compile_file(path, _params(params), world_size)
+        return read_file(path, _params(params), world_size)
     except OSError as e:
         raise UsageError(f"cannot read plan {path}: {e.strerror}") from None
 
@@ -301,6 +300,8 @@ def run_apply(args: argparse.Namespace) -> int:
 
 def _show_report(report, warnings: list[str], sources: dict[str, Source], args: argparse.Namespace) -> int:
     """Print the report (table or JSON) and return the exit status it calls for."""
+    from ..launch.report import render
+
     if warnings:
         report = attrs.evolve(report, warnings=report.warnings + tuple(warnings))
     if args.json:
@@ -411,7 +412,7 @@ def _apply_device(choice: str, world: int | None) -> str:
 
 def _default_nproc(plan: Plan, device: str) -> int:
     try:
-        return default_world_size(plan)
+        return plan.fixed_world_size()
     except ValueError:
         if device == "cuda":
             import torch
@@ -423,7 +424,7 @@ def _default_nproc(plan: Plan, device: str) -> int:
 def _checks(plan: Plan, args: argparse.Namespace) -> tuple:
     """The checks to run: the plan's, or --verify's (with the plan's arguments where it has them)."""
     from ..frontend.ir import Check
-    from ..frontend.static_checks import CHECKS
+    from ..frontend.schema import CHECKS
 
     checks = plan.checks
     if args.verify is not None:
@@ -448,6 +449,9 @@ def _checks(plan: Plan, args: argparse.Namespace) -> tuple:
 
 
 def _apply_unusable(found, sources, args, world: int, device: str) -> int:
+    # The report (and the checks it describes) is imported here, not at the top: `lint` never needs it.
+    from ..launch.report import Report
+
     if args.json:
         report = Report(ok=False, world_size=world, device=device, diagnostics=tuple(found), usable=False)
         print(report.json())

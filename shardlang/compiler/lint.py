@@ -7,7 +7,7 @@ from the plan and the world size, so `--world 1024` lints in one CPU process.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch.nn as nn
 from attrs import frozen
@@ -46,14 +46,21 @@ class Linted:
         return not any(d.is_error for d in self.diagnostics)
 
 
-def lint(plan: ir.Plan, model: nn.Module, world_size: int, user_classes: dict[str, type] | None = None) -> Linted:
-    """Resolve `plan` on `model`, predict placements at `world_size` and run every SL2xx check."""
+def lint(
+    plan: ir.Plan,
+    model: nn.Module,
+    world_size: int,
+    user_kinds: Mapping[str, str] | None = None,
+    strided_shard: bool = True,
+) -> Linted:
+    """Resolve `plan` on `model`, predict placements at `world_size` and run every SL2xx check.
+    `user_kinds` and `strided_shard` are what apply knows of the installed torch (see predict)."""
     found = list(check_world(plan, world_size))
     if found:
         return Linted(None, None, tuple(found))
     resolution, found = resolve(plan, model)
     shapes = mesh_shapes(plan, world_size)
-    predictions = predict(plan, resolution, shapes, user_classes)
+    predictions = predict(plan, resolution, shapes, user_kinds, strided_shard)
     for rule in RULES:
         found += rule(plan, resolution, predictions, shapes)
     return Linted(resolution, predictions, tuple(found))

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..frontend import ir
-from ..runtime import helpers as runtime
 from . import program as p
+from .devices import mesh_device
 from .predict import owned
 from .resolve import Resolution, UnitMatch
 from .styles import Constructor, constructor
@@ -139,7 +139,7 @@ def _fsdp_kwargs(plan: ir.Plan, block: ir.Units, get) -> tuple:
         kwargs.append(("mp_policy", Constructor(f"{FSDP}.MixedPrecisionPolicy", args)))
     if get("offload") == "cpu":
         # Pinned memory needs a GPU (an `auto` mesh is judged where the program is lowered).
-        pin = runtime.mesh_device(plan.mesh(block.mesh.mesh).device) == "cuda"
+        pin = mesh_device(plan.mesh(block.mesh.mesh).device) == "cuda"
         kwargs.append(
             ("offload_policy", Constructor(f"{FSDP}.CPUOffloadPolicy", () if pin else (("pin_memory", False),)))
         )

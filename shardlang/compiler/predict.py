@@ -2,8 +2,9 @@
 
 This is what the `placements` check compares against, what SL203/SL204 reason about, and what
 `explain` shows. It is derived from the plan's styles and units, not by running them, so a style that
-shards differently from what it claims is caught. Predictions follow the installed torch
-(torchcompat.fsdp_strided_shard).
+shards differently from what it claims is caught. Predictions follow the installed torch where it
+matters (`strided_shard`, which apply takes from runtime.torchcompat.fsdp_strided_shard), so this
+module needs no process group and imports nothing of torch.distributed.
 """
 
 from __future__ import annotations
@@ -14,12 +15,10 @@ import torch.nn as nn
 from attrs import frozen
 
 from ..frontend import ir
-from ..runtime.torchcompat import fsdp_strided_shard
 from .resolve import Resolution, RuleMatch, UnitMatch
 
 #: TP styles by what they do to parameters; user styles are mapped by their torch base class.
 SHARDING_STYLES = ("colwise", "rowwise")
-REPLICATING_STYLES = ("sequence_parallel", "distribute")
 INPUT_OUTPUT_STYLES = ("prepare_input", "prepare_output")
 
 
@@ -51,26 +50,13 @@ PLAIN = Placed()
 UNKNOWN = Placed(known=False)
 
 
-def style_kind(style: ir.Style, user_classes: Mapping[str, type] | None = None) -> str:
-    """`colwise`, `rowwise`, `sequence_parallel`, `distribute`, `prepare_input`, `prepare_output` or `unknown`."""
+def style_kind(style: ir.Style, user_kinds: Mapping[str, str] | None = None) -> str:
+    """`colwise`, `rowwise`, `sequence_parallel`, `distribute`, `prepare_input`, `prepare_output` or `unknown`.
+    A `use` style has the kind `user_kinds` gives its alias (runtime.values.style_kinds, from the
+    imported class's torch base class), else `unknown`."""
     if style.use is None:
         return style.name
-    cls = (user_classes or {}).get(style.name)
-    if isinstance(cls, type):
-        from torch.distributed.tensor import parallel as tp
-
-        for base, kind in (
-            (tp.ColwiseParallel, "colwise"),
-            (tp.RowwiseParallel, "rowwise"),
-            (tp.SequenceParallel, "sequence_parallel"),
-            (tp.PrepareModuleInput, "prepare_input"),
-            (tp.PrepareModuleOutput, "prepare_output"),
-        ):
-            if issubclass(cls, base):
-                return kind
-        if hasattr(tp, "PrepareModuleInputOutput") and issubclass(cls, tp.PrepareModuleInputOutput):
-            return "prepare_input"
-    return "unknown"
+    return (user_kinds or {}).get(style.name, "unknown")
 
 
 def tp_placement(kind: str, module: nn.Module, name: str):
@@ -134,30 +120,33 @@ def predict(
     plan: ir.Plan,
     resolution: Resolution,
     mesh_sizes: Mapping[str, tuple[int, ...]],
-    user_classes: Mapping[str, type] | None = None,
+    user_kinds: Mapping[str, str] | None = None,
+    strided_shard: bool = True,
 ) -> dict[str, Placed]:
-    """Every parameter's and buffer's predicted layout by FQN. `mesh_sizes` maps each mesh to its shape."""
+    """Every parameter's and buffer's predicted layout by FQN. `mesh_sizes` maps each mesh to its shape;
+    `strided_shard`: FSDP marks its shard of a dim TP already shards as `_StridedShard`, as every torch
+    shardlang supports does (runtime.torchcompat.fsdp_strided_shard)."""
     rules = rules_by_module(resolution)
     units = units_by_module(resolution)
     predictions = {}
     for fqn, owner, name, tensor in owned(resolution.modules):
         is_param = isinstance(tensor, nn.Parameter)
-        placed = _tp(plan, rules, resolution, owner, name, is_param, user_classes)
+        placed = _tp(plan, rules, resolution, owner, name, is_param, user_kinds)
         if is_param:
             unit = enclosing(owner, units)
             if unit is not None and unit.kind(plan.units[unit.block]) == "fully_shard" and placed.known:
-                placed = _fsdp(plan, plan.units[unit.block].mesh, placed, mesh_sizes)
+                placed = _fsdp(plan, plan.units[unit.block].mesh, placed, mesh_sizes, strided_shard)
         predictions[fqn] = placed
     return predictions
 
 
-def _tp(plan, rules, resolution, owner, name, is_param, user_classes) -> Placed:
+def _tp(plan, rules, resolution, owner, name, is_param, user_kinds) -> Placed:
     """The layout after tensor parallelism: from the rule on the owner, or a recursive rule above it."""
     probe = owner
     while True:
         match = rules.get(probe)
         if match is not None:
-            kind = style_kind(match.rule.style, user_classes)
+            kind = style_kind(match.rule.style, user_kinds)
             mesh = plan.parallelize[match.block].mesh
             if probe == owner and kind in SHARDING_STYLES:
                 placement = tp_placement(kind, resolution.modules[owner], name)
@@ -171,7 +160,9 @@ def _tp(plan, rules, resolution, owner, name, is_param, user_classes) -> Placed:
         probe = probe.rpartition(".")[0]
 
 
-def _fsdp(plan: ir.Plan, dp: ir.MeshRef, tp: Placed, mesh_sizes: Mapping[str, tuple[int, ...]]) -> Placed:
+def _fsdp(
+    plan: ir.Plan, dp: ir.MeshRef, tp: Placed, mesh_sizes: Mapping[str, tuple[int, ...]], strided_shard: bool
+) -> Placed:
     """FSDP2 over `tp`: dp shard dim -> Shard(0) (or _StridedShard when a later TP dim also shards dim 0),
     HSDP's replicate dim -> Replicate, TP dims unchanged; dims in the mesh's own order."""
     mesh = plan.mesh(dp.mesh)
@@ -192,7 +183,7 @@ def _fsdp(plan: ir.Plan, dp: ir.MeshRef, tp: Placed, mesh_sizes: Mapping[str, tu
             factor = 1
             for j in later:
                 factor *= sizes[j]
-            strided = factor > 1 and fsdp_strided_shard()
+            strided = factor > 1 and strided_shard
             placements.append(ir.StridedShard(0, factor) if strided else ir.Shard(0))
     return Placed(dp.mesh, dims, tuple(placements))
 

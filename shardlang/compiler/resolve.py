@@ -2,7 +2,7 @@
 
 Pattern semantics (SPEC §4.1): `*` is exactly one segment, `**` zero or more, globs and alternations
 match inside one segment, `root` is the model itself, `class NAME` matches by class. The matching
-is runtime.pattern_regex and class_matches, which the printed program uses too. Rules of a
+is patterns.pattern_regex and class_matches, which the printed program uses too. Rules of a
 `parallelize SCOPE` block are matched relative to each module the scope matches.
 """
 
@@ -14,10 +14,9 @@ from functools import cache
 import torch.nn as nn
 from attrs import field, frozen
 
-from ..frontend import ir
+from ..frontend import ir, patterns
 from ..frontend.diagnostics import Diagnostic, did_you_mean
 from ..frontend.syntax import ClassTarget, Pattern, Target
-from ..runtime import helpers as runtime
 
 
 @frozen
@@ -106,18 +105,18 @@ def resolve(plan: ir.Plan, model: nn.Module) -> tuple[Resolution, list[Diagnosti
         checkpoint += [f for f in fqns if f not in checkpoint]
 
     order = {fqn: i for i, (fqn, _) in enumerate(modules)}
-    units.sort(key=lambda u: (-runtime.depth(u.fqn), order.get(u.fqn, 0)))
+    units.sort(key=lambda u: (-patterns.depth(u.fqn), order.get(u.fqn, 0)))
     return Resolution(dict(modules), tuple(rules), tuple(units), tuple(checkpoint)), found
 
 
 def _named_units_win(plan: ir.Plan, units: list[UnitMatch]) -> list[UnitMatch]:
     """A `class` target does not pick a module that a unit of the other kind names by pattern
-    (runtime.named_units_win, which the printed program applies too)."""
+    (patterns.named_units_win, which the printed program applies too)."""
     matches = [
         (u.fqn, u.kind(plan.units[u.block]), u.unit is not None and isinstance(u.unit.target, ClassTarget), u)
         for u in units
     ]
-    return [u for *_, u in runtime.named_units_win(matches)]
+    return [u for *_, u in patterns.named_units_win(matches)]
 
 
 def _subtree(module: nn.Module, prefix: str) -> tuple[tuple[str, nn.Module], ...]:
@@ -130,14 +129,14 @@ def _relative(fqn: str, scope: str) -> str:
     return "" if fqn == scope else fqn[len(scope) + 1 :]
 
 
-_regex = cache(runtime.pattern_regex)
+_regex = cache(patterns.pattern_regex)
 
 
 def _matches(target: Target, modules: tuple[tuple[str, nn.Module], ...], scope: str) -> list[str]:
     """FQNs of the modules under `scope` (those in `modules`) that `target` matches, in module order.
-    The same matching as runtime.modules_matching, which the printed program uses."""
+    The same matching as patterns.modules_matching, which the printed program uses."""
     if isinstance(target, ClassTarget):
-        return [fqn for fqn, m in modules if runtime.class_matches(target.name, type(m))]
+        return [fqn for fqn, m in modules if patterns.class_matches(target.name, type(m))]
     regex = _regex(str(target))
     return [fqn for fqn, _ in modules if regex.fullmatch(_dotted(_relative(fqn, scope)))]
 
@@ -184,10 +183,10 @@ def _closest(pattern: Pattern, modules: tuple[tuple[str, nn.Module], ...], scope
 
 
 def _children(parent: str, relative: list[str]) -> Iterator[str]:
-    depth = runtime.depth(parent)
+    depth = patterns.depth(parent)
     prefix = parent + "." if parent else ""
     for r in relative:
-        if r.startswith(prefix) and runtime.depth(r) == depth + 1:
+        if r.startswith(prefix) and patterns.depth(r) == depth + 1:
             yield r[len(prefix) :]
 
 

@@ -210,7 +210,7 @@ def _explain_here(plan, model, world_size, rank, model_file, blocks_for, step, f
 def _tensors_and_ranks(
     plan: ir.Plan, applied, world_size: int, blocks_for: str | None
 ) -> tuple[tuple[TensorInfo, ...], tuple[RankBytes, ...]]:
-    from ..runtime.helpers import pattern_regex
+    from ..frontend.patterns import pattern_regex
 
     wanted = pattern_regex(blocks_for) if blocks_for is not None else None
     model = applied.model
@@ -568,7 +568,7 @@ def select(explanation: Explanation, pattern: str | None) -> tuple[TensorInfo, .
     """The tensors whose names a pattern matches (the module pattern syntax, on parameter names)."""
     if pattern is None:
         return explanation.tensors
-    from ..runtime.helpers import pattern_regex
+    from ..frontend.patterns import pattern_regex
 
     regex = pattern_regex(pattern)
     return tuple(t for t in explanation.tensors if regex.fullmatch("." + t.name))

@@ -1,12 +1,15 @@
-"""The plan IR: what a checked plan means, in typed frozen nodes that keep their spans.
+"""The plan IR: what a checked plan means, in typed frozen nodes that keep their spans. Data only.
 
-check.py builds it from the syntax tree; resolve, lint, lower and apply read it. `Plan` is also the
-object the library hands to users (`shardlang.load`), so its methods are the library's verbs.
+static_checks.py builds it from the syntax tree; the compiler, the runtime and the checks read it.
+Nothing here imports a later stage: the library's verbs (`plan.lint`, `plan.apply`, ...) are on the
+facade in shardlang.api, a subclass of this `Plan`.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -94,6 +97,11 @@ class MixedPrecision:
 # --- meshes -------------------------------------------------------------------------------------
 
 
+def fixed_size(sizes: Iterable[int | None]) -> int:
+    """The product of a mesh's dim sizes, an `auto` dim (None) left out: the one place mesh sizes multiply."""
+    return math.prod(n for n in sizes if n is not None)
+
+
 @frozen
 class MeshDim:
     name: str
@@ -112,12 +120,14 @@ class Mesh:
     def dim_names(self) -> tuple[str, ...]:
         return tuple(d.name for d in self.dims)
 
+    @property
+    def fixed_size(self) -> int:
+        """The ranks its sized dims span (all of the mesh when no dim is `auto`)."""
+        return fixed_size(d.size for d in self.dims)
+
     def shape(self, world_size: int) -> tuple[int, ...]:
         """The mesh shape with its `auto` dim filled in (check_world has made sure it fits)."""
-        fixed = 1
-        for d in self.dims:
-            fixed *= d.size or 1
-        return tuple(d.size if d.size is not None else world_size // fixed for d in self.dims)
+        return tuple(d.size if d.size is not None else world_size // self.fixed_size for d in self.dims)
 
 
 @frozen
@@ -243,59 +253,16 @@ class Plan:
     def param(self, name: str) -> Any:
         return dict(self.params)[name]
 
-    def with_world(self, world_size: int) -> list[Diagnostic]:
-        """SL105 diagnostics if the meshes cannot be laid over `world_size` ranks."""
-        from .static_checks import check_world
-
-        return check_world(self, world_size)
-
-    def lint(self, model: Any, world_size: int) -> list[Diagnostic]:
-        """Every diagnostic of this plan against `model` (built on the meta device is enough) at `world_size`."""
-        from ..compiler.lint import lint
-
-        return [*self.diagnostics, *lint(self, model, world_size).diagnostics]
-
-    def build(self, build_model: Any) -> Any:
-        """Call `build_model()` where this plan's `init` says: on meta (`meta`; `rank0` except on rank 0),
-        on the CPU (`cpu`, rank 0 of `rank0`) or on the mesh device (`auto`)."""
-        from ..runtime.helpers import build_for
-
-        return build_for(self.init.mode, self.meshes[0].device if self.meshes else "auto", build_model)
-
-    def apply(self, model: Any) -> Any:
-        """Shard `model` in place by this plan; call on every rank inside an initialised process group.
-        Raises PlanError (nothing changed) if the plan does not fit the model or a step fails."""
-        from ..runtime.apply import apply_plan
-
-        return apply_plan(self, model).model
-
-    def explain(
-        self,
-        model: Any,
-        world_size: int,
-        rank: int = 0,
-        example_input: Any = None,
-        loss: Any = None,
-        full_step: bool = False,
-    ) -> Any:
-        """What every rank of a `world_size` world holds (and, given `example_input`, sends in one
-        training step), in a simulated world in one process; `model` on the meta device is enough.
-        `full_step`: run the step on every block of a repeated stack, not on 2, 3 and 4 of them."""
-        import copy
-        import functools
-
-        from ..explain.simulate import explain
-        from ..runtime.modelfile import ModelFile
-
-        build = functools.partial(copy.deepcopy, model)  # picklable, for a simulation in a fresh process
-        model_file = ModelFile("library", build, example_input, loss) if example_input is not None else None
-        return explain(self, model, world_size, rank, model_file, full_step=full_step)
-
-    def to_python(self, model: Any = None, world_size: int | None = None) -> str:
-        """The program as plain torch code; resolved against `model` (any device, meta is enough) if given."""
-        from ..emit.python import compile_python
-
-        return compile_python(self, model, world_size)
+    def fixed_world_size(self) -> int:
+        """The world the meshes fix when none of their dims is `auto`; ValueError otherwise."""
+        sizes = set()
+        for mesh in self.meshes:
+            if any(d.size is None for d in mesh.dims):
+                raise ValueError(f"mesh '{mesh.name}' has an auto dim: give the world size")
+            sizes.add(mesh.fixed_size)
+        if len(sizes) != 1:
+            raise ValueError("give the world size")
+        return sizes.pop()
 
 
 def to_data(value: Any) -> Any:

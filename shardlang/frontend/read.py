@@ -1,4 +1,4 @@
-"""The front end in one call: plan bytes -> Source -> syntax tree -> checked plan, with every diagnostic."""
+"""The front end in one call: plan bytes -> Source -> syntax tree -> checked plan IR, with every diagnostic."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from .source import Source
 from .static_checks import check
 
 
-def compile_source(
+def read_source(
     source: Source, params: Mapping[str, Any] | None = None, world_size: int | None = None
 ) -> tuple[Plan | None, list[Diagnostic]]:
     """Parse and check; the plan is None when any error was found."""
@@ -24,12 +24,12 @@ def compile_source(
     return plan, sorted(found, key=sort_key)
 
 
-def compile_file(
+def read_file(
     path: str | Path, params: Mapping[str, Any] | None = None, world_size: int | None = None
 ) -> tuple[Plan | None, list[Diagnostic], dict[str, Source]]:
-    """Read a plan file (OSError if it cannot be read) and compile it; also returns the sources for rendering."""
+    """Read a plan file (OSError if it cannot be read) and check it; also returns the sources for rendering."""
     source, found = decode(str(path), Path(path).read_bytes())
     if source is None:
         return None, found, {}
-    plan, found = compile_source(source, params, world_size)
+    plan, found = read_source(source, params, world_size)
     return plan, found, {source.name: source}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from attrs import frozen
 
 #: Plans larger than this are rejected before parsing (SPEC §3).
@@ -34,12 +32,6 @@ class Source:
 
     name: str
     text: str
-
-    @classmethod
-    def read(cls, path: str | Path) -> Source:
-        """Read a plan file as UTF-8. Size and encoding are checked by the parser, which reports them as SL102."""
-        data = Path(path).read_bytes()
-        return cls(str(path), data.decode("utf-8", errors="surrogateescape"))
 
     def line_text(self, line: int) -> str:
         lines = self.text.splitlines()

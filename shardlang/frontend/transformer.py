@@ -11,8 +11,8 @@ import re
 
 from lark import Token, Transformer
 
-from ..runtime.helpers import split_pattern
 from . import syntax as s
+from .patterns import split_pattern
 from .source import Span
 
 #: Tokens that carry a value; all others (keywords, punctuation) only mark positions.

@@ -1,5 +1,6 @@
 """One rank's `shardlang apply`: load the plan and the model file, build, apply, run the checks, and
-return the same report on every rank. Run by local worker processes or under torchrun."""
+return the same report on every rank. Run by local worker processes, under torchrun, or by the
+library's `shardlang.verify`."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ import torch.distributed as dist
 from attrs import frozen
 
 from ..checkpoints.dcp import Transfer, load_checkpoint, read_checkpoint, save_checkpoint
+from ..compiler.devices import mesh_device
 from ..frontend import ir
 from ..frontend.diagnostics import Diagnostic, PlanError
-from ..frontend.read import compile_file
-from ..runtime.apply import apply_plan
-from ..runtime.helpers import mesh_device
+from ..frontend.read import read_file
+from ..runtime.apply import apply_plan, build_for_plan
 from ..runtime.modelfile import ModelFile, load_model_file
 from ..verification import Context, combine, gather, run_checks
 from ..verification.layout import layout
@@ -73,13 +74,13 @@ def _run(job: Job) -> Report:
     if isinstance(job.plan, ir.Plan):
         plan = job.plan
     else:
-        plan, found, _ = compile_file(job.plan, job.params, world)
+        plan, found, _ = read_file(job.plan, job.params, world)
         if plan is None:
             return _failed(world, found)
     model_file = job.model_file or load_model_file(job.model, job.entry)
     torch.manual_seed(job.seed)  # every rank builds the same model
     progress("building the model")
-    model = plan.build(model_file.build_model)
+    model = build_for_plan(plan, model_file.build_model)
     progress("applying the plan")
     try:
         applied = apply_plan(plan, model)
@@ -164,35 +165,3 @@ def _device(plan: ir.Plan) -> str:
 
 def _backend_device() -> str:
     return f"cpu ({dist.get_backend()})" if dist.get_backend() != "nccl" else "cuda (nccl)"
-
-
-def verify(
-    plan: ir.Plan,
-    build_model,
-    example_input=None,
-    loss=None,
-    *,
-    checks: tuple[str, ...] | None = None,
-    nproc: int | None = None,
-    seed: int = 0,
-) -> Report:
-    """Apply `plan` to a model from `build_model` and run its checks (or `checks`); the report.
-
-    Inside an initialised process group every rank calls this and gets the same report. Outside one,
-    it starts `nproc` local workers (gloo; the functions must be importable, e.g. module-level)."""
-    from .workers import WorkerPool
-
-    wanted = (
-        plan.checks
-        if checks is None
-        else tuple(next((c for c in plan.checks if c.name == n), ir.Check(n, ())) for n in checks)
-    )
-    job = Job(plan, {}, None, None, wanted, seed, ModelFile("library", build_model, example_input, loss))
-    if dist.is_available() and dist.is_initialized():
-        return run(job)
-    if nproc is None:
-        from ..emit.python import default_world_size
-
-        nproc = default_world_size(plan)
-    with WorkerPool(nproc) as pool:
-        return pool.run(run, job)[0]

@@ -2,8 +2,9 @@
 
 Everything that can be checked is checked before the first mutation (lint at the real world size,
 imports of `use` styles, the model's devices against `init`). If a step still fails, the model is put
-back exactly as it was (module classes, parameters, buffers, hooks and composable-API state) and every
-rank raises PlanError(SL300) naming the plan line and the failing call.
+back exactly as it was (module classes, parameters, buffers, hooks and composable-API state: see
+snapshot.py) and every rank raises PlanError(SL300) naming the plan line and the failing call. Each
+step runs by its entry in the table of steps.py.
 """
 
 from __future__ import annotations
@@ -19,14 +20,17 @@ import torch.nn as nn
 from attrs import define, field
 
 from ..compiler import program as p
+from ..compiler.devices import mesh_device
 from ..compiler.lint import Linted, lint
 from ..compiler.lower import lower
 from ..compiler.predict import Placed
-from ..compiler.styles import build, import_path, to_torch
 from ..frontend import ir
 from ..frontend.diagnostics import Diagnostic, PlanError
-from . import helpers as runtime
-from .torchcompat import composable_checkpoint, composable_replicate, composable_state_mapping
+from . import helpers
+from .snapshot import Snapshot
+from .steps import STEPS, Running
+from .torchcompat import fsdp_strided_shard
+from .values import import_path, style_kinds
 
 
 @define
@@ -44,11 +48,7 @@ class Applied:
         return self.linted.predictions
 
     def mesh(self, ref: ir.MeshRef):
-        return runtime.submesh(self.meshes[ref.mesh], ref.dims)
-
-
-#: Steps that allocate or move data; a simulated world (the fake process group) skips them.
-MATERIALISING = (p.TakeRank0Values, p.InitOnMesh, p.LoadFromRank0, p.Sync, p.MoveToDevice)
+        return helpers.submesh(self.meshes[ref.mesh], ref.dims)
 
 
 def simulated() -> bool:
@@ -75,8 +75,7 @@ def apply_plan(plan: ir.Plan, model: nn.Module) -> Applied:
         )
     world_size = dist.get_world_size()
     imported = _import_uses(plan, sources)
-    user_classes = {alias: obj for alias, obj in imported.items() if isinstance(obj, type)}
-    linted = lint(plan, model, world_size, user_classes)
+    linted = lint(plan, model, world_size, style_kinds(imported), fsdp_strided_shard())
     if not linted.ok:
         raise PlanError(linted.diagnostics, sources)
     problems = [] if simulated() else _check_devices(plan, model)
@@ -87,12 +86,13 @@ def apply_plan(plan: ir.Plan, model: nn.Module) -> Applied:
     snapshot = Snapshot.take(model)
     failure = None
     try:
-        ctx = _Context(model, applied.meshes, imported)
+        running = Running(model, applied.meshes, imported)
         for step in program.steps:
-            if simulated() and isinstance(step, MATERIALISING):
+            kind = STEPS[type(step)]
+            if simulated() and kind.moves_data:
                 continue
             try:
-                run_step(step, ctx)
+                kind.run(step, running)
             except Exception as e:  # noqa: BLE001 - any failure of a torch call is reported as SL300
                 failure = _failure(plan, step, e)
                 break
@@ -185,7 +185,7 @@ def _check_devices(plan: ir.Plan, model: nn.Module) -> list[Diagnostic]:
                 ("nothing would materialise them: say `init meta` to materialise after sharding",),
             )
         ]
-    cuda = any(runtime.mesh_device(m.device) == "cuda" for m in plan.meshes)
+    cuda = any(mesh_device(m.device) == "cuda" for m in plan.meshes)
     if cuda and not torch.cuda.is_available():
         return [
             Diagnostic(
@@ -198,119 +198,7 @@ def _check_devices(plan: ir.Plan, model: nn.Module) -> list[Diagnostic]:
     return []
 
 
-# --- running steps ---------------------------------------------------------------------------
-
-
-@define
-class _Context:
-    model: nn.Module
-    meshes: dict[str, Any]
-    imported: dict[str, Any]
-    full_state: dict = field(factory=dict)
-    all_buffers: dict = field(factory=dict)
-
-    def mesh(self, ref: ir.MeshRef):
-        return runtime.submesh(self.meshes[ref.mesh], ref.dims)
-
-    def module(self, fqn: str) -> nn.Module:
-        return self.model.get_submodule(fqn) if fqn else self.model
-
-
-def run_step(step: p.Step, ctx: _Context) -> None:
-    """Do what `program.to_python` prints for this step."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import parallelize_module
-
-    if isinstance(step, p.MakeMesh):
-        ctx.meshes[step.name] = init_device_mesh(runtime.mesh_device(step.device), step.shape, mesh_dim_names=step.dims)
-    elif isinstance(step, p.Parallelize):
-        module, mesh = ctx.module(step.module), ctx.mesh(step.mesh)
-        for fqn, ctor in step.plan:
-            if fqn == "":
-                parallelize_module(module, mesh, build(ctor))
-        children = {fqn: build(ctor) for fqn, ctor in step.plan if fqn}
-        if children:
-            parallelize_module(module, mesh, children)
-    elif isinstance(step, p.Distribute):
-        runtime.distribute_with_layouts(
-            ctx.module(step.module), ctx.mesh(step.mesh), to_torch(step.input), to_torch(step.output)
-        )
-    elif isinstance(step, p.UserStyle):
-        kwargs = {k: to_torch(v) for k, v in step.kwargs}
-        runtime.apply_user_style(ctx.module(step.module), ctx.mesh(step.mesh), ctx.imported[step.alias], **kwargs)
-    elif isinstance(step, p.Retie):
-        runtime.retie(ctx.model, step.groups)
-    elif isinstance(step, p.Checkpoint):
-        composable_checkpoint()(ctx.module(step.module))
-    elif isinstance(step, p.FullyShard):
-        fully_shard(ctx.module(step.module), mesh=ctx.mesh(step.mesh), **{k: to_torch(v) for k, v in step.kwargs})
-    elif isinstance(step, p.Replicate):
-        mesh = runtime.flat_mesh(ctx.meshes[step.mesh.mesh], step.mesh.dims)
-        composable_replicate()(ctx.module(step.module), device_mesh=mesh, **{k: to_torch(v) for k, v in step.kwargs})
-    elif isinstance(step, p.TakeRank0Values):
-        if dist.get_rank() == 0:
-            ctx.full_state, ctx.all_buffers = ctx.model.state_dict(), dict(ctx.model.named_buffers())
-            ctx.model.to("meta")
-    elif isinstance(step, p.InitOnMesh):
-        runtime.init_on_mesh(ctx.model, _device(step.device), step.method, seed=runtime.common_seed())
-    elif isinstance(step, p.LoadFromRank0):
-        runtime.load_from_rank0(ctx.model, _device(step.device), ctx.full_state, ctx.all_buffers)
-    elif isinstance(step, p.Sync):
-        runtime.sync_module_states(ctx.model, ctx.meshes[step.mesh.mesh], step.mesh.dims)
-    elif isinstance(step, p.MoveToDevice):
-        runtime.move_to_device(ctx.model, _device(step.device))
-    else:
-        raise TypeError(f"no way to run {type(step).__name__}")
-
-
-def _device(kind: str) -> torch.device:
-    device = runtime.mesh_device(kind)
-    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
-
-
-# --- rollback ------------------------------------------------------------------------------------
-
-
-class Snapshot:
-    """Enough of a model's state to put it back after a failed apply: each module's class and attribute
-    dict (one level of its dicts, sets and lists copied: parameters, buffers, submodules, hooks), each
-    tensor's data, and the composable-API state torch keeps outside the modules."""
-
-    def __init__(self, modules, tensors, composable):
-        self.modules = modules
-        self.tensors = tensors
-        self.composable = composable
-
-    @classmethod
-    def take(cls, model: nn.Module) -> Snapshot:
-        modules = []
-        tensors = []
-        for module in model.modules():
-            saved = {k: _shallow(v) for k, v in module.__dict__.items()}
-            modules.append((module, module.__class__, saved))
-            for store in (module._parameters, module._buffers):
-                tensors += [(t, t.data) for t in store.values() if t is not None]
-        mapping = composable_state_mapping()
-        composable = {m: mapping[m] for m, _, _ in modules if m in mapping} if mapping is not None else None
-        return cls(modules, tensors, composable)
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for tensor, data in self.tensors:
-                if tensor.data is not data:
-                    tensor.data = data
-        for module, cls, saved in self.modules:
-            module.__class__ = cls
-            module.__dict__.clear()
-            module.__dict__.update({k: _shallow(v) for k, v in saved.items()})
-        mapping = composable_state_mapping()
-        if mapping is not None and self.composable is not None:
-            for module, _, _ in self.modules:
-                mapping.pop(module, None)
-            mapping.update(self.composable)
-
-
-def _shallow(value: Any) -> Any:
-    """A copy of a dict, set or list (one level), so later in-place edits do not reach the snapshot."""
-    return type(value)(value) if isinstance(value, (dict, set, list)) else value
+def build_for_plan(plan: ir.Plan, build_model) -> nn.Module:
+    """Call `build_model()` where the plan's `init` says: on meta (`meta`; `rank0` except on rank 0), on
+    the CPU (`cpu`, rank 0 of `rank0`) or on the mesh device (`auto`)."""
+    return helpers.build_for(plan.init.mode, plan.meshes[0].device if plan.meshes else "auto", build_model)

@@ -30,10 +30,6 @@ class ModelFile:
     path: str | None = None  # how to load it again in another process: a file
     entry: str | None = None  # ... or a package.module:function
 
-    def reload(self) -> ModelFile:
-        """The same model file, loaded in this process (after crossing to another one)."""
-        return load_model_file(self.path, self.entry) if (self.path or self.entry) else self
-
     def __reduce__(self):
         # Functions from a file loaded by path live in a module other processes cannot import:
         # cross processes by path or entry, and load again there.

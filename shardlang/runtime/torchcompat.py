@@ -5,16 +5,6 @@ Private torch paths are imported here only, each with the public one first where
 
 from __future__ import annotations
 
-import functools
-
-import torch
-
-
-@functools.cache
-def torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
-
 
 def fsdp_strided_shard() -> bool:
     """Whether FSDP2 marks its shard of a tensor that TP already shards on the same dim as `_StridedShard`

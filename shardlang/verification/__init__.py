@@ -78,7 +78,7 @@ class Context:
     @property
     def device(self) -> torch.device:
         """The device the model's tensors should be on: cuda:<local rank> or cpu."""
-        from ..runtime.helpers import mesh_device
+        from ..compiler.devices import mesh_device
 
         kinds = {mesh_device(m.device) for m in self.plan.meshes} or {"cpu"}
         if "cuda" in kinds:
