@@ -18,7 +18,6 @@ from rich.text import Text
 
 from .._version import __version__
 from ..compiler.lint import lint
-from ..emit.python import compile_python
 from ..frontend.diagnostics import Diagnostic, PlanError, did_you_mean, render_all, render_json, sort_key
 from ..frontend.ir import Plan
 from ..frontend.read import read_file
@@ -221,6 +220,8 @@ def run_lint(args: argparse.Namespace) -> int:
 
 def run_compile(args: argparse.Namespace) -> int:
     """The program as Python on stdout (or -o); diagnostics on stderr. A plan that does not compile: 2."""
+    from ..emit.python import compile_python
+
     plan, found, sources = compile_plan(args.plan, args.params, args.world)
     model_file = _model_file(args)
     code = None
