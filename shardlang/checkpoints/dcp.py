@@ -43,12 +43,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from .._version import __version__
-from ..frontend.diagnostics import Diagnostic, PlanError
+from ..frontend.diagnostics import SL500, SL501, Code, Diagnostic, PlanError, few_lines
 
 #: The file beside DCP's own that says what wrote a checkpoint.
 INFO_FILE = "shardlang.json"
-#: How many misfits an SL500 error lists before "and N more".
-LISTED = 12
 
 
 @frozen
@@ -119,17 +117,17 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
             if interrupted
             else ()
         )
-        raise _error("SL501", f"no checkpoint at {path}: it does not exist", help_)
+        raise _error(SL501, f"no checkpoint at {path}: it does not exist", help_)
     if not (path / ".metadata").is_file():
         raise _error(
-            "SL501",
+            SL501,
             f"{path} is not a checkpoint: it has no DCP .metadata file",
             ("a checkpoint is a directory written by `shardlang apply --save` or torch.distributed.checkpoint.save",),
         )
     try:
         metadata = dcp.FileSystemReader(str(path)).read_metadata()
     except Exception as e:  # a truncated or foreign .metadata: report it, do not crash
-        raise _error("SL501", f"cannot read the checkpoint at {path}: {type(e).__name__}: {e}") from None
+        raise _error(SL501, f"cannot read the checkpoint at {path}: {type(e).__name__}: {e}") from None
     info = {}
     if (path / INFO_FILE).is_file():
         try:
@@ -205,13 +203,12 @@ def check_fits(checkpoint: Checkpoint, model: torch.nn.Module) -> None:
 
 
 def _misfit(checkpoint: Checkpoint, what: str, found: list[str]) -> PlanError:
-    more = [f"... and {len(found) - LISTED} more"] if len(found) > LISTED else []
     origin = checkpoint.info.get("plan")
-    help_ = (*found[:LISTED], *more)
+    help_ = few_lines(found)
     if origin:
         help_ += (f"the checkpoint was saved by {origin} at world {checkpoint.info.get('world_size')}",)
     return _error(
-        "SL500",
+        SL500,
         f"the checkpoint at {checkpoint.path} does not fit the {what}: {len(found)} mismatch{'es' if len(found) > 1 else ''}",
         help_,
     )
@@ -247,14 +244,14 @@ def load_checkpoint(
     if optimizer is not None:
         if not checkpoint.has_optimizer:
             raise _error(
-                "SL500",
+                SL500,
                 f"the checkpoint at {checkpoint.path} holds no optimizer state",
                 ("it was saved without optimizer state (no training step ran); load the model alone",),
             )
         saved_class = checkpoint.info.get("optimizer")
         if saved_class and saved_class != type(optimizer).__name__:
             raise _error(
-                "SL500",
+                SL500,
                 f"the checkpoint at {checkpoint.path} holds {saved_class} state, the optimizer is {type(optimizer).__name__}",
             )
         # The template needs the optimizer's state tensors, which torch creates with a zero-lr step:
@@ -277,7 +274,7 @@ def load_checkpoint(
     except Exception as e:
         if before is not None:
             optimizer.load_state_dict(before)
-        raise _error("SL501", f"cannot read the checkpoint at {checkpoint.path}: {_first_line(e)}") from None
+        raise _error(SL501, f"cannot read the checkpoint at {checkpoint.path}: {_first_line(e)}") from None
     if model_state:
         set_model_state_dict(model, target["model"])
     if optimizer is not None:
@@ -382,14 +379,14 @@ def _write(state: dict[str, Any], path: Path, info: Mapping[str, Any], *, distri
         dist.broadcast_object_list(shared, src=0)
         problem, staging = shared
     if problem:
-        raise _error("SL501", problem)
+        raise _error(SL501, problem)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             metadata = dcp.save(state, storage_writer=dcp.FileSystemWriter(staging), no_dist=not distributed)
     except Exception as e:
         kept = f"the previous checkpoint at {path} is untouched" if path.exists() else "nothing was published"
-        raise _error("SL501", f"cannot write the checkpoint {path}: {_first_line(e)}", (kept,)) from None
+        raise _error(SL501, f"cannot write the checkpoint {path}: {_first_line(e)}", (kept,)) from None
     world = dist.get_world_size() if distributed else 1
     if rank0:
         _write_json(
@@ -416,7 +413,7 @@ def check_save_target(path: str | os.PathLike) -> None:
     """PlanError(SL501) if a checkpoint must not be saved at `path` (see save_checkpoint)."""
     problem = _unreplaceable(Path(path).absolute())
     if problem:
-        raise _error("SL501", problem)
+        raise _error(SL501, problem)
 
 
 def _unreplaceable(path: Path) -> str | None:
@@ -504,14 +501,14 @@ def convert_checkpoint(source: str | os.PathLike, target: str | os.PathLike, *, 
     source, target = Path(source), Path(target)
     if source.is_dir() and target.is_dir():
         raise _error(
-            "SL501", f"{target} is a directory: a checkpoint converts to a torch file (convert CHECKPOINT_DIR OUT.pt)"
+            SL501, f"{target} is a directory: a checkpoint converts to a torch file (convert CHECKPOINT_DIR OUT.pt)"
         )
     if not target.absolute().parent.is_dir():
-        raise _error("SL501", f"cannot write {target}: {target.absolute().parent} does not exist")
+        raise _error(SL501, f"cannot write {target}: {target.absolute().parent} does not exist")
     if source.is_dir():
         checkpoint = read_checkpoint(source)
         if optimizer and not checkpoint.has_optimizer:
-            raise _error("SL501", f"the checkpoint at {source} holds no optimizer state to convert")
+            raise _error(SL501, f"the checkpoint at {source} holds no optimizer state to convert")
         state = _read_all(checkpoint, optimizer)
         tmp = target.parent / f".{target.name}.saving-{uuid.uuid4().hex[:12]}"
         try:
@@ -519,15 +516,15 @@ def convert_checkpoint(source: str | os.PathLike, target: str | os.PathLike, *, 
             os.replace(tmp, target)
         except OSError as e:
             tmp.unlink(missing_ok=True)
-            raise _error("SL501", f"cannot write {target}: {e.strerror or e}") from None
+            raise _error(SL501, f"cannot write {target}: {e.strerror or e}") from None
         tensors = len(state["model"])
     else:
         try:
             loaded = torch.load(source, map_location="cpu", weights_only=True)
         except FileNotFoundError:
-            raise _error("SL501", f"no such file: {source}") from None
+            raise _error(SL501, f"no such file: {source}") from None
         except Exception as e:
-            raise _error("SL501", f"{source} is not a torch state dict: {_first_line(e)}") from None
+            raise _error(SL501, f"{source} is not a torch state dict: {_first_line(e)}") from None
         state = _as_checkpoint_state(loaded, source)
         _write(state, target, {"optimizer": None, "converted_from": str(source)}, distributed=False)
         tensors = len(state["model"])
@@ -586,7 +583,7 @@ def _as_checkpoint_state(loaded: Any, source: Path) -> dict[str, Any]:
         and all(isinstance(v, torch.Tensor) for v in loaded.values())
     ):
         return {"model": dict(loaded)}
-    raise _error("SL501", f"{source} is neither a state dict (names -> tensors) nor {{'model': ..., 'optimizer': ...}}")
+    raise _error(SL501, f"{source} is neither a state dict (names -> tensors) nor {{'model': ..., 'optimizer': ...}}")
 
 
 # --- process group ---------------------------------------------------------------------------------
@@ -606,5 +603,5 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"
 
 
-def _error(code: str, message: str, help_: tuple[str, ...] = ()) -> PlanError:
+def _error(code: Code, message: str, help_: tuple[str, ...] = ()) -> PlanError:
     return PlanError([Diagnostic(code, message, None, help_)])

@@ -15,7 +15,7 @@ import torch.nn as nn
 from attrs import field, frozen
 
 from ..frontend import ir, patterns
-from ..frontend.diagnostics import Diagnostic, did_you_mean
+from ..frontend.diagnostics import SL200, Diagnostic, did_you_mean, few
 from ..frontend.syntax import ClassTarget, Pattern, Target
 
 
@@ -151,10 +151,10 @@ def _no_match(target: Target, modules: tuple[tuple[str, nn.Module], ...], scope:
     )
     if isinstance(target, ClassTarget):
         names = sorted({type(m).__name__ for _, m in modules})
-        hint = did_you_mean(target.name.split(".")[-1], names) or (f"module classes here: {_few(names)}",)
-        return Diagnostic("SL200", f"no module of class '{target.name}'{where}", target.span, hint)
+        hint = did_you_mean(target.name.split(".")[-1], names) or (f"module classes here: {few(names)}",)
+        return Diagnostic(SL200, f"no module of class '{target.name}'{where}", target.span, hint)
     return Diagnostic(
-        "SL200", f"pattern '{target}' matches no module{where}", target.span, _closest(target, modules, scope)
+        SL200, f"pattern '{target}' matches no module{where}", target.span, _closest(target, modules, scope)
     )
 
 
@@ -177,7 +177,7 @@ def _closest(pattern: Pattern, modules: tuple[tuple[str, nn.Module], ...], scope
         if hints:
             return (f"there is no '{text}' {place}; {hints[0]}",)
         if children:
-            return (f"there is no '{text}' {place}; it has {_few(children)}",)
+            return (f"there is no '{text}' {place}; it has {few(children)}",)
         return (f"'{at}' has no submodules",)
     return ()
 
@@ -192,8 +192,3 @@ def _children(parent: str, relative: list[str]) -> Iterator[str]:
 
 def _natural(name: str):
     return (0, int(name), "") if name.isdigit() else (1, 0, name)
-
-
-def _few(names: list[str], limit: int = 8) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")

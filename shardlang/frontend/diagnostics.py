@@ -1,4 +1,4 @@
-"""Diagnostics as data: the table of stable codes (SPEC §5), the Diagnostic record, and its text and JSON forms."""
+"""Diagnostics as data: the table of stable codes (docs/language.md §5), the Diagnostic record, its text and JSON forms."""
 
 from __future__ import annotations
 
@@ -17,47 +17,101 @@ class Severity(enum.Enum):
     WARNING = "warning"
 
 
-#: code -> (severity, what it means). The one table of codes; SPEC §5 and the README mirror it.
-CODES: dict[str, tuple[Severity, str]] = {
-    "SL100": (Severity.ERROR, "syntax error"),
-    "SL101": (Severity.ERROR, "unknown keyword: statement, option, argument, layout, dtype or check name"),
-    "SL102": (Severity.ERROR, "invalid value (bad size, version, file too large, ...)"),
-    "SL103": (Severity.ERROR, "duplicate name (mesh, param, use)"),
-    "SL104": (Severity.ERROR, "undefined reference: mesh, mesh dim, param or style"),
-    "SL105": (Severity.ERROR, "mesh shape does not fit the world size, or more than one `auto` dim"),
-    "SL106": (Severity.ERROR, "fully_shard / replicate mesh is not 1-D or 2-D"),
-    "SL107": (Severity.ERROR, "parallelize mesh is not 1-D"),
-    "SL200": (Severity.ERROR, "pattern matches no module"),
-    "SL201": (Severity.ERROR, "module matched by two rules of one block"),
-    "SL202": (Severity.ERROR, "style does not apply to this module type"),
-    "SL203": (Severity.WARNING, "sharded dimension not divisible by the mesh dim size (uneven shards)"),
-    "SL204": (Severity.ERROR, "tied parameters would get different placements"),
-    "SL205": (Severity.ERROR, "module is both a fully_shard unit and a replicate unit"),
-    "SL206": (
+class Code(enum.Enum):
+    """The stable diagnostic codes (docs/language.md §5), each with its severity and what it means: the one
+    table of codes (the README mirrors it)."""
+
+    SL100 = (Severity.ERROR, "syntax error")
+    SL101 = (Severity.ERROR, "unknown keyword: statement, option, argument, layout, dtype or check name")
+    SL102 = (Severity.ERROR, "invalid value (bad size, version, file too large, ...)")
+    SL103 = (Severity.ERROR, "duplicate name (mesh, param, use)")
+    SL104 = (Severity.ERROR, "undefined reference: mesh, mesh dim, param or style")
+    SL105 = (Severity.ERROR, "mesh shape does not fit the world size, or more than one `auto` dim")
+    SL106 = (Severity.ERROR, "fully_shard / replicate mesh is not 1-D or 2-D")
+    SL107 = (Severity.ERROR, "parallelize mesh is not 1-D")
+    SL200 = (Severity.ERROR, "pattern matches no module")
+    SL201 = (Severity.ERROR, "module matched by two rules of one block")
+    SL202 = (Severity.ERROR, "style does not apply to this module type")
+    SL203 = (Severity.WARNING, "sharded dimension not divisible by the mesh dim size (uneven shards)")
+    SL204 = (Severity.ERROR, "tied parameters would get different placements")
+    SL205 = (Severity.ERROR, "module is both a fully_shard unit and a replicate unit")
+    SL206 = (
         Severity.WARNING,
         "parameters outside every fully_shard/replicate unit while a data-parallel dim > 1 exists",
-    ),
-    "SL207": (Severity.ERROR, "loss_parallel without a colwise(output=shard(-1), local_output=false) output layer"),
-    "SL208": (Severity.ERROR, "meshes of different device types are combined on one module"),
-    "SL209": (Severity.WARNING, "init meta but some parameters belong to modules without the init method"),
-    "SL300": (Severity.ERROR, "apply failed (the model is left exactly as it was)"),
-    "SL400": (Severity.ERROR, "a verification check failed"),
-    "SL500": (
+    )
+    SL207 = (Severity.ERROR, "loss_parallel without a colwise(output=shard(-1), local_output=false) output layer")
+    SL208 = (Severity.ERROR, "meshes of different device types are combined on one module")
+    SL209 = (Severity.WARNING, "init meta but some parameters belong to modules without the init method")
+    SL300 = (Severity.ERROR, "apply failed (the model is left exactly as it was)")
+    SL400 = (Severity.ERROR, "a verification check failed")
+    SL500 = (
         Severity.ERROR,
         "checkpoint does not fit the model or optimizer (keys, shapes, dtypes); nothing was loaded",
-    ),
-    "SL501": (
+    )
+    SL501 = (
         Severity.ERROR,
         "checkpoint cannot be read or written (not a checkpoint, I/O error); nothing was changed",
-    ),
-}
+    )
+
+    @property
+    def severity(self) -> Severity:
+        return self.value[0]
+
+    @property
+    def meaning(self) -> str:
+        return self.value[1]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+#: Each code as a constant. Call sites import the codes they use by name, so a misspelt code fails when
+#: its module is imported (and in ruff), never when a diagnostic is rendered.
+(
+    SL100,
+    SL101,
+    SL102,
+    SL103,
+    SL104,
+    SL105,
+    SL106,
+    SL107,
+    SL200,
+    SL201,
+    SL202,
+    SL203,
+    SL204,
+    SL205,
+    SL206,
+    SL207,
+    SL208,
+    SL209,
+    SL300,
+    SL400,
+    SL500,
+    SL501,
+) = Code
+if any(globals()[code.name] is not code for code in Code):
+    raise ImportError("the code constants are out of step with the Code table")
+
+#: code -> (severity, what it means), by code name.
+CODES: dict[str, tuple[Severity, str]] = {code.name: code.value for code in Code}
+
+
+def _code(code: Code | str) -> str:
+    """A code's name; ValueError at once for a code that is not in the table."""
+    if isinstance(code, Code):
+        return code.name
+    if code not in CODES:
+        raise ValueError(f"{code!r} is not a diagnostic code")
+    return code
 
 
 @frozen
 class Diagnostic:
     """One problem: a stable code, a message, where it is (None for problems outside any plan) and what to do."""
 
-    code: str
+    code: str = field(converter=_code)
     message: str
     span: Span | None = None
     help: tuple[str, ...] = field(default=(), converter=tuple)
@@ -115,6 +169,23 @@ def _edit_distance(a: str, b: str) -> int:
                 current[j] = min(current[j], previous2[j - 2] + 1)
         previous2, previous = previous, current
     return previous[-1]
+
+
+#: How many names a message lists before it says how many more there are.
+LISTED = 8
+
+
+def few(names: Iterable[str], limit: int = LISTED) -> str:
+    """`a, b, c and 5 more`: the first `limit` names, then how many were left out."""
+    names = list(names)
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def few_lines(lines: Iterable[str], limit: int = LISTED) -> tuple[str, ...]:
+    """The first `limit` lines (help lines, one item each), then `... and 5 more`."""
+    lines = list(lines)
+    return (*lines[:limit], *([f"... and {len(lines) - limit} more"] if len(lines) > limit else []))
 
 
 def errors(diagnostics: Iterable[Diagnostic]) -> list[Diagnostic]:

@@ -13,7 +13,7 @@ from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedTok
 from lark.lexer import PatternStr
 
 from . import syntax
-from .diagnostics import Diagnostic, did_you_mean
+from .diagnostics import SL100, SL101, SL102, Diagnostic, did_you_mean
 from .source import MAX_PLAN_BYTES, Source, Span
 from .transformer import Build
 
@@ -93,7 +93,7 @@ def decode(name: str, data: bytes) -> tuple[Source | None, list[Diagnostic]]:
     except UnicodeDecodeError as e:
         before = Source(name, data[: e.start].decode("utf-8"))
         message = f"plan file is not UTF-8: byte 0x{data[e.start]:02x} cannot be decoded"
-        return None, [Diagnostic("SL102", message, before.span_at(len(before.text)))]
+        return None, [Diagnostic(SL102, message, before.span_at(len(before.text)))]
     return Source(name, text.removeprefix("\ufeff")), []
 
 
@@ -135,7 +135,7 @@ def _token_span(source: Source, token: Token) -> Span:
 
 def _too_large(name: str, size: int) -> Diagnostic:
     message = f"plan file is {size:,} bytes; the limit is {MAX_PLAN_BYTES:,} (1 MiB)"
-    return Diagnostic("SL102", message, Source(name, "").span(1, 1))
+    return Diagnostic(SL102, message, Source(name, "").span(1, 1))
 
 
 def _resume_offset(text: str, start: int) -> int | None:
@@ -149,17 +149,17 @@ def _syntax_error(e: UnexpectedInput, source: Source) -> Diagnostic:
         unknown = _unknown_keyword(e)
         if unknown is not None:
             token, message, hint = unknown
-            return Diagnostic("SL101", message, _token_span(source, token), hint, label="unknown here")
+            return Diagnostic(SL101, message, _token_span(source, token), hint, label="unknown here")
         token = e.token
         span = _token_span(source, token)
-        return Diagnostic("SL100", f"unexpected {_show(token)}; {expectation}", span, label=expectation)
+        return Diagnostic(SL100, f"unexpected {_show(token)}; {expectation}", span, label=expectation)
     if isinstance(e, UnexpectedCharacters):
         span = source.span(e.line, e.column)
         char = source.text[e.pos_in_stream]
-        return Diagnostic("SL100", f"unexpected character {char!r}; {expectation}", span, label="here")
+        return Diagnostic(SL100, f"unexpected character {char!r}; {expectation}", span, label="here")
     end = source.span_at(len(source.text.rstrip()))
     unclosed = ("a block is still open: is a '}' missing?",) if "RBRACE" in getattr(e, "expected", ()) else ()
-    return Diagnostic("SL100", f"unexpected end of file; {expectation}", end, unclosed, label=expectation)
+    return Diagnostic(SL100, f"unexpected end of file; {expectation}", end, unclosed, label=expectation)
 
 
 #: Sets of terminals that read better as one phrase in "expected ..." messages.

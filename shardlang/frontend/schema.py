@@ -11,7 +11,7 @@ from typing import Any
 
 from . import ir
 from . import syntax as s
-from .diagnostics import did_you_mean
+from .diagnostics import SL101, SL102, Code, did_you_mean
 
 # --- value types ------------------------------------------------------------------------------
 
@@ -19,7 +19,7 @@ from .diagnostics import did_you_mean
 class Invalid(Exception):
     """A value that does not fit where it stands; becomes a diagnostic at the value's span."""
 
-    def __init__(self, code: str, message: str, *help: str):
+    def __init__(self, code: Code, message: str, *help: str):
         super().__init__(message)
         self.code, self.message, self.help = code, message, help
 
@@ -48,15 +48,15 @@ def bare_word(value: s.Value) -> str | None:
 def boolean(value: s.Value) -> bool:
     if bare_word(value) in ("true", "false"):
         return value.text == "true"
-    raise Invalid("SL102", f"expected true or false, got {value}", *did_you_mean(str(value), ("true", "false")))
+    raise Invalid(SL102, f"expected true or false, got {value}", *did_you_mean(str(value), ("true", "false")))
 
 
 def integer(minimum: int | None = None) -> Convert:
     def convert(value: s.Value) -> int:
         if not isinstance(value, s.Int):
-            raise Invalid("SL102", f"expected an integer, got {value}")
+            raise Invalid(SL102, f"expected an integer, got {value}")
         if minimum is not None and value.value < minimum:
-            raise Invalid("SL102", f"expected an integer of at least {minimum}, got {value}")
+            raise Invalid(SL102, f"expected an integer of at least {minimum}, got {value}")
         return value.value
 
     return convert
@@ -65,7 +65,7 @@ def integer(minimum: int | None = None) -> Convert:
 def number(value: s.Value) -> float:
     if isinstance(value, (s.Int, s.Float)) and value.value >= 0 and math.isfinite(value.value):
         return float(value.value)
-    raise Invalid("SL102", f"expected a non-negative number, got {value}")
+    raise Invalid(SL102, f"expected a non-negative number, got {value}")
 
 
 def choice(*words: str, what: str = "value") -> Convert:
@@ -74,7 +74,7 @@ def choice(*words: str, what: str = "value") -> Convert:
         if word in words:
             return word
         hint = did_you_mean(str(value), words) or (f"one of {', '.join(words)}",)
-        code = "SL101" if word is not None else "SL102"
+        code = SL101 if word is not None else SL102
         raise Invalid(code, f"unknown {what} '{value}'", *hint)
 
     return convert
@@ -84,7 +84,7 @@ def layout(value: s.Value) -> ir.Layout:
     """`shard(D)`, `replicate` or `partial`."""
     if isinstance(value, s.Call) and value.name.text == "shard":
         if len(value.args) != 1 or not isinstance(value.args[0], s.Int):
-            raise Invalid("SL102", f"shard takes one integer dimension, e.g. shard(0), got {value}")
+            raise Invalid(SL102, f"shard takes one integer dimension, e.g. shard(0), got {value}")
         return ir.Shard(value.args[0].value)
     word = bare_word(value)
     if word == "replicate":
@@ -92,15 +92,15 @@ def layout(value: s.Value) -> ir.Layout:
     if word == "partial":
         return ir.Partial()
     if word == "shard":
-        raise Invalid("SL102", "shard needs a dimension", "write shard(0), shard(1) or shard(-1)")
+        raise Invalid(SL102, "shard needs a dimension", "write shard(0), shard(1) or shard(-1)")
     name = word or (value.name.text if isinstance(value, s.Call) else None)
     if name is not None:
         raise Invalid(
-            "SL101",
+            SL101,
             f"unknown layout '{name}'",
             *(did_you_mean(name, LAYOUTS) or ("a layout is shard(D), replicate or partial",)),
         )
-    raise Invalid("SL102", f"expected a layout (shard(D), replicate or partial), got {value}")
+    raise Invalid(SL102, f"expected a layout (shard(D), replicate or partial), got {value}")
 
 
 def _layout_or_skip(value: s.Value) -> ir.Layout | ir.NonTensor:
@@ -112,7 +112,7 @@ def layouts(value: s.Value) -> tuple[ir.Layout | ir.NonTensor, ...]:
     if isinstance(value, s.Tuple):
         if any(isinstance(item, s.Arg) for item in value.items):
             raise Invalid(
-                "SL102", "positional layouts cannot be named", "use input_kwargs/desired_kwargs for keyword inputs"
+                SL102, "positional layouts cannot be named", "use input_kwargs/desired_kwargs for keyword inputs"
             )
         return tuple(_layout_or_skip(item) for item in value.items)
     return (_layout_or_skip(value),)
@@ -122,7 +122,7 @@ def keyword_layouts(value: s.Value) -> tuple[tuple[str, ir.Layout], ...]:
     """`(name=layout, ...)` for keyword inputs."""
     items = value.items if isinstance(value, s.Tuple) else (value,)
     if not all(isinstance(item, s.Arg) for item in items):
-        raise Invalid("SL102", f"expected (name=layout, ...), got {value}")
+        raise Invalid(SL102, f"expected (name=layout, ...), got {value}")
     return tuple((item.name.text, layout(item.value)) for item in items)
 
 
@@ -135,7 +135,7 @@ def dtype(value: s.Value) -> ir.DType:
     if word in DTYPES:
         return ir.DType(DTYPES[word])
     raise Invalid(
-        "SL101", f"unknown dtype '{value}'", *(did_you_mean(str(value), DTYPES) or ("one of bf16, fp16, fp32",))
+        SL101, f"unknown dtype '{value}'", *(did_you_mean(str(value), DTYPES) or ("one of bf16, fp16, fp32",))
     )
 
 
@@ -201,7 +201,7 @@ BLOCK_OPTIONS: dict[str, Convert] = {"root": boolean}
 def _model_io_layout(value: s.Value) -> ir.Layout:
     result = layout(value)
     if isinstance(result, ir.Partial):
-        raise Invalid("SL102", "a model's input or output layout is replicate or shard(D), not partial")
+        raise Invalid(SL102, "a model's input or output layout is replicate or shard(D), not partial")
     return result
 
 

@@ -14,7 +14,7 @@ import attrs
 
 from . import ir
 from . import syntax as s
-from .diagnostics import Diagnostic, did_you_mean
+from .diagnostics import SL100, SL101, SL102, SL103, SL104, SL105, SL106, SL107, Code, Diagnostic, did_you_mean
 from .parse import parse_value
 from .schema import (
     BLOCK_OPTIONS,
@@ -58,10 +58,10 @@ def check_world(plan: ir.Plan, world_size: int) -> list[Diagnostic]:
         auto = [d for d in mesh.dims if d.size is None]
         if auto and world_size % fixed:
             message = f"mesh '{mesh.name}' [{shape}] does not fit a world of {world_size}: {fixed} does not divide {world_size}"
-            found.append(Diagnostic("SL105", message, mesh.span, (f"pick sizes whose product divides {world_size}",)))
+            found.append(Diagnostic(SL105, message, mesh.span, (f"pick sizes whose product divides {world_size}",)))
         elif not auto and fixed != world_size:
             message = f"mesh '{mesh.name}' [{shape}] has {fixed} ranks but the world has {world_size}"
-            found.append(Diagnostic("SL105", message, mesh.span, ("make one dim `auto` to fill the world",)))
+            found.append(Diagnostic(SL105, message, mesh.span, ("make one dim `auto` to fill the world",)))
     return found
 
 
@@ -73,7 +73,7 @@ class _Checker:
         self.uses: dict[str, ir.Use] = {}
         self.meshes: dict[str, ir.Mesh] = {}
 
-    def error(self, code: str, message: str, span: Span | None, *help: str, label: str = "") -> None:
+    def error(self, code: Code, message: str, span: Span | None, *help: str, label: str = "") -> None:
         self.diagnostics.append(Diagnostic(code, message, span, help, label))
 
     def convert(self, convert: Convert, value: s.Value) -> Any:
@@ -91,7 +91,7 @@ class _Checker:
         if isinstance(value, s.ParamRef):
             if value.name not in self.params:
                 self.error(
-                    "SL104", f"undefined param '${value.name}'", value.span, *did_you_mean(value.name, self.params)
+                    SL104, f"undefined param '${value.name}'", value.span, *did_you_mean(value.name, self.params)
                 )
                 return None
             found = self.params[value.name]
@@ -115,12 +115,12 @@ class _Checker:
         typed, seen = [], {}
         for arg in args:
             if not isinstance(arg, s.Arg):
-                self.error("SL102", f"{what} arguments are keywords, e.g. {owner}(name=value)", arg.span)
+                self.error(SL102, f"{what} arguments are keywords, e.g. {owner}(name=value)", arg.span)
                 continue
             name = arg.name.text
             if name in seen:
                 self.error(
-                    "SL103",
+                    SL103,
                     f"argument '{name}' is given twice",
                     arg.name.span,
                     f"the first is at line {seen[name].line}",
@@ -130,7 +130,7 @@ class _Checker:
             if schema is not None and name not in schema:
                 known = ", ".join(schema) or "none"
                 hint = did_you_mean(name, schema) or (f"{owner} takes: {known}",)
-                self.error("SL101", f"unknown {what} argument '{name}' for {owner}", arg.name.span, *hint)
+                self.error(SL101, f"unknown {what} argument '{name}' for {owner}", arg.name.span, *hint)
                 continue
             value = self.convert(schema[name] if schema is not None else passthrough, arg.value)
             if value is not None:
@@ -148,7 +148,7 @@ class _Checker:
         for version in statements(s.VersionStmt):
             if version.number.value != 1:
                 self.error(
-                    "SL102",
+                    SL102,
                     f"unsupported language version {version.number.value}",
                     version.number.span,
                     "this shardlang reads `shardlang 1`",
@@ -187,23 +187,23 @@ class _Checker:
 
     def unique(self, statements: list, what: str) -> None:
         for extra in statements[1:]:
-            self.error("SL103", f"{what} is given twice", extra.span, f"the first is at line {statements[0].span.line}")
+            self.error(SL103, f"{what} is given twice", extra.span, f"the first is at line {statements[0].span.line}")
 
     def declare_params(self, params: list[s.ParamStmt], overrides: Mapping[str, Any]) -> None:
         for p in params:
             if p.name.text in self.params:
                 first = self.params[p.name.text].span.line
                 self.error(
-                    "SL103", f"param '{p.name.text}' is declared twice", p.name.span, f"the first is at line {first}"
+                    SL103, f"param '{p.name.text}' is declared twice", p.name.span, f"the first is at line {first}"
                 )
             elif isinstance(p.value, s.ParamRef):
-                self.error("SL102", f"param '{p.name.text}' must be a literal, not another param", p.value.span)
+                self.error(SL102, f"param '{p.name.text}' must be a literal, not another param", p.value.span)
             else:
                 self.params[p.name.text] = p.value
         for name, value in overrides.items():
             if name not in self.params:
                 hint = did_you_mean(name, self.params) or (f"params of this plan: {', '.join(self.params) or 'none'}",)
-                self.error("SL104", f"no param named '{name}' to override", None, *hint)
+                self.error(SL104, f"no param named '{name}' to override", None, *hint)
                 continue
             self.params[name] = _literal(value, self.params[name].span)
 
@@ -211,21 +211,21 @@ class _Checker:
         alias = use.alias.text
         if alias in self.uses:
             self.error(
-                "SL103",
+                SL103,
                 f"'{alias}' is declared twice by use",
                 use.alias.span,
                 f"the first is at line {self.uses[alias].span.line}",
             )
         elif alias in STYLES:
             self.error(
-                "SL103",
+                SL103,
                 f"'{alias}' is a built-in style; a use cannot redefine it",
                 use.alias.span,
                 "pick another name after `as`",
             )
         if not all(part.isidentifier() for part in use.path.replace(":", ".").split(".")):
             self.error(
-                "SL102",
+                SL102,
                 f"'{use.path}' is not an import path",
                 use.span,
                 'write package.module.Name or "package.module:Name"',
@@ -237,7 +237,7 @@ class _Checker:
         name = mesh.name.text
         if name in self.meshes:
             self.error(
-                "SL103",
+                SL103,
                 f"mesh '{name}' is declared twice",
                 mesh.name.span,
                 f"the first is at line {self.meshes[name].span.line}",
@@ -246,10 +246,10 @@ class _Checker:
         dims, autos = [], []
         for arg in mesh.dims:
             if not isinstance(arg, s.Arg):
-                self.error("SL102", "mesh dims are named, e.g. mesh world = cuda[dp=2, tp=4]", arg.span)
+                self.error(SL102, "mesh dims are named, e.g. mesh world = cuda[dp=2, tp=4]", arg.span)
                 continue
             if any(d.name == arg.name.text for d in dims):
-                self.error("SL103", f"mesh dim '{arg.name.text}' is declared twice in mesh '{name}'", arg.name.span)
+                self.error(SL103, f"mesh dim '{arg.name.text}' is declared twice in mesh '{name}'", arg.name.span)
                 continue
             size = self.mesh_size(arg)
             if size == "auto":
@@ -258,7 +258,7 @@ class _Checker:
             dims.append(ir.MeshDim(arg.name.text, size, arg.span))
         for extra in autos[1:]:
             self.error(
-                "SL105",
+                SL105,
                 f"mesh '{name}' has more than one auto dim",
                 extra.span,
                 "at most one dim can take the rest of the world",
@@ -275,24 +275,26 @@ class _Checker:
             return "auto"
         if isinstance(value, s.Int) and value.value >= 1:
             return value.value
-        self.error("SL102", f"mesh dim '{arg.name.text}' must be a positive integer or auto, got {value}", value.span)
+        self.error(SL102, f"mesh dim '{arg.name.text}' must be a positive integer or auto, got {value}", value.span)
         return None
 
-    def mesh_ref(self, ref: s.MeshRef, ndims: tuple[int, ...] = (), code: str = "", what: str = "") -> ir.MeshRef:
+    def mesh_ref(
+        self, ref: s.MeshRef, ndims: tuple[int, ...] = (), code: Code | None = None, what: str = ""
+    ) -> ir.MeshRef:
         """Resolve `world`, `world.tp` or `world[dp, tp]`; `ndims` (if given) are the dimensionalities allowed."""
         name = ref.mesh.text
         mesh = self.meshes.get(name)
         if mesh is None:
-            self.error("SL104", f"undefined mesh '{name}'", ref.mesh.span, *did_you_mean(name, self.meshes))
+            self.error(SL104, f"undefined mesh '{name}'", ref.mesh.span, *did_you_mean(name, self.meshes))
             return ir.MeshRef(name, (), ref.span)
         names = mesh.dim_names
         dims = names if ref.dims is None else tuple(d.text for d in ref.dims)
         for d in ref.dims or ():
             if d.text not in names:
                 hint = did_you_mean(d.text, names) or (f"mesh '{name}' has dims {', '.join(names)}",)
-                self.error("SL104", f"mesh '{name}' has no dim '{d.text}'", d.span, *hint)
+                self.error(SL104, f"mesh '{name}' has no dim '{d.text}'", d.span, *hint)
         if len(set(dims)) != len(dims):
-            self.error("SL102", f"{ref.mesh.text}[{', '.join(dims)}] names a dim twice", ref.span)
+            self.error(SL102, f"{ref.mesh.text}[{', '.join(dims)}] names a dim twice", ref.span)
         elif ndims and len(dims) not in ndims:
             wanted = " or ".join(f"{n}-D" for n in ndims)
             self.error(
@@ -307,7 +309,7 @@ class _Checker:
         bad = _bad_segment(target) if isinstance(target, s.Pattern) else None
         if bad is not None:
             self.error(
-                "SL100",
+                SL100,
                 f"'{bad}' is not a pattern segment",
                 target.span,
                 "a segment is a name, an integer, a glob (*, **, w*, layer?) or {a,b,...} of those",
@@ -315,7 +317,7 @@ class _Checker:
         return target
 
     def parallelize(self, block: s.ParallelizeStmt) -> ir.Parallelize:
-        mesh = self.mesh_ref(block.mesh, (1,), "SL107", "parallelize")
+        mesh = self.mesh_ref(block.mesh, (1,), SL107, "parallelize")
         scope = block.scope and self.target(block.scope)
         rules = tuple(ir.Rule(self.target(r.target), self.style(r.style), r.span) for r in block.rules)
         return ir.Parallelize(scope, mesh, rules, block.span)
@@ -329,11 +331,11 @@ class _Checker:
         hint = did_you_mean(name, [*STYLES, *self.uses]) or (
             f"built-in styles: {', '.join(STYLES)}; declare others with `use package.module.Style as {name}`",
         )
-        self.error("SL104", f"undefined style '{name}'", call.name.span, *hint)
+        self.error(SL104, f"undefined style '{name}'", call.name.span, *hint)
         return ir.Style(name, (), call.span)
 
     def units(self, block: s.UnitsStmt) -> ir.Units:
-        mesh = self.mesh_ref(block.mesh, (1, 2), "SL106", block.kind)
+        mesh = self.mesh_ref(block.mesh, (1, 2), SL106, block.kind)
         schema = UNIT_OPTIONS[block.kind]
         block_options = self.options(
             [i for i in block.items if isinstance(i, s.Option)], {**schema, **BLOCK_OPTIONS}, block.kind
@@ -357,11 +359,11 @@ class _Checker:
                 hint = did_you_mean(name, schema) or (f"{where} options: {', '.join(schema)}",)
                 if name == "root":
                     hint = ("root = false is a block option; it cannot be set per unit",)
-                self.error("SL101", f"unknown option '{name}' in {where}", option.name.span, *hint)
+                self.error(SL101, f"unknown option '{name}' in {where}", option.name.span, *hint)
                 continue
             if name in seen:
                 self.error(
-                    "SL103",
+                    SL103,
                     f"option '{name}' is set twice",
                     option.name.span,
                     f"the first is at line {seen[name].line}",
@@ -371,7 +373,7 @@ class _Checker:
             if name == "mixed_precision":
                 if option.args is None:
                     self.error(
-                        "SL102",
+                        SL102,
                         "mixed_precision takes arguments",
                         option.span,
                         "write mixed_precision(param=bf16, reduce=fp32)",
@@ -380,7 +382,7 @@ class _Checker:
                 fields = dict(self.kwargs(option.args, MIXED_PRECISION, "mixed_precision", "mixed_precision"))
                 typed.append((name, ir.MixedPrecision(**fields)))
             elif option.value is None:
-                self.error("SL102", f"option '{name}' takes a value: {name} = ...", option.span)
+                self.error(SL102, f"option '{name}' takes a value: {name} = ...", option.span)
             else:
                 value = self.convert(schema[name], option.value)
                 if value is not None:
@@ -392,7 +394,7 @@ class _Checker:
         strategies = {dict(block_options).get("strategy")} | {u.get("strategy") for u in units}
         if "hybrid_shard" in strategies and len(mesh.dims) == 1:
             self.error(
-                "SL106",
+                SL106,
                 "strategy = hybrid_shard needs a 2-D mesh (replicate dim, shard dim)",
                 mesh.span,
                 f"write fully_shard on {mesh.mesh}[<replicate dim>, <shard dim>]",
@@ -411,14 +413,14 @@ class _Checker:
             name = call.name.text
             if name not in CHECKS:
                 hint = did_you_mean(name, CHECKS) or (f"checks: {', '.join(CHECKS)}",)
-                self.error("SL101", f"unknown check '{name}'", call.name.span, *hint)
+                self.error(SL101, f"unknown check '{name}'", call.name.span, *hint)
                 continue
             schema = CHECKS[name]
             if name == "comms":
                 args = self.kwargs(call.args, None, "check", name)
                 for arg, (key, value) in zip(call.args, args):
                     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                        self.error("SL102", f"comms counts are non-negative integers, got {key}={value}", arg.span)
+                        self.error(SL102, f"comms counts are non-negative integers, got {key}={value}", arg.span)
             else:
                 args = self.kwargs(call.args, schema, "check", name)
             checks.append(ir.Check(name, args, call.span))
@@ -429,7 +431,7 @@ class _Checker:
         for check in checks:
             if check.name in first:
                 self.error(
-                    "SL103",
+                    SL103,
                     f"check '{check.name}' is listed twice",
                     check.span,
                     f"the first is at line {first[check.name].span.line}",

@@ -17,7 +17,7 @@ from attrs import frozen
 from ..checkpoints.dcp import Transfer, load_checkpoint, read_checkpoint, save_checkpoint
 from ..compiler.devices import mesh_device
 from ..frontend import ir
-from ..frontend.diagnostics import Diagnostic, PlanError
+from ..frontend.diagnostics import SL400, Diagnostic, PlanError
 from ..frontend.read import read_file
 from ..runtime.apply import apply_plan, build_for_plan
 from ..runtime.modelfile import ModelFile, load_model_file
@@ -102,7 +102,7 @@ def _run(job: Job) -> Report:
     checks = tuple(combine(gather(results)))
     failures = tuple(
         Diagnostic(
-            "SL400",
+            SL400,
             f"check {c.check} failed",
             next((k.span for k in job.checks if k.name == c.check), None),
             tuple(part.strip() for part in c.message.split("; ")[:4]),

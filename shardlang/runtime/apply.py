@@ -25,7 +25,7 @@ from ..compiler.lint import Linted, lint
 from ..compiler.lower import lower
 from ..compiler.predict import Placed
 from ..frontend import ir
-from ..frontend.diagnostics import Diagnostic, PlanError
+from ..frontend.diagnostics import SL300, Diagnostic, PlanError, few
 from . import helpers
 from .snapshot import Snapshot
 from .steps import STEPS, Running
@@ -66,7 +66,7 @@ def apply_plan(plan: ir.Plan, model: nn.Module) -> Applied:
         raise PlanError(
             [
                 Diagnostic(
-                    "SL300",
+                    SL300,
                     "apply needs an initialised process group",
                     help=("call torch.distributed.init_process_group() first, or use `shardlang apply`",),
                 )
@@ -117,7 +117,7 @@ def _agree(failure: Diagnostic | None) -> Diagnostic | None:
         return None
     rank, first = failed[0]
     if failure is None:
-        return Diagnostic("SL300", f"apply failed on rank {rank}: {first.message}", first.span, first.help)
+        return Diagnostic(SL300, f"apply failed on rank {rank}: {first.message}", first.span, first.help)
     return failure
 
 
@@ -131,7 +131,7 @@ def _failure(plan: ir.Plan, step: p.Step, error: Exception) -> Diagnostic:
         help.append(f"raised at {Path(last.filename).name}:{last.lineno}")
     help.append("the model is left exactly as it was")
     message = f"apply failed{what}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-    return Diagnostic("SL300", message.rstrip(": "), step.origin, tuple(help))
+    return Diagnostic(SL300, message.rstrip(": "), step.origin, tuple(help))
 
 
 def _import_uses(plan: ir.Plan, sources) -> dict[str, Any]:
@@ -146,7 +146,7 @@ def _import_uses(plan: ir.Plan, sources) -> dict[str, Any]:
         except (ImportError, AttributeError, ValueError) as e:
             found.append(
                 Diagnostic(
-                    "SL300",
+                    SL300,
                     f"cannot import '{use.path}': {type(e).__name__}: {e}",
                     use.span,
                     ("the path is imported from the current directory and sys.path",),
@@ -168,7 +168,7 @@ def _check_devices(plan: ir.Plan, model: nn.Module) -> list[Diagnostic]:
         where = "rank 0's model on cpu and the others' " if mode == "rank0" else "the model "
         return [
             Diagnostic(
-                "SL300",
+                SL300,
                 f"init {mode} needs {where}on the meta device, but it has tensors on {', '.join(sorted(devices - {'meta'}))}",
                 plan.init.span,
                 ("build it with plan.build(build_model), or under `with torch.device('meta')`",),
@@ -176,11 +176,10 @@ def _check_devices(plan: ir.Plan, model: nn.Module) -> list[Diagnostic]:
         ]
     on_meta = [name for name, t in tensors if t.device.type == "meta"]
     if not expect_meta and on_meta:
-        shown = ", ".join(on_meta[:8]) + (f" and {len(on_meta) - 8} more" if len(on_meta) > 8 else "")
         return [
             Diagnostic(
-                "SL300",
-                f"init {mode} needs a materialised model, but {len(on_meta)} tensors are on the meta device: {shown}",
+                SL300,
+                f"init {mode} needs a materialised model, but {len(on_meta)} tensors are on the meta device: {few(on_meta)}",
                 plan.init.span,
                 ("nothing would materialise them: say `init meta` to materialise after sharding",),
             )
@@ -189,7 +188,7 @@ def _check_devices(plan: ir.Plan, model: nn.Module) -> list[Diagnostic]:
     if cuda and not torch.cuda.is_available():
         return [
             Diagnostic(
-                "SL300",
+                SL300,
                 "the plan has a cuda mesh but no GPU is available",
                 plan.meshes[0].span,
                 ("use `cpu` or `auto` as the mesh device",),
