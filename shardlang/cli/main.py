@@ -24,7 +24,7 @@ from ..frontend.read import read_file
 from ..frontend.source import Source
 from ..runtime.modelfile import ModelFile, ModelFileError, load_model_file
 
-#: Exit statuses (SPEC §5).
+#: Exit statuses (docs/language.md §5).
 OK, FOUND, UNUSABLE = 0, 1, 2
 
 
@@ -142,7 +142,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_model(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument(
-        "model", metavar="MODEL", nargs=None if required else "?", help="model file defining build_model() (SPEC §6)"
+        "model",
+        metavar="MODEL",
+        nargs=None if required else "?",
+        help="model file defining build_model() (docs/language.md §6)",
     )
     parser.add_argument(
         "--entry", metavar="PKG.MODULE:FUNCTION", help="build_model as an importable function instead of MODEL"
@@ -338,7 +341,7 @@ def run_convert(args: argparse.Namespace) -> int:
 
 
 def run_explain(args: argparse.Namespace) -> int:
-    """Per-parameter layouts, per-rank memory and one step's collectives at `--world N` (SPEC §8)."""
+    """Per-parameter layouts, per-rank memory and one step's collectives at `--world N` (docs/language.md §8)."""
     from ..explain.pictures import render_svg, render_text
     from ..explain.simulate import explain
 

@@ -1,4 +1,4 @@
-"""Plan + resolution -> program: the torch calls in the order of SPEC §4.4, whatever the plan's order.
+"""Plan + resolution -> program: the torch calls in the order of docs/language.md §4.4, whatever the plan's order.
 
 meshes -> (rank 0's values kept) -> parallelize / distribute -> re-tie -> checkpoint ->
 fully_shard and replicate units (children first, root last) -> materialise -> sync -> move leftovers.

@@ -1,6 +1,6 @@
 """Patterns and targets -> module FQNs on a model (the meta device is enough): the plan resolved.
 
-Pattern semantics (SPEC §4.1): `*` is exactly one segment, `**` zero or more, globs and alternations
+Pattern semantics (docs/language.md §4.1): `*` is exactly one segment, `**` zero or more, globs and alternations
 match inside one segment, `root` is the model itself, `class NAME` matches by class. The matching
 is patterns.pattern_regex and class_matches, which the printed program uses too. Rules of a
 `parallelize SCOPE` block are matched relative to each module the scope matches.

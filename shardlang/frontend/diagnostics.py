@@ -198,7 +198,7 @@ def sort_key(d: Diagnostic) -> tuple:
 
 
 def render_text(diagnostic: Diagnostic, sources: Mapping[str, Source] = {}) -> str:
-    """The SPEC §5 text form: `file:line:col: severity[CODE] message`, the source line, carets, help lines."""
+    """The docs/language.md §5 text form: `file:line:col: severity[CODE] message`, the source line, carets, help lines."""
     d, span = diagnostic, diagnostic.span
     head = f"{d.severity.value}[{d.code}] {d.message}"
     if span is None:

@@ -21,7 +21,7 @@ from .syntax import ClassTarget, Pattern, Target
 
 __all__ = ["ClassTarget", "Pattern", "Target"]
 
-# --- layouts (SPEC §4.2) ------------------------------------------------------------------------
+# --- layouts (docs/language.md §4.2) ------------------------------------------------------------------------
 
 
 @frozen
@@ -219,7 +219,7 @@ class Sync:
 
 @frozen
 class Check:
-    """A verification check (SPEC §7) with its typed arguments."""
+    """A verification check (docs/language.md §7) with its typed arguments."""
 
     name: str
     args: tuple[tuple[str, Any], ...]

@@ -1,6 +1,8 @@
-"""The schema of the language: which names may stand where (styles, unit options, verify checks) and
-the type each value is converted to, with the converters that raise `Invalid` for a value that does
-not fit. The parser's static checks read it; so does `shardlang apply --verify` (CHECKS). No torch.
+"""The schema of the language: which names may stand where (styles, options, checks) and their types.
+
+Each converter turns a syntax value into its IR type or raises `Invalid` for a value that does not fit.
+The static checks read these tables; so does `shardlang apply --verify` (CHECKS, the names and
+arguments of the verification checks, which the parser must know without importing torch).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from attrs import frozen
 
-#: Plans larger than this are rejected before parsing (SPEC §3).
+#: Plans larger than this are rejected before parsing (docs/language.md §3).
 MAX_PLAN_BYTES = 1 << 20
 
 

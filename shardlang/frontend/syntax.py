@@ -1,7 +1,7 @@
 """The syntax tree: frozen nodes that mirror the plan text, each with the span it came from.
 
-Values here are untyped (a `Name` may turn out to be a layout, a dtype or a device); check.py gives
-them meaning and builds the plan IR of plan.py.
+Values here are untyped (a `Name` may turn out to be a layout, a dtype or a device); static_checks.py gives
+them meaning and builds the plan IR of ir.py.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ Segment = str | tuple[str, ...]
 
 @frozen
 class Pattern:
-    """A dotted module path with wildcards (SPEC §4.1). `root` is the pattern with no segments."""
+    """A dotted module path with wildcards (docs/language.md §4.1). `root` is the pattern with no segments."""
 
     segments: tuple[Segment, ...]
     span: Span

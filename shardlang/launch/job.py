@@ -1,5 +1,6 @@
-"""One rank's `shardlang apply`: load the plan and the model file, build, apply, run the checks, and
-return the same report on every rank. Run by local worker processes, under torchrun, or by the
+"""One rank's `shardlang apply`: load the plan and the model file, build, apply, check, report.
+
+Every rank returns the same report. Run by local worker processes, under torchrun, or by the
 library's `shardlang.verify`."""
 
 from __future__ import annotations

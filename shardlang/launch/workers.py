@@ -111,7 +111,7 @@ def destroy_process_groups() -> None:
     destructors with its threads still joinable, and the process aborts ("terminate called without
     an active exception"; torch 2.13, about one torchrun exit in two). Collecting first lets most
     groups go while Python is alive (one torchrun exit in ten still aborted, so torchrun workers
-    also leave with os._exit: cli._exit_now).
+    also leave with os._exit: cli.main._exit_now).
     """
     import gc
 

@@ -1,4 +1,4 @@
-"""The model file (SPEC §6): `build_model()`, and optionally `example_input(batch, generator)` and
+"""The model file (docs/language.md §6): `build_model()`, and optionally `example_input(batch, generator)` and
 `loss(output, inputs)`, from a `model.py` path or an `--entry package.module:function`."""
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def _from_path(path: Path) -> ModelFile:
             raise ModelFileError(f"{path} failed to load: {type(e).__name__}: {e}") from e
     build = getattr(module, "build_model", None)
     if not callable(build):
-        raise ModelFileError(f"{path} defines no build_model() (SPEC §6)")
+        raise ModelFileError(f"{path} defines no build_model() (docs/language.md §6)")
     return ModelFile(
         str(path), build, getattr(module, "example_input", None), getattr(module, "loss", None), path=str(resolved)
     )

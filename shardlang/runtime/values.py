@@ -1,6 +1,7 @@
-"""Program values (placements, dtypes, style constructors) read two ways: as the torch objects apply
-runs, and as the Python source `compile --emit python` prints. Both readings go through the same
-compiler.styles.Constructor, so they cannot disagree.
+"""Program values (placements, dtypes, style constructors) as torch objects for apply and as Python source.
+
+Both readings go through the same compiler.styles.Constructor, so the code `compile --emit python`
+prints and the objects apply builds cannot disagree.
 """
 
 from __future__ import annotations
