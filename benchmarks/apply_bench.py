@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 import examples.llama as llama  # noqa: E402
 import shardlang  # noqa: E402
-from shardlang.apply import apply_plan  # noqa: E402
+from shardlang.runtime.apply import apply_plan  # noqa: E402
 
 
 def build(layers: int):

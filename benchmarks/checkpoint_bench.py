@@ -48,7 +48,7 @@ def _on_rank(size: dict, plan_params: dict, directory: str, action: str, optimiz
     import torch.distributed as dist
 
     import shardlang
-    from shardlang.apply import apply_plan
+    from shardlang.runtime.apply import apply_plan
 
     SIZE.update(size)
     plan = shardlang.load(ROOT / "plans/llama_2d.sl", plan_params, world_size=dist.get_world_size())
@@ -82,7 +82,7 @@ def main() -> None:
     SIZE.update(dim=args.dim, layers=args.layers)
 
     import shardlang
-    from shardlang.launch import WorkerPool
+    from shardlang.launch.workers import WorkerPool
 
     work = Path(tempfile.mkdtemp(prefix="shardlang-bench-", dir=args.dir))
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")

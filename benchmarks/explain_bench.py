@@ -46,7 +46,7 @@ def main() -> None:
         ("explain (step on 2, 3, 4 blocks)", base),
         ("explain --full-step (all 80 blocks)", [*base, "--full-step"]),
         ("explain --no-step", [*base, "--no-step"]),
-        ("import shardlang and torch only", [sys.executable, "-c", "import shardlang.explain"]),
+        ("import shardlang and torch only", [sys.executable, "-c", "import shardlang.explain.simulate"]),
     )
     collectives = []
     for label, command in runs:

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 import shardlang  # noqa: E402
 from benchmarks import llama_1b  # noqa: E402
-from shardlang.apply import apply_plan  # noqa: E402
+from shardlang.runtime.apply import apply_plan  # noqa: E402
 from shardlang.verification.comms import Recorder  # noqa: E402
 
 #: bf16 dense peak of the cards the device tool lends (H100 SXM and H200: 989.4 TFLOP/s).

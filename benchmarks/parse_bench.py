@@ -2,7 +2,7 @@
 
     python benchmarks/parse_bench.py [--rules 10000] [--repeat 5]
 
-Two generated plans: `llama` writes the SPEC §2 block rules out for every layer index (what a
+Two generated plans: `llama` writes the docs/language.md §2 block rules out for every layer index (what a
 large real plan looks like), `heavy` gives every rule a long argument list (a stress case).
 Prints one table; the target is parse + check under 1 s for the 10,000-rule llama plan.
 """
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import shardlang
-from shardlang.parse import _lark
+from shardlang.frontend.parse import _lark
 
 LLAMA_BODY = [
     ("attention_norm", "sequence_parallel"),

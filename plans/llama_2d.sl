@@ -1,4 +1,4 @@
-# plans/llama_2d.sl — Llama-style transformer: TP over tp, FSDP2 over dp (SPEC §2).
+# plans/llama_2d.sl — Llama-style transformer: TP over tp, FSDP2 over dp (docs/language.md §2).
 # Model: examples/llama.py. Run: shardlang apply plans/llama_2d.sl examples/llama.py --nproc 4
 shardlang 1
 param tp = 2

@@ -12,14 +12,11 @@ shardlang.load_checkpoint(model, "ckpt", optimizer)
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
-from .diagnostics import CODES, Diagnostic, PlanError, Severity
-from .frontend import compile_file, compile_source
-from .plan import Plan
-from .source import Source
+from ._version import __version__
+from .api import Plan, load, loads, verify
+from .frontend.diagnostics import CODES, Diagnostic, PlanError, Severity
 
 __all__ = [
     "CODES",
@@ -27,6 +24,7 @@ __all__ = [
     "Plan",
     "PlanError",
     "Severity",
+    "__version__",
     "load",
     "loads",
     "verify",
@@ -35,15 +33,14 @@ __all__ = [
     "read_checkpoint",
     "convert_checkpoint",
 ]
-__version__ = "0.1.0"
 
 #: Names imported on first use: the checkpoint functions need torch.distributed.checkpoint, which
 #: `shardlang lint` and the parser never do.
 _LAZY = {
-    "save_checkpoint": "checkpoints",
-    "load_checkpoint": "checkpoints",
-    "read_checkpoint": "checkpoints",
-    "convert_checkpoint": "checkpoints",
+    "save_checkpoint": "checkpoints.dcp",
+    "load_checkpoint": "checkpoints.dcp",
+    "read_checkpoint": "checkpoints.dcp",
+    "convert_checkpoint": "checkpoints.dcp",
 }
 
 
@@ -53,29 +50,3 @@ def __getattr__(name: str) -> Any:
 
         return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'shardlang' has no attribute {name!r}")
-
-
-def load(path: str | Path, params: Mapping[str, Any] | None = None, *, world_size: int | None = None) -> Plan:
-    """Read, parse and check a plan file. `params` override its `param`s; `world_size` resolves `auto` dims."""
-    plan, found, sources = compile_file(path, params, world_size)
-    if plan is None:
-        raise PlanError(found, sources)
-    return plan
-
-
-def loads(
-    text: str, params: Mapping[str, Any] | None = None, *, name: str = "<string>", world_size: int | None = None
-) -> Plan:
-    """Parse and check plan text, as `load` does for a file."""
-    source = Source(name, text)
-    plan, found = compile_source(source, params, world_size)
-    if plan is None:
-        raise PlanError(found, {name: source})
-    return plan
-
-
-def verify(plan: Plan, build_model, example_input=None, loss=None, **options):
-    """Apply `plan` to `build_model()` and run its checks; a Report (see shardlang.job.verify)."""
-    from .job import verify as run_verify
-
-    return run_verify(plan, build_model, example_input, loss, **options)

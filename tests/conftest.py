@@ -38,7 +38,7 @@ class Pools:
         self._pools = {}
 
     def __call__(self, world_size: int):
-        from shardlang.launch import WorkerPool
+        from shardlang.launch.workers import WorkerPool
 
         pool = self._pools.get(world_size)
         if pool is None or pool.broken:

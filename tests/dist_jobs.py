@@ -22,9 +22,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 import shardlang
-from shardlang.apply import apply_plan
-from shardlang.runtime import distribute_with_layouts
-from shardlang.torchcompat import composable_checkpoint, composable_replicate
+from shardlang.runtime.apply import apply_plan
+from shardlang.runtime.helpers import distribute_with_layouts
+from shardlang.runtime.torchcompat import composable_checkpoint, composable_replicate
 
 
 def load(ref: str):
@@ -132,8 +132,8 @@ def same_as_handwritten(plan_text: str, model: str, hand: str, make_input, param
 
 
 def _torch_placement(p):
-    from shardlang import plan as ir
-    from shardlang.torchcompat import strided_shard_class
+    from shardlang.frontend import ir
+    from shardlang.runtime.torchcompat import strided_shard_class
 
     if isinstance(p, ir.StridedShard):
         return strided_shard_class()(p.dim, split_factor=p.split_factor)
@@ -395,7 +395,7 @@ def _values(model: nn.Module) -> list:
 
 
 def _fingerprint(model: nn.Module) -> dict:
-    from shardlang.torchcompat import composable_state_mapping
+    from shardlang.runtime.torchcompat import composable_state_mapping
 
     mapping = composable_state_mapping()
     return {
@@ -491,7 +491,7 @@ def library_verify(plan_text: str) -> tuple:
 
 def local_facts(plan_path: str, model_path: str) -> dict:
     """What this rank really holds after apply (local shapes, bytes) and sends in one step (counts)."""
-    from shardlang.modelfile import load_model_file
+    from shardlang.runtime.modelfile import load_model_file
     from shardlang.verification import Context
     from shardlang.verification.comms import count_collectives
 

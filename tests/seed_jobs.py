@@ -11,8 +11,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import shardlang
-from shardlang.apply import apply_plan
-from shardlang.modelfile import load_model_file
+from shardlang.runtime.apply import apply_plan
+from shardlang.runtime.modelfile import load_model_file
 from shardlang.verification import Context, combine, gather, run_checks
 from shardlang.verification.comms import count_collectives
 

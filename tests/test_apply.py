@@ -1,11 +1,11 @@
-"""Apply, on gloo worlds of 2 and 4: each statement, style and option of SPEC §4 gives the same
+"""Apply, on gloo worlds of 2 and 4: each statement, style and option of docs/language.md §4 gives the same
 parameters, placements, local shards, outputs and gradients as the hand-written torch calls, and
 the placements the compiler predicted."""
 
 import pytest
 
-from shardlang.launch import WorkerError
-from shardlang.torchcompat import fsdp_strided_shard
+from shardlang.launch.workers import WorkerError
+from shardlang.runtime.torchcompat import fsdp_strided_shard
 
 from . import dist_jobs as jobs
 
@@ -208,7 +208,7 @@ def test_plan_equals_handwritten(pools, case, world):
 
 
 def test_spec_placements_for_tp_and_fsdp(pools):
-    """SPEC §7's examples: colwise + FSDP, rowwise weight, rowwise bias (torch's own placements)."""
+    """docs/language.md §7's examples: colwise + FSDP, rowwise weight, rowwise bias (torch's own placements)."""
     plan, model, hand, make_input, _ = CASES["tp_fsdp_2d"]
     placements = pools(4).run(jobs.same_as_handwritten, plan, model, f"tests.dist_jobs:{hand}", make_input)[0]
     colwise = "(_StridedShard(dim=0, sf=2), Shard(dim=0))" if fsdp_strided_shard() else "(Shard(dim=0), Shard(dim=0))"

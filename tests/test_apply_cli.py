@@ -12,7 +12,7 @@ import time
 import pytest
 
 import shardlang
-from shardlang.job import Job, run
+from shardlang.launch.job import Job, run
 
 from .conftest import ROOT
 
@@ -129,7 +129,7 @@ def test_a_dying_worker_stops_the_job_and_names_its_rank(how):
 
 def test_two_node_torchrun_job_on_loopback():
     """Two torchrun 'nodes' of 2 processes each on 127.0.0.1: the node with rank 0 prints the report."""
-    from shardlang.launch import free_port
+    from shardlang.launch.workers import free_port
 
     port = str(free_port())
     common = [

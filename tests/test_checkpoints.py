@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 
 from shardlang import PlanError
-from shardlang.checkpoints import load_checkpoint, publish, read_checkpoint, save_checkpoint
+from shardlang.checkpoints.dcp import load_checkpoint, publish, read_checkpoint, save_checkpoint
 from shardlang.cli import main
-from shardlang.launch import WorkerError
+from shardlang.launch.workers import WorkerError
 
 from . import checkpoint_jobs as jobs
 from .conftest import ROOT
@@ -128,7 +128,7 @@ def test_a_save_killed_part_way_keeps_the_previous_checkpoint(pools, saved, tmp_
 
 
 def test_publish_swaps_in_one_step_and_without_renameat2(tmp_path, monkeypatch):
-    import shardlang.checkpoints as ck
+    import shardlang.checkpoints.dcp as ck
 
     def checkpoint_dir(name: str, marker: str):
         path = tmp_path / name

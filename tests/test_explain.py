@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import shardlang
-from shardlang.explain import explain
-from shardlang.modelfile import load_model_file
+from shardlang.explain.simulate import explain
+from shardlang.runtime.modelfile import load_model_file
 
 from . import dist_jobs
 from .conftest import FIXTURES, ROOT
@@ -118,8 +118,8 @@ def test_local_sizes_are_torchs():
     from hypothesis import strategies as st
     from torch.distributed.tensor import Replicate, Shard
 
-    from shardlang.explain import local_sizes
-    from shardlang.torchcompat import local_shape_and_offset
+    from shardlang.explain.simulate import local_sizes
+    from shardlang.runtime.torchcompat import local_shape_and_offset
 
     @st.composite
     def cases(draw):
@@ -180,7 +180,7 @@ def test_every_example_plan_explains_at_world_1024_without_real_memory():
 def test_svg_has_one_block_per_shard():
     plan = shardlang.load(ROOT / "plans" / "llama_2d.sl")
     model_file = load_model_file(str(ROOT / "examples" / "llama.py"))
-    from shardlang.pictures import render_svg
+    from shardlang.explain.pictures import render_svg
 
     e = explain(plan, model_file.build_on_meta(), 4, rank=0, model_file=model_file, blocks_for="layers.0.**")
     svg = render_svg(e, "layers.0.**")

@@ -4,8 +4,8 @@ the fault is fixed. Many are faults users shipped. Runs `shardlang apply`'s job 
 
 import pytest
 
-from shardlang.check import CHECKS
-from shardlang.job import Job, run
+from shardlang.frontend.schema import CHECKS
+from shardlang.launch.job import Job, run
 
 LLAMA_TP = """mesh world = cpu[dp=auto, tp=2]
 parallelize layers.* on world.tp {{

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 import shardlang
-from shardlang.diagnostics import render_text
-from shardlang.plan import Shard, dump
-from shardlang.source import MAX_PLAN_BYTES
+from shardlang.frontend.diagnostics import render_text
+from shardlang.frontend.ir import Shard, dump
+from shardlang.frontend.source import MAX_PLAN_BYTES
 
 from .conftest import FIXTURES, ROOT
 
@@ -167,3 +167,15 @@ def test_syntax_errors_are_capped_and_never_repeat():
         shardlang.loads(text)
     lines = [d.span.line for d in raised.value.diagnostics]
     assert lines == list(range(1, 11))
+
+
+def test_a_misspelt_diagnostic_code_fails_where_it_is_written():
+    """Codes are constants imported by name (a typo fails at import); a code given as text must be in the table."""
+    import shardlang.frontend.diagnostics as diagnostics
+
+    with pytest.raises(ImportError):
+        exec("from shardlang.frontend.diagnostics import SL2O1", {})
+    with pytest.raises(ValueError):
+        diagnostics.Diagnostic("SL999", "no such code")
+    assert diagnostics.Diagnostic(diagnostics.SL201, "x").code == "SL201"
+    assert set(diagnostics.CODES) == {code.name for code in diagnostics.Code}

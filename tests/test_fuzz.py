@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import shardlang
-from shardlang.diagnostics import CODES, render_all, render_json
-from shardlang.source import MAX_PLAN_BYTES
+from shardlang.frontend.diagnostics import CODES, render_all, render_json
+from shardlang.frontend.source import MAX_PLAN_BYTES
 
 from .conftest import FIXTURES, ROOT
 

@@ -85,7 +85,7 @@ def shards_on_cuda_are_distinct(plan_text: str) -> dict:
 
 
 def test_meta_init_on_cuda_gives_every_shard_its_own_values():
-    from shardlang.launch import WorkerPool
+    from shardlang.launch.workers import WorkerPool
 
     plan = "mesh world = cuda[dp=auto]\nfully_shard on world.dp { each even }\ninit meta\n"
     with WorkerPool(2, backend="nccl") as pool:
@@ -96,8 +96,8 @@ def test_meta_init_on_cuda_gives_every_shard_its_own_values():
 def test_checkpoint_of_cuda_shards_loads_bitwise_under_other_plans(tmp_path):
     """Saved from (dp 2 x tp 2) on GPUs when there are 4 (else tp 2), loaded under tp 2 on 2 GPUs and in
     one process on the CPU: every model and Adam tensor bit for bit (as the CPU tests check on gloo)."""
-    from shardlang.checkpoints import load_checkpoint
-    from shardlang.launch import WorkerPool
+    from shardlang.checkpoints.dcp import load_checkpoint
+    from shardlang.launch.workers import WorkerPool
 
     from . import checkpoint_jobs as jobs
     from .test_checkpoints import LLAMA, LLAMA_2D, assert_bitwise

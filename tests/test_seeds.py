@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import shardlang
-from shardlang.job import Job, run
+from shardlang.launch.job import Job, run
 
 from . import seed_jobs
 from .conftest import FIXTURES, ROOT
@@ -50,7 +50,7 @@ def assert_all_pass(report):
 
 def lint_codes(plan, model_path, world):
     with torch.device("meta"):
-        model = shardlang.modelfile.load_model_file(model_path).build_model()
+        model = shardlang.runtime.modelfile.load_model_file(model_path).build_model()
     return [d.code for d in shardlang.load(plan).lint(model, world_size=world)]
 
 

@@ -1,4 +1,4 @@
-"""The verification checks (SPEC §7), each a real measurement on every rank after apply.
+"""The verification checks (docs/language.md §7), each a real measurement on every rank after apply.
 
 One module per check; each exposes `run(ctx, check) -> Outcome` and is called on every rank in the
 same order (most of them talk to the other ranks). `run_checks` runs the requested ones, and
@@ -10,79 +10,51 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from attrs import define, field, frozen
+from attrs import define
 
-from .. import plan as ir
-from ..apply import Applied
-from ..modelfile import ModelFile
+from ..frontend import ir
+from ..frontend.schema import CHECKS as SCHEMA
+from ..runtime.apply import Applied
+from ..runtime.modelfile import ModelFile
+from . import comms, gradients, init, init_device, module_states, placements
+from .outcome import FAIL, PASS, REPORTED, SKIPPED, STATUSES, CheckResult, Outcome, summary
+
+#: Every check: its name (as plans and --verify write it) and the function that runs it on a rank, in
+#: the order they run: the ones that only look first (init before anything trains), the ones that train
+#: last. The frontend's schema (names and arguments) is the other half; both must name the same checks.
+CHECKS = {
+    "init": init.run,
+    "init_device": init_device.run,
+    "placements": placements.run,
+    "module_states": module_states.run,
+    "comms": comms.run,
+    "gradients": gradients.run,
+}
+if set(CHECKS) != set(SCHEMA):
+    raise ImportError(f"checks without a schema or a runner: {sorted(set(CHECKS) ^ set(SCHEMA))}")
+
+__all__ = [
+    "CHECKS",
+    "FAIL",
+    "PASS",
+    "REPORTED",
+    "SKIPPED",
+    "STATUSES",
+    "CheckResult",
+    "Context",
+    "Outcome",
+    "combine",
+    "gather",
+    "run_checks",
+    "summary",
+]
 
 if TYPE_CHECKING:
-    from ..checkpoints import Checkpoint
-
-#: The order checks run in: the ones that only look first (init before anything trains), the ones that
-#: train last.
-ORDER = ("init", "init_device", "placements", "module_states", "comms", "gradients")
-
-#: How a check ends. `skipped`: it compared nothing (the message says why); `reported`: it measured and
-#: shows something but was given nothing to compare it with (comms without expected counts). Neither is
-#: a pass.
-PASS, FAIL, SKIPPED, REPORTED = "pass", "fail", "skipped", "reported"
-STATUSES = (PASS, FAIL, SKIPPED, REPORTED)
-
-
-@frozen
-class Outcome:
-    """One check on one rank. `worst`: the largest error measured, as a fraction of what was allowed (1.0
-    is the limit), where the check has one."""
-
-    status: str = field(validator=lambda _, __, value: _known(value))
-    message: str
-    data: dict[str, Any] = field(factory=dict)
-    worst: float | None = None
-
-
-def _known(status: str) -> None:
-    if status not in STATUSES:
-        raise ValueError(f"unknown check status {status!r}; expected one of {STATUSES}")
-
-
-@frozen
-class CheckResult:
-    check: str
-    status: str
-    message: str
-    seconds: float
-    data: dict[str, Any] = field(factory=dict)
-    worst: float | None = None
-
-    @property
-    def ok(self) -> bool | None:
-        """True passed, False failed, None neither (skipped or reported)."""
-        return True if self.status == PASS else False if self.status == FAIL else None
-
-    def to_json(self) -> dict[str, Any]:
-        data = dict(self.data)
-        if self.worst is not None:
-            data.setdefault("worst_error", self.worst)
-        return {
-            "check": self.check,
-            "status": self.status,
-            "ok": self.ok,
-            "message": self.message,
-            "seconds": round(self.seconds, 4),
-            "data": data,
-        }
-
-
-def summary(results: Sequence[CheckResult]) -> str:
-    """What happened, in counts: `4 passed, 1 skipped`, `1 failed, 3 passed`, or `no checks ran`."""
-    words = {FAIL: "failed", PASS: "passed", SKIPPED: "skipped", REPORTED: "reported"}
-    counts = [(sum(r.status == s for r in results), words[s]) for s in (FAIL, PASS, SKIPPED, REPORTED)]
-    return ", ".join(f"{n} {word}" for n, word in counts if n) or "no checks ran"
+    from ..checkpoints.dcp import Checkpoint
 
 
 @define
@@ -105,7 +77,7 @@ class Context:
     @property
     def device(self) -> torch.device:
         """The device the model's tensors should be on: cuda:<local rank> or cpu."""
-        from ..runtime import mesh_device
+        from ..compiler.devices import mesh_device
 
         kinds = {mesh_device(m.device) for m in self.plan.meshes} or {"cpu"}
         if "cuda" in kinds:
@@ -113,30 +85,17 @@ class Context:
         return torch.device("cpu")
 
 
-def modules() -> dict[str, Any]:
-    from . import comms, gradients, init, init_device, module_states, placements
-
-    return {
-        "init": init,
-        "init_device": init_device,
-        "placements": placements,
-        "module_states": module_states,
-        "comms": comms,
-        "gradients": gradients,
-    }
-
-
 def run_checks(
     ctx: Context, checks: Sequence[ir.Check], progress: Callable[[str], None] | None = None
 ) -> list[CheckResult]:
-    """Run `checks` on this rank (every rank must call this with the same checks), in ORDER."""
+    """Run `checks` on this rank (every rank must call this with the same checks), in CHECKS' order."""
     by_name = {c.name: c for c in checks}
     results = {}
-    for name in (n for n in ORDER if n in by_name):
+    for name in (n for n in CHECKS if n in by_name):
         if progress is not None:
             progress(name)
         start = time.perf_counter()
-        outcome = modules()[name].run(ctx, by_name[name])
+        outcome = CHECKS[name](ctx, by_name[name])
         results[name] = CheckResult(
             name, outcome.status, outcome.message, time.perf_counter() - start, outcome.data, outcome.worst
         )

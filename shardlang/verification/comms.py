@@ -19,8 +19,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import FAIL, PASS, REPORTED, SKIPPED, Outcome
 from . import layout as lay
+from .outcome import FAIL, PASS, REPORTED, SKIPPED, Outcome
 
 #: The ops that are collectives, as CommDebugMode counts them: c10d's and the functional ones.
 FUNCTIONAL_COLLECTIVES = frozenset(

@@ -38,9 +38,10 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
 )
 
-from .. import plan as ir
-from . import FAIL, PASS, SKIPPED, Outcome, localise
+from ..frontend import ir
 from . import layout as lay
+from . import localise
+from .outcome import FAIL, PASS, SKIPPED, Outcome
 from .reference import K, References, allowed_error, full, rounding_error, shape_mismatch
 
 DEFAULTS = {"steps": 2, "batch": 4, "optimizer": "adam", "lr": 1e-2}
@@ -230,7 +231,7 @@ def _anywhere(flag: bool) -> bool:
 def _resume(ctx, optim, reference, ref_optim) -> str:
     """Load the checkpoint's optimizer state into both optimizers, if it holds state of their class; what
     was done, for the message ("" if the checkpoint holds none)."""
-    from ..checkpoints import load_checkpoint
+    from ..checkpoints.dcp import load_checkpoint
 
     checkpoint = ctx.checkpoint
     if checkpoint is None or not checkpoint.has_optimizer:

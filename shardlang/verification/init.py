@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from . import FAIL, PASS, SKIPPED, Outcome
+from .outcome import FAIL, PASS, SKIPPED, Outcome
 from .reference import full
 
 #: Standard errors allowed between a sharded tensor's mean (or variance) and the unsharded one's: six

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from ..predict import enclosing, units_by_module
-from . import FAIL, PASS, Outcome
+from ..compiler.predict import enclosing, units_by_module
+from .outcome import FAIL, PASS, Outcome
 
 LISTED = 8
 

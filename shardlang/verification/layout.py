@@ -15,7 +15,7 @@ import torch
 from attrs import frozen
 from torch.distributed.tensor import DTensor, Shard
 
-from .. import plan as ir
+from ..frontend import ir
 
 
 @frozen

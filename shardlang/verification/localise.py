@@ -198,7 +198,7 @@ def _found(ctx, key: str, what: str, ratio: float | None) -> dict[str, Any]:
 def governing(ctx, fqn: str) -> list[dict[str, Any]]:
     """The plan statements that govern module `fqn`: parallelize rules on it, then on its ancestors
     (nearest first), the fully_shard or replicate unit holding it, and activation checkpointing."""
-    from ..predict import enclosing, units_by_module
+    from ..compiler.predict import enclosing, units_by_module
 
     resolution = ctx.applied.linted.resolution
     plan = ctx.plan

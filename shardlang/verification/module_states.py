@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
-from . import FAIL, PASS, SKIPPED, Outcome
+from .outcome import FAIL, PASS, SKIPPED, Outcome
 
 
 def replicated_along(tensor, dim: str, mesh_dims: tuple[str, ...]) -> bool:

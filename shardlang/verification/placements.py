@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from .. import plan as ir
-from ..predict import PLAIN, Placed
-from . import FAIL, PASS, SKIPPED, Outcome
+from ..compiler.predict import PLAIN, Placed
+from ..frontend import ir
+from .outcome import FAIL, PASS, SKIPPED, Outcome
 
 LISTED = 6
 
@@ -22,7 +22,7 @@ def actual(tensor) -> Placed:
 
 
 def _placement(p, ndim: int):
-    from ..torchcompat import strided_shard_class
+    from ..runtime.torchcompat import strided_shard_class
 
     if isinstance(p, strided_shard_class()):
         return ir.StridedShard(p.dim % ndim if ndim else p.dim, p.split_factor)
@@ -81,6 +81,6 @@ def run(ctx, check) -> Outcome:
 def _show(placed: Placed) -> str:
     if placed.mesh is None:
         return "plain tensor"
-    from ..predict import _placement_text
+    from ..compiler.predict import _placement_text
 
     return f"[{', '.join(placed.dims)}] ({', '.join(_placement_text(p) for p in placed.placements)})"

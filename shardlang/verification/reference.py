@@ -98,7 +98,7 @@ def inputs_for(reference, inputs: tuple) -> tuple:
 def emulate_mixed_precision(ctx, model) -> str:
     """Make `model` compute as the plan's fully_shard units do (parameter dtype per unit, inputs cast to it,
     outputs to `output`); the precision, in words."""
-    from ..predict import units_by_module
+    from ..compiler.predict import units_by_module
 
     resolution = ctx.applied.linted.resolution
     dtypes = []

@@ -1,0 +1,137 @@
+"""The library's verbs: `load`, `loads`, `verify`, and the `Plan` facade whose methods call the stages.
+
+The IR (frontend.ir.Plan) is data only and imports no later stage; this module is where the stages
+meet. It imports the torch-free front end at the top and every other stage inside the method that
+needs it, so that `import shardlang` (and `shardlang lint`) stays free of torch.distributed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+from attrs import frozen
+
+from .frontend import ir
+from .frontend.diagnostics import Diagnostic, PlanError
+from .frontend.read import read_file, read_source
+from .frontend.source import Source
+from .frontend.static_checks import check_world
+
+
+@frozen
+class Plan(ir.Plan):
+    """A checked plan (the IR, unchanged) with the library's verbs. What `shardlang.load` returns."""
+
+    @classmethod
+    def of(cls, plan: ir.Plan) -> Plan:
+        """The same plan as a facade."""
+        return plan if isinstance(plan, cls) else cls(**{f.name: getattr(plan, f.name) for f in attrs.fields(ir.Plan)})
+
+    def with_world(self, world_size: int) -> list[Diagnostic]:
+        """SL105 diagnostics if the meshes cannot be laid over `world_size` ranks."""
+        return check_world(self, world_size)
+
+    def lint(self, model: Any, world_size: int) -> list[Diagnostic]:
+        """Every diagnostic of this plan against `model` (built on the meta device is enough) at `world_size`."""
+        from .compiler.lint import lint
+
+        return [*self.diagnostics, *lint(self, model, world_size).diagnostics]
+
+    def build(self, build_model: Any) -> Any:
+        """Call `build_model()` where this plan's `init` says: on meta (`meta`; `rank0` except on rank 0),
+        on the CPU (`cpu`, rank 0 of `rank0`) or on the mesh device (`auto`)."""
+        from .runtime.apply import build_for_plan
+
+        return build_for_plan(self, build_model)
+
+    def apply(self, model: Any) -> Any:
+        """Shard `model` in place by this plan; call on every rank inside an initialised process group.
+        Raises PlanError (nothing changed) if the plan does not fit the model or a step fails."""
+        from .runtime.apply import apply_plan
+
+        return apply_plan(self, model).model
+
+    def explain(
+        self,
+        model: Any,
+        world_size: int,
+        rank: int = 0,
+        example_input: Any = None,
+        loss: Any = None,
+        full_step: bool = False,
+    ) -> Any:
+        """What every rank of a `world_size` world holds (and, given `example_input`, sends in one
+        training step), in a simulated world in one process; `model` on the meta device is enough.
+        `full_step`: run the step on every block of a repeated stack, not on 2, 3 and 4 of them."""
+        import copy
+        import functools
+
+        from .explain.simulate import explain
+        from .runtime.modelfile import ModelFile
+
+        build = functools.partial(copy.deepcopy, model)  # picklable, for a simulation in a fresh process
+        model_file = ModelFile("library", build, example_input, loss) if example_input is not None else None
+        return explain(self, model, world_size, rank, model_file, full_step=full_step)
+
+    def to_python(self, model: Any = None, world_size: int | None = None) -> str:
+        """The program as plain torch code; resolved against `model` (any device, meta is enough) if given."""
+        from .emit.python import compile_python
+
+        return compile_python(self, model, world_size)
+
+
+def load(path: str | Path, params: Mapping[str, Any] | None = None, *, world_size: int | None = None) -> Plan:
+    """Read, parse and check a plan file. `params` override its `param`s; `world_size` resolves `auto` dims."""
+    plan, found, sources = read_file(path, params, world_size)
+    if plan is None:
+        raise PlanError(found, sources)
+    return Plan.of(plan)
+
+
+def loads(
+    text: str, params: Mapping[str, Any] | None = None, *, name: str = "<string>", world_size: int | None = None
+) -> Plan:
+    """Parse and check plan text, as `load` does for a file."""
+    source = Source(name, text)
+    plan, found = read_source(source, params, world_size)
+    if plan is None:
+        raise PlanError(found, {name: source})
+    return Plan.of(plan)
+
+
+def verify(
+    plan: ir.Plan,
+    build_model,
+    example_input=None,
+    loss=None,
+    *,
+    checks: tuple[str, ...] | None = None,
+    nproc: int | None = None,
+    seed: int = 0,
+):
+    """Apply `plan` to a model from `build_model` and run its checks (or `checks`); the report
+    (shardlang.launch.report.Report).
+
+    Inside an initialised process group every rank calls this and gets the same report. Outside one,
+    it starts `nproc` local workers (gloo; the functions must be importable, e.g. module-level)."""
+    import torch.distributed as dist
+
+    from .launch.job import Job, run
+    from .launch.workers import WorkerPool
+    from .runtime.modelfile import ModelFile
+
+    wanted = (
+        plan.checks
+        if checks is None
+        else tuple(next((c for c in plan.checks if c.name == n), ir.Check(n, ())) for n in checks)
+    )
+    job = Job(plan, {}, None, None, wanted, seed, ModelFile("library", build_model, example_input, loss))
+    if dist.is_available() and dist.is_initialized():
+        return run(job)
+    if nproc is None:
+        nproc = plan.fixed_world_size()
+    with WorkerPool(nproc) as pool:
+        return pool.run(run, job)[0]

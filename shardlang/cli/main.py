@@ -1,0 +1,558 @@
+"""The `shardlang` command: argument parsing and rendering only; the work happens in the stages it calls."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+import attrs
+from rich.console import Console
+from rich.text import Text
+
+from .._version import __version__
+from ..compiler.lint import lint
+from ..frontend.diagnostics import Diagnostic, PlanError, did_you_mean, render_all, render_json, sort_key
+from ..frontend.ir import Plan
+from ..frontend.read import read_file
+from ..frontend.source import Source
+from ..runtime.modelfile import ModelFile, ModelFileError, load_model_file
+
+#: Exit statuses (docs/language.md §5).
+OK, FOUND, UNUSABLE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """A command line that cannot be carried out (missing file, bad -D); exit status 2."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except UsageError as e:
+        print(f"shardlang: error: {e}", file=sys.stderr)
+        return UNUSABLE
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardlang", description="Declarative sharding plans for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"shardlang {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    lint = commands.add_parser("lint", help="check a plan (and, given a model, the plan against it)")
+    lint.add_argument("plan", metavar="PLAN", help="the .sl plan file")
+    _add_model(lint, required=False)
+    lint.add_argument(
+        "--world", type=_positive, metavar="N", help="world size: resolves `auto` mesh dims and checks the meshes fit"
+    )
+    _add_params(lint)
+    lint.add_argument(
+        "--format", choices=("text", "json"), default="text", help="how to print diagnostics (default text)"
+    )
+    lint.set_defaults(run=run_lint)
+
+    apply = commands.add_parser(
+        "apply", help="apply a plan to a model on N local workers (or under torchrun) and verify it"
+    )
+    apply.add_argument("plan", metavar="PLAN", help="the .sl plan file")
+    _add_model(apply, required=False)
+    apply.add_argument(
+        "--nproc",
+        type=_positive,
+        metavar="N",
+        help="local worker processes (default: the size the meshes fix, or one per GPU)",
+    )
+    apply.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="gloo on cpu or nccl on cuda (default auto: cuda if there are enough GPUs)",
+    )
+    _add_params(apply)
+    apply.add_argument(
+        "--verify", metavar="LIST|none", help="checks to run, comma-separated, instead of the plan's (none: no checks)"
+    )
+    apply.add_argument("--steps", type=_positive, metavar="N", help="training steps of the gradients check")
+    apply.add_argument("--seed", type=int, default=0, help="the seed every rank builds the model with (default 0)")
+    apply.add_argument(
+        "--timeout", type=float, default=600.0, metavar="S", help="stop the workers if a job runs longer (default 600)"
+    )
+    apply.add_argument("--json", action="store_true", help="print the report as one JSON object on stdout")
+    apply.add_argument(
+        "--load", metavar="DIR", help="load a checkpoint (any plan, any world size) after applying the plan"
+    )
+    apply.add_argument(
+        "--save", metavar="DIR", help="save a checkpoint after the checks pass (with optimizer state if gradients ran)"
+    )
+    apply.set_defaults(run=run_apply)
+
+    explain = commands.add_parser(
+        "explain", help="what every rank will hold and send, at any world size, in one CPU process"
+    )
+    explain.add_argument("plan", metavar="PLAN", help="the .sl plan file")
+    _add_model(explain, required=False)
+    explain.add_argument("--world", type=_positive, metavar="N", required=True, help="the world size to simulate")
+    explain.add_argument("--rank", type=int, default=0, metavar="R", help="the rank whose view to show (default 0)")
+    _add_params(explain)
+    explain.add_argument(
+        "--param", metavar="PATTERN", help="only these parameters; with svg (or text), draw their shards"
+    )
+    explain.add_argument(
+        "--format", choices=("text", "json", "svg"), default="text", help="text (default), json or svg"
+    )
+    explain.add_argument(
+        "--no-step", dest="step", action="store_false", help="skip simulating a training step (no collectives; faster)"
+    )
+    explain.add_argument(
+        "--full-step",
+        action="store_true",
+        help="simulate every block of a repeated stack (default: 2, 3 and 4 blocks, extrapolated when each block adds the same)",
+    )
+    explain.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+    explain.set_defaults(run=run_explain)
+
+    compile_ = commands.add_parser("compile", help="print the plan as plain torch code")
+    compile_.add_argument("plan", metavar="PLAN", help="the .sl plan file")
+    _add_model(compile_, required=False)
+    compile_.add_argument("--world", type=_positive, metavar="N", help="world size (default: what the meshes fix)")
+    _add_params(compile_)
+    compile_.add_argument("--emit", choices=("python",), required=True, help="what to print: python")
+    compile_.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+    compile_.set_defaults(run=run_compile)
+
+    convert = commands.add_parser("convert", help="a checkpoint directory to a torch state dict file, or back")
+    convert.add_argument("source", metavar="SOURCE", help="a checkpoint directory, or a .pt file of a state dict")
+    convert.add_argument("target", metavar="TARGET", help="the .pt file to write, or the checkpoint directory")
+    convert.add_argument(
+        "--optimizer", action="store_true", help="checkpoint to file: write {'model': ..., 'optimizer': ...}"
+    )
+    convert.set_defaults(run=run_convert)
+    return parser
+
+
+def _add_model(parser: argparse.ArgumentParser, required: bool) -> None:
+    parser.add_argument(
+        "model",
+        metavar="MODEL",
+        nargs=None if required else "?",
+        help="model file defining build_model() (docs/language.md §6)",
+    )
+    parser.add_argument(
+        "--entry", metavar="PKG.MODULE:FUNCTION", help="build_model as an importable function instead of MODEL"
+    )
+
+
+def _model_file(args: argparse.Namespace) -> ModelFile | None:
+    if args.model is None and args.entry is None:
+        return None
+    try:
+        return load_model_file(args.model, args.entry)
+    except ModelFileError as e:
+        raise UsageError(str(e)) from None
+
+
+def _world(plan: Plan, given: int | None) -> int:
+    if given is not None:
+        return given
+    try:
+        return plan.fixed_world_size()
+    except ValueError as e:
+        raise UsageError(f"{e} with --world N") from None
+
+
+def _add_params(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-D", dest="params", action="append", default=[], metavar="NAME=VALUE", help="override a `param` of the plan"
+    )
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _params(pairs: list[str]) -> dict[str, str]:
+    params = {}
+    for pair in pairs:
+        name, eq, value = pair.partition("=")
+        if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name):
+            raise UsageError(f"-D expects NAME=VALUE, got {pair!r}")
+        params[name] = value
+    return params
+
+
+def compile_plan(
+    path: str, params: list[str], world_size: int | None
+) -> tuple[Plan | None, list[Diagnostic], dict[str, Source]]:
+    """The front end for a command: diagnostics are returned, and an unreadable file is a usage error."""
+    try:
+        return read_file(path, _params(params), world_size)
+    except OSError as e:
+        raise UsageError(f"cannot read plan {path}: {e.strerror}") from None
+
+
+def run_lint(args: argparse.Namespace) -> int:
+    """Static checks; with a model, SL2xx too. SL1xx errors: exit 2 (no plan); SL2xx errors: exit 1."""
+    plan, found, sources = compile_plan(args.plan, args.params, args.world)
+    model_file = _model_file(args)
+    if plan is not None and model_file is not None:
+        model = _meta_model(model_file)
+        found = sorted([*found, *lint(plan, model, _world(plan, args.world)).diagnostics], key=sort_key)
+    emit_diagnostics(found, sources, args.format)
+    if plan is None:
+        return UNUSABLE
+    if args.format == "text" and not found:
+        print(f"{args.plan}: no problems found")
+    return FOUND if any(d.is_error for d in found) else OK
+
+
+def run_compile(args: argparse.Namespace) -> int:
+    """The program as Python on stdout (or -o); diagnostics on stderr. A plan that does not compile: 2."""
+    from ..emit.python import compile_python
+
+    plan, found, sources = compile_plan(args.plan, args.params, args.world)
+    model_file = _model_file(args)
+    code = None
+    if plan is not None:
+        model = _meta_model(model_file) if model_file is not None else None
+        model_arg = f" {args.model}" if args.model else f" --entry {args.entry}" if args.entry else ""
+        world_arg = f" --world {args.world}" if args.world else ""
+        command = f"shardlang compile {args.plan}{model_arg}{world_arg} --emit python"
+        try:
+            code = compile_python(plan, model, _world(plan, args.world) if model is not None else args.world, command)
+        except PlanError as e:
+            found = sorted([*found, *e.diagnostics], key=sort_key)
+    emit_diagnostics(found, sources, "text", stream=sys.stderr)
+    if code is None:
+        return UNUSABLE
+    if args.output:
+        Path(args.output).write_text(code)
+    else:
+        sys.stdout.write(code)
+    return OK
+
+
+def run_apply(args: argparse.Namespace) -> int:
+    """Compile and lint here, then run the job on every rank; rank 0's report. Exit 0 / 1 (SL400) / 2."""
+    from ..launch.workers import WorkerError, under_torchrun
+
+    torchrun = under_torchrun()
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc
+    device = _apply_device(args.device, world)
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # an `auto` mesh means cpu here, as on the workers
+    plan, found, sources = compile_plan(args.plan, args.params, world)
+    if plan is None:
+        return _apply_unusable(found, sources, args, world or 0, device)
+    if world is None:
+        world = _default_nproc(plan, device)
+    model_file = _model_file(args)
+    if model_file is None:
+        raise UsageError("apply needs a model: MODEL (a file defining build_model) or --entry package.module:function")
+    checks = _checks(plan, args)
+    explicit = args.verify is not None or any(c.span is not None for c in plan.checks)
+    needs_input = [c.name for c in checks if c.name in ("gradients", "comms")]
+    if explicit and needs_input and model_file.example_input is None:
+        raise UsageError(
+            f"{model_file.origin} defines no example_input(batch, generator), which {' and '.join(needs_input)} need"
+        )
+    meta = _meta_model(model_file)
+    linted = lint(plan, meta, world)
+    if not linted.ok:
+        return _apply_unusable(sorted([*found, *linted.diagnostics], key=sort_key), sources, args, world, device)
+    try:
+        _check_checkpoint_paths(args, meta)
+    except PlanError as e:
+        return _apply_unusable([*found, *e.diagnostics], sources, args, world, device)
+
+    from ..launch.job import Job
+
+    job = Job(
+        args.plan,
+        _params(args.params),
+        args.model,
+        args.entry,
+        checks,
+        args.seed,
+        load=args.load,
+        save=args.save,
+        explicit=explicit,
+    )
+    console = Console(file=sys.stderr, highlight=False)
+    warnings: list[str] = []
+    if torchrun:
+        report = _run_under_torchrun(job, device, console)
+        _exit_now(OK if report is None else _show_report(report, warnings, sources, args))  # None: not rank 0
+    try:
+        report, warnings = _run_local(job, world, device, args.timeout, console)
+    except WorkerError as e:
+        print(
+            f"shardlang: error: rank {e.rank} failed: {e.message.splitlines()[0] if e.message else ''}", file=sys.stderr
+        )
+        if e.details:
+            print(e.details.rstrip(), file=sys.stderr)
+        return UNUSABLE
+    return _show_report(report, warnings, sources, args)
+
+
+def _show_report(report, warnings: list[str], sources: dict[str, Source], args: argparse.Namespace) -> int:
+    """Print the report (table or JSON) and return the exit status it calls for."""
+    from ..launch.report import render
+
+    if warnings:
+        report = attrs.evolve(report, warnings=report.warnings + tuple(warnings))
+    if args.json:
+        print(report.json())
+    else:
+        render(report, sources, Console(file=sys.stdout, highlight=False, soft_wrap=True))
+    if not report.usable:
+        return UNUSABLE
+    return OK if report.ok else FOUND
+
+
+def _check_checkpoint_paths(args: argparse.Namespace, meta) -> None:
+    """Before any worker starts: --load names a checkpoint that fits the model, --save a replaceable path."""
+    from ..checkpoints.dcp import check_fits, check_save_target, read_checkpoint
+
+    if args.load is not None:
+        check_fits(read_checkpoint(args.load), meta)
+    if args.save is not None:
+        check_save_target(args.save)
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    """DCP checkpoint -> torch file, or torch file -> checkpoint; diagnostics (SL501) and exit 2 if not."""
+    from ..checkpoints.dcp import convert_checkpoint
+
+    try:
+        done = convert_checkpoint(args.source, args.target, optimizer=args.optimizer)
+    except PlanError as e:
+        emit_diagnostics(list(e.diagnostics), {}, "text", stream=sys.stderr)
+        return UNUSABLE
+    print(f"wrote {done.path}: {done.describe()}")
+    return OK
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    """Per-parameter layouts, per-rank memory and one step's collectives at `--world N` (docs/language.md §8)."""
+    from ..explain.pictures import render_svg, render_text
+    from ..explain.simulate import explain
+
+    plan, found, sources = compile_plan(args.plan, args.params, args.world)
+    model_file = _model_file(args)
+    if model_file is None:
+        raise UsageError(
+            "explain needs a model: MODEL (a file defining build_model) or --entry package.module:function"
+        )
+    if not 0 <= args.rank < args.world:
+        raise UsageError(f"--rank {args.rank} is not in a world of {args.world}")
+    if plan is None:
+        emit_diagnostics(found, sources, "text", stream=sys.stderr)
+        return UNUSABLE
+    try:
+        explanation = explain(
+            plan,
+            _meta_model(model_file),
+            args.world,
+            args.rank,
+            model_file,
+            blocks_for=args.param,
+            step=args.step,
+            full_step=args.full_step,
+        )
+    except PlanError as e:
+        emit_diagnostics(sorted([*found, *e.diagnostics], key=sort_key), sources, "text", stream=sys.stderr)
+        return UNUSABLE
+    emit_diagnostics(found, sources, "text", stream=sys.stderr)
+    if args.format == "svg":
+        text = render_svg(explanation, args.param)
+    elif args.format == "json":
+        text = json.dumps(explanation_data(explanation, args.param), indent=2) + "\n"
+    else:
+        stream = io.StringIO()
+        console = Console(file=stream if args.output else sys.stdout, highlight=False, soft_wrap=False, width=160)
+        render_text(explanation, console, args.param)
+        text = stream.getvalue() if args.output else None
+    if text is not None and args.output:
+        Path(args.output).write_text(text)
+    elif text is not None:
+        sys.stdout.write(text)
+    return OK
+
+
+def explanation_data(explanation, pattern: str | None) -> dict:
+    from ..explain.simulate import select
+    from ..frontend.ir import to_data
+
+    data = to_data(explanation)
+    data["tensors"] = [to_data(t) for t in select(explanation, pattern)]
+    data["collectives"] = [to_data(c) for c in explanation.collectives]
+    data["notes"] = list(explanation.notes)
+    for key in ("this_rank", "largest", "smallest"):
+        data[key] = to_data(getattr(explanation, key))
+    data["spread"] = explanation.spread
+    return data
+
+
+def _apply_device(choice: str, world: int | None) -> str:
+    import torch
+
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda, but no GPU is available")
+    if choice != "auto":
+        return choice
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    from ..launch.workers import under_torchrun
+
+    return "cuda" if gpus and (world is None or world <= gpus or under_torchrun()) else "cpu"
+
+
+def _default_nproc(plan: Plan, device: str) -> int:
+    try:
+        return plan.fixed_world_size()
+    except ValueError:
+        if device == "cuda":
+            import torch
+
+            return torch.cuda.device_count()
+        raise UsageError("the plan's meshes have auto dims: give --nproc N") from None
+
+
+def _checks(plan: Plan, args: argparse.Namespace) -> tuple:
+    """The checks to run: the plan's, or --verify's (with the plan's arguments where it has them)."""
+    from ..frontend.ir import Check
+    from ..frontend.schema import CHECKS
+
+    checks = plan.checks
+    if args.verify is not None:
+        names = [] if args.verify.strip() == "none" else [n.strip() for n in args.verify.split(",") if n.strip()]
+        unknown = [n for n in names if n not in CHECKS]
+        if unknown:
+            hint = did_you_mean(unknown[0], CHECKS)
+            raise UsageError(
+                f"unknown check '{unknown[0]}' in --verify"
+                + (f"; {hint[0]}" if hint else f"; checks: {', '.join(CHECKS)}")
+            )
+        given = {c.name: c for c in plan.checks}
+        checks = tuple(given.get(n) or Check(n, (), None) for n in names)
+    if args.steps is not None:
+        checks = tuple(
+            attrs.evolve(c, args=tuple((k, v) for k, v in c.args if k != "steps") + (("steps", args.steps),))
+            if c.name == "gradients"
+            else c
+            for c in checks
+        )
+    return checks
+
+
+def _apply_unusable(found, sources, args, world: int, device: str) -> int:
+    # The report (and the checks it describes) is imported here, not at the top: `lint` never needs it.
+    from ..launch.report import Report
+
+    if args.json:
+        report = Report(ok=False, world_size=world, device=device, diagnostics=tuple(found), usable=False)
+        print(report.json())
+    else:
+        emit_diagnostics(found, sources, "text", stream=sys.stderr)
+    return UNUSABLE
+
+
+def _run_local(job, world: int, device: str, timeout: float, console: Console):
+    from ..launch.job import run
+    from ..launch.workers import WorkerPool
+
+    backend = "nccl" if device == "cuda" else "gloo"
+    with console.status(f"starting {world} workers ({backend})") as status:
+
+        def show(rank: int, message: str) -> None:
+            if rank == 0:
+                status.update(f"rank 0: {message}")
+
+        pool = WorkerPool(world, backend, timeout_s=timeout, on_progress=show)
+        try:
+            report = pool.run(run, job, timeout_s=timeout)[0]
+        finally:
+            warnings = pool.close()
+    return report, warnings
+
+
+def _run_under_torchrun(job, device: str, console: Console):
+    """Join torchrun's process group; rank 0 returns the report, the others None."""
+    import torch
+    import torch.distributed as dist
+
+    from ..launch.job import run
+    from ..launch.workers import destroy_process_groups
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    try:
+        report = run(job)
+    finally:
+        destroy_process_groups()
+    return report if int(os.environ["RANK"]) == 0 else None
+
+
+def _exit_now(status: int) -> NoReturn:
+    """End a torchrun worker without running C++ static destructors.
+
+    Even after a collection, something can keep a gloo group alive until interpreter exit, where
+    its destructor aborts the process with its threads still joinable
+    (torch 2.13: "terminate called without an active exception", so torchrun reports a failure
+    after a job that passed). The report is printed and the groups destroyed; flush and leave.
+    """
+    import logging
+
+    logging.shutdown()  # what atexit would have done for log files the model file opened
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def _meta_model(model_file: ModelFile):
+    try:
+        return model_file.build_on_meta()
+    except ModelFileError as e:
+        raise UsageError(str(e)) from None
+
+
+def emit_diagnostics(found: list[Diagnostic], sources: dict[str, Source], form: str, stream=None) -> None:
+    """Diagnostics on stdout (or `stream`): JSON, or text coloured when the stream is a terminal."""
+    stream = stream or sys.stdout
+    if form == "json":
+        print(render_json(found), file=stream)
+        return
+    if not found:
+        return
+    text = render_all(found, sources)
+    console = Console(file=stream, highlight=False, soft_wrap=True)
+    if not console.is_terminal:
+        print(text, file=stream)
+        return
+    styled = Text(text)
+    styled.highlight_regex(r"error\[SL\d+\]", "bold red")
+    styled.highlight_regex(r"warning\[SL\d+\]", "bold yellow")
+    styled.highlight_regex(r"(?m)^\s*\|\s*\^+.*$", "red")
+    styled.highlight_regex(r"= help:", "bold cyan")
+    console.print(styled)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

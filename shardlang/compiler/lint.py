@@ -1,0 +1,52 @@
+"""Model-aware checks (SL200-SL209): the plan against a real module tree at a given world size.
+
+Needs no process group and no GPU: the model may be built on the meta device, and mesh sizes come
+from the plan and the world size, so `--world 1024` lints in one CPU process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch.nn as nn
+from attrs import frozen
+
+from ..frontend import ir
+from ..frontend.diagnostics import Diagnostic
+from ..frontend.static_checks import check_world
+from .predict import Placed, mesh_shapes, predict
+from .resolve import Resolution, resolve
+from .rules import RULES
+
+
+@frozen
+class Linted:
+    """A plan checked against one model: its resolution and predictions (when resolvable) and every diagnostic."""
+
+    resolution: Resolution | None
+    predictions: dict[str, Placed] | None
+    diagnostics: tuple[Diagnostic, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not any(d.is_error for d in self.diagnostics)
+
+
+def lint(
+    plan: ir.Plan,
+    model: nn.Module,
+    world_size: int,
+    user_kinds: Mapping[str, str] | None = None,
+    strided_shard: bool = True,
+) -> Linted:
+    """Resolve `plan` on `model`, predict placements at `world_size` and run every SL2xx check.
+    `user_kinds` and `strided_shard` are what apply knows of the installed torch (see predict)."""
+    found = list(check_world(plan, world_size))
+    if found:
+        return Linted(None, None, tuple(found))
+    resolution, found = resolve(plan, model)
+    shapes = mesh_shapes(plan, world_size)
+    predictions = predict(plan, resolution, shapes, user_kinds, strided_shard)
+    for rule in RULES:
+        found += rule(plan, resolution, predictions, shapes)
+    return Linted(resolution, predictions, tuple(found))

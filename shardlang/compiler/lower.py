@@ -1,0 +1,146 @@
+"""Plan + resolution -> program: the torch calls in the order of docs/language.md §4.4, whatever the plan's order.
+
+meshes -> (rank 0's values kept) -> parallelize / distribute -> re-tie -> checkpoint ->
+fully_shard and replicate units (children first, root last) -> materialise -> sync -> move leftovers.
+
+With a resolution (a model) every step names its module; without one (`plan.to_python()`, `compile`
+without MODEL) steps name the targets to match when the program runs, and mesh dims left `auto`
+are sized from the world size then.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from ..frontend import ir
+from . import program as p
+from .devices import mesh_device
+from .predict import owned
+from .resolve import Resolution, UnitMatch
+from .styles import Constructor, constructor
+
+FSDP = "torch.distributed.fsdp"
+
+
+def lower(plan: ir.Plan, resolution: Resolution | None, world_size: int | None) -> p.Program:
+    steps: list[p.Step] = [
+        p.MakeMesh(
+            m.name, m.device, m.shape(world_size) if world_size else tuple(d.size for d in m.dims), m.dim_names, m.span
+        )
+        for m in plan.meshes
+    ]
+    if plan.init.mode == "rank0":
+        steps.append(p.TakeRank0Values(plan.init.span))
+    steps += _parallelize(plan, resolution)
+    if plan.parallelize:
+        ties = _ties(resolution) if resolution is not None else None
+        if ties is None or ties:
+            steps.append(p.Retie(ties))
+    origin = plan.checkpoint[0].span if plan.checkpoint else None
+    if resolution is not None:
+        steps += [p.Checkpoint(fqn, origin) for fqn in resolution.checkpoint]
+        steps += [_unit(plan, plan.units[u.block], u.unit, u.fqn) for u in resolution.units]
+    else:
+        steps += [p.Checkpoint(p.Matching(str(target)), target.span) for target in plan.checkpoint]
+        for block in plan.units:
+            steps += [_unit(plan, block, unit, p.Matching(str(unit.target))) for unit in block.units]
+            if block.root:
+                steps.append(_unit(plan, block, None, p.Matching("root")))
+    device = _device(plan)
+    if plan.init.mode == "meta":
+        steps.append(p.InitOnMesh(device, plan.init.method, plan.init.span))
+    elif plan.init.mode == "rank0":
+        steps.append(p.LoadFromRank0(device, plan.init.span))
+    steps += [p.Sync(s.mesh, s.span) for s in plan.syncs]
+    if plan.init.mode == "cpu" and device != "cpu":
+        steps.append(p.MoveToDevice(device, plan.init.span))
+    return p.Program(plan, world_size, tuple(steps))
+
+
+def _device(plan: ir.Plan) -> str:
+    """The device the model lives on: that of the first mesh a statement uses (SL208 keeps them alike)."""
+    used = (
+        [b.mesh.mesh for b in plan.parallelize] + [u.mesh.mesh for u in plan.units] + [s.mesh.mesh for s in plan.syncs]
+    )
+    return plan.mesh(used[0]).device if used else plan.meshes[0].device if plan.meshes else "auto"
+
+
+def _parallelize(plan: ir.Plan, resolution: Resolution | None) -> list[p.Step]:
+    """Per block: one parallelize_module call per scope for the built-in ParallelStyles, then the
+    distribute and user-style calls, one per module (their order among modules does not matter).
+    Without a model, one call per rule on the modules it matches."""
+    steps: list[p.Step] = []
+    for b, block in enumerate(plan.parallelize):
+        if resolution is None:
+            scope = str(block.scope) if block.scope is not None else None
+            steps += [_rule(r, p.Matching(str(r.target), scope), block.mesh) for r in block.rules]
+            continue
+        by_scope: dict[str, list] = defaultdict(list)
+        calls: list[p.Step] = []
+        for m in (m for m in resolution.rules if m.block == b):
+            style = m.rule.style
+            if style.use is None and style.name != "distribute":
+                by_scope[m.scope].append((m.relative, constructor(style)))
+            else:
+                calls.append(_rule(m.rule, m.fqn, block.mesh))
+        steps += [p.Parallelize(scope, block.mesh, tuple(styles), block.span) for scope, styles in by_scope.items()]
+        steps += sorted(calls, key=lambda c: (type(c).__name__, c.origin.line, c.origin.col))
+    return steps
+
+
+def _rule(rule: ir.Rule, module: p.Module, mesh: ir.MeshRef) -> p.Step:
+    style = rule.style
+    if style.use is not None:
+        return p.UserStyle(module, mesh, style.name, constructor(style).kwargs, rule.span)
+    if style.name == "distribute":
+        output = style.get("output", ir.Local())
+        return p.Distribute(
+            module,
+            mesh,
+            style.get("input", ir.Replicate()),
+            None if isinstance(output, ir.Local) else output,
+            rule.span,
+        )
+    return p.Parallelize(module, mesh, (("", constructor(style)),), rule.span)
+
+
+def _ties(resolution: Resolution) -> tuple[tuple[str, ...], ...]:
+    groups: dict[int, list[str]] = defaultdict(list)
+    for fqn, _, _, tensor in owned(resolution.modules, buffers=False):
+        groups[id(tensor)].append(fqn)
+    return tuple(tuple(names) for names in groups.values() if len(names) > 1)
+
+
+def _unit(plan: ir.Plan, block: ir.Units, unit: ir.Unit | None, module: p.Module) -> p.Step:
+    """One fully_shard or replicate unit (`unit` None: the block's root unit)."""
+    match = UnitMatch(0, "", unit)
+    origin = unit.span if unit is not None else block.span
+    if block.kind == "replicate":
+        return p.Replicate(module, block.mesh, match.options(block), origin)
+    if match.kind(block) == "replicate":  # FSDP1's NO_SHARD is plain data parallelism
+        return p.Replicate(module, block.mesh, (), origin)
+    return p.FullyShard(module, block.mesh, _fsdp_kwargs(plan, block, lambda name: match.option(block, name)), origin)
+
+
+def _fsdp_kwargs(plan: ir.Plan, block: ir.Units, get) -> tuple:
+    kwargs = []
+    reshard = get("reshard_after_forward")
+    strategy = get("strategy")
+    if reshard is None and strategy is not None:
+        reshard = strategy != "shard_grad_op"
+    if reshard is not None:
+        kwargs.append(("reshard_after_forward", reshard))
+    mp = get("mixed_precision")
+    if mp is not None:
+        fields = {"param_dtype": mp.param, "reduce_dtype": mp.reduce, "output_dtype": mp.output}
+        args = tuple((k, v) for k, v in fields.items() if v is not None)
+        if not mp.cast_forward_inputs:
+            args += (("cast_forward_inputs", False),)
+        kwargs.append(("mp_policy", Constructor(f"{FSDP}.MixedPrecisionPolicy", args)))
+    if get("offload") == "cpu":
+        # Pinned memory needs a GPU (an `auto` mesh is judged where the program is lowered).
+        pin = mesh_device(plan.mesh(block.mesh.mesh).device) == "cuda"
+        kwargs.append(
+            ("offload_policy", Constructor(f"{FSDP}.CPUOffloadPolicy", () if pin else (("pin_memory", False),)))
+        )
+    return tuple(kwargs)

@@ -1,0 +1,194 @@
+"""Patterns and targets -> module FQNs on a model (the meta device is enough): the plan resolved.
+
+Pattern semantics (docs/language.md §4.1): `*` is exactly one segment, `**` zero or more, globs and alternations
+match inside one segment, `root` is the model itself, `class NAME` matches by class. The matching
+is patterns.pattern_regex and class_matches, which the printed program uses too. Rules of a
+`parallelize SCOPE` block are matched relative to each module the scope matches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import cache
+
+import torch.nn as nn
+from attrs import field, frozen
+
+from ..frontend import ir, patterns
+from ..frontend.diagnostics import SL200, Diagnostic, did_you_mean, few
+from ..frontend.syntax import ClassTarget, Pattern, Target
+
+
+@frozen
+class RuleMatch:
+    """One module a parallelize rule applies to."""
+
+    block: int  # index into plan.parallelize
+    scope: str  # FQN of the scope module ("" for the root)
+    fqn: str  # FQN of the matched module
+    rule: ir.Rule
+
+    @property
+    def relative(self) -> str:
+        return self.fqn[len(self.scope) + 1 :] if self.scope else self.fqn
+
+
+@frozen
+class UnitMatch:
+    """One fully_shard or replicate unit: the module it wraps and the `each` (None for the implicit root)."""
+
+    block: int  # index into plan.units
+    fqn: str
+    unit: ir.Unit | None
+
+    def options(self, units: ir.Units) -> tuple[tuple[str, object], ...]:
+        """The unit's effective options (the implicit root unit has the block's)."""
+        return self.unit.options if self.unit is not None else units.options
+
+    def option(self, units: ir.Units, name: str, default=None):
+        return dict(self.options(units)).get(name, default)
+
+    def kind(self, units: ir.Units) -> str:
+        """`fully_shard` or `replicate`; FSDP1's `strategy = no_shard` is plain replication."""
+        return (
+            "replicate" if units.kind == "replicate" or self.option(units, "strategy") == "no_shard" else "fully_shard"
+        )
+
+
+@frozen
+class Resolution:
+    """What every statement of a plan applies to on one model. Module FQNs are those of `named_modules()`."""
+
+    modules: dict[str, nn.Module] = field(eq=False, repr=False)
+    rules: tuple[RuleMatch, ...]
+    units: tuple[UnitMatch, ...]  # children first, root last
+    checkpoint: tuple[str, ...]
+
+
+def resolve(plan: ir.Plan, model: nn.Module) -> tuple[Resolution, list[Diagnostic]]:
+    """Match every target of `plan` against `model`. SL200 for a pattern that matches nothing."""
+    modules = tuple(model.named_modules())
+    found: list[Diagnostic] = []
+    rules = []
+    for b, block in enumerate(plan.parallelize):
+        scopes = _matches(block.scope, modules, "") if block.scope is not None else [""]
+        if block.scope is not None and not scopes:
+            found.append(_no_match(block.scope, modules, ""))
+            continue
+        by_fqn = dict(modules)
+        for rule in block.rules:
+            matched = False
+            for scope in scopes:
+                for fqn in _matches(rule.target, _subtree(by_fqn[scope], scope), scope):
+                    rules.append(RuleMatch(b, scope, fqn, rule))
+                    matched = True
+            if not matched:
+                found.append(_no_match(rule.target, _subtree(by_fqn[scopes[0]], scopes[0]), scopes[0], len(scopes)))
+
+    units = []
+    for b, block in enumerate(plan.units):
+        for unit in block.units:
+            fqns = _matches(unit.target, modules, "")
+            if not fqns:
+                found.append(_no_match(unit.target, modules, ""))
+            units += [UnitMatch(b, fqn, unit) for fqn in fqns]
+        if block.root and not any(u.fqn == "" and u.block == b for u in units):
+            units.append(UnitMatch(b, "", None))
+
+    units = _named_units_win(plan, units)
+
+    checkpoint = []
+    for target in plan.checkpoint:
+        fqns = _matches(target, modules, "")
+        if not fqns:
+            found.append(_no_match(target, modules, ""))
+        checkpoint += [f for f in fqns if f not in checkpoint]
+
+    order = {fqn: i for i, (fqn, _) in enumerate(modules)}
+    units.sort(key=lambda u: (-patterns.depth(u.fqn), order.get(u.fqn, 0)))
+    return Resolution(dict(modules), tuple(rules), tuple(units), tuple(checkpoint)), found
+
+
+def _named_units_win(plan: ir.Plan, units: list[UnitMatch]) -> list[UnitMatch]:
+    """A `class` target does not pick a module that a unit of the other kind names by pattern
+    (patterns.named_units_win, which the printed program applies too)."""
+    matches = [
+        (u.fqn, u.kind(plan.units[u.block]), u.unit is not None and isinstance(u.unit.target, ClassTarget), u)
+        for u in units
+    ]
+    return [u for *_, u in patterns.named_units_win(matches)]
+
+
+def _subtree(module: nn.Module, prefix: str) -> tuple[tuple[str, nn.Module], ...]:
+    return tuple(module.named_modules(prefix=prefix))
+
+
+def _relative(fqn: str, scope: str) -> str:
+    if not scope:
+        return fqn
+    return "" if fqn == scope else fqn[len(scope) + 1 :]
+
+
+_regex = cache(patterns.pattern_regex)
+
+
+def _matches(target: Target, modules: tuple[tuple[str, nn.Module], ...], scope: str) -> list[str]:
+    """FQNs of the modules under `scope` (those in `modules`) that `target` matches, in module order.
+    The same matching as patterns.modules_matching, which the printed program uses."""
+    if isinstance(target, ClassTarget):
+        return [fqn for fqn, m in modules if patterns.class_matches(target.name, type(m))]
+    regex = _regex(str(target))
+    return [fqn for fqn, _ in modules if regex.fullmatch(_dotted(_relative(fqn, scope)))]
+
+
+def _dotted(relative: str) -> str:
+    return "." + relative if relative else ""
+
+
+def _no_match(target: Target, modules: tuple[tuple[str, nn.Module], ...], scope: str, scopes: int = 1) -> Diagnostic:
+    where = (
+        f" under {scope or 'the model'}" + (f" (the first of {scopes} scopes)" if scopes > 1 else "") if scope else ""
+    )
+    if isinstance(target, ClassTarget):
+        names = sorted({type(m).__name__ for _, m in modules})
+        hint = did_you_mean(target.name.split(".")[-1], names) or (f"module classes here: {few(names)}",)
+        return Diagnostic(SL200, f"no module of class '{target.name}'{where}", target.span, hint)
+    return Diagnostic(
+        SL200, f"pattern '{target}' matches no module{where}", target.span, _closest(target, modules, scope)
+    )
+
+
+def _closest(pattern: Pattern, modules: tuple[tuple[str, nn.Module], ...], scope: str) -> tuple[str, ...]:
+    """Help for a pattern that matches nothing: where matching stops, and the names that exist there."""
+    relative = [_relative(fqn, scope) for fqn, _ in modules]
+    for k in range(1, len(pattern.segments) + 1):
+        regex = _regex(str(Pattern(pattern.segments[:k], pattern.span)))
+        if any(regex.fullmatch(_dotted(r)) for r in relative):
+            continue
+        parents_regex = _regex(str(Pattern(pattern.segments[: k - 1], pattern.span)))
+        parents = [r for r in relative if parents_regex.fullmatch(_dotted(r))]
+        children = sorted({c for p in parents for c in _children(p, relative)}, key=_natural)
+        segment = pattern.segments[k - 1]
+        text = segment if isinstance(segment, str) else "{" + ",".join(segment) + "}"
+        at = ".".join(str(s) if isinstance(s, str) else "{" + ",".join(s) + "}" for s in pattern.segments[: k - 1])
+        place = f"under '{at}'" if at else "at the top"
+        words = [text] if isinstance(segment, str) else list(segment)
+        hints = [h for w in words for h in did_you_mean(w, children)]
+        if hints:
+            return (f"there is no '{text}' {place}; {hints[0]}",)
+        if children:
+            return (f"there is no '{text}' {place}; it has {few(children)}",)
+        return (f"'{at}' has no submodules",)
+    return ()
+
+
+def _children(parent: str, relative: list[str]) -> Iterator[str]:
+    depth = patterns.depth(parent)
+    prefix = parent + "." if parent else ""
+    for r in relative:
+        if r.startswith(prefix) and patterns.depth(r) == depth + 1:
+            yield r[len(prefix) :]
+
+
+def _natural(name: str):
+    return (0, int(name), "") if name.isdigit() else (1, 0, name)

@@ -1,0 +1,20 @@
+"""The lint rules (SL201-SL209), one module per family; each rule is (plan, resolution, predictions, mesh shapes) -> diagnostics."""
+
+from .coverage import unsynchronised_gradients
+from .devices import mixed_device_meshes, uninitialised_on_meta
+from .matches import duplicate_matches, unit_conflicts
+from .shards import tied_parameters, uneven_shards
+from .styles import loss_parallel_output, style_module_types
+
+#: Every rule, in the order lint runs them.
+RULES = (
+    duplicate_matches,
+    unit_conflicts,
+    style_module_types,
+    uneven_shards,
+    tied_parameters,
+    unsynchronised_gradients,
+    loss_parallel_output,
+    mixed_device_meshes,
+    uninitialised_on_meta,
+)

@@ -1,0 +1,36 @@
+"""Data parallelism that misses parameters (SL206): parameters outside every unit while a data-parallel dim > 1."""
+
+from __future__ import annotations
+
+from ...frontend.diagnostics import SL206, Diagnostic, few
+from ..predict import enclosing, owned, units_by_module
+from .common import dim_sizes
+
+
+def unsynchronised_gradients(plan, resolution, predictions, shapes) -> list[Diagnostic]:
+    """SL206: parameters no unit covers while some data-parallel dim (one no parallelize block uses) > 1."""
+    sizes = dim_sizes(plan, shapes)
+    tp_dims = {(b.mesh.mesh, d) for b in plan.parallelize for d in b.mesh.dims}
+    used = {b.mesh.mesh for b in plan.parallelize} | {u.mesh.mesh for u in plan.units}
+    dp = [f"{m}.{d}={n}" for (m, d), n in sizes.items() if m in used and (m, d) not in tp_dims and n > 1]
+    if not dp:
+        return []
+    units = units_by_module(resolution)
+    seen, uncovered = set(), []
+    for fqn, owner, _, tensor in owned(resolution.modules, buffers=False):
+        if id(tensor) not in seen and enclosing(owner, units) is None:
+            uncovered.append(fqn)
+        seen.add(id(tensor))
+    if not uncovered:
+        return []
+    span = plan.units[0].span if plan.units else next(m.span for m in plan.meshes if m.name in used)
+    hint = "wrap them: `each <module>` in a fully_shard or replicate block, or keep the root unit (no `root = false`)"
+    return [
+        Diagnostic(
+            SL206,
+            f"{len(uncovered)} parameter{'s are' if len(uncovered) > 1 else ' is'} outside every fully_shard/replicate "
+            f"unit while {', '.join(dp)} is data-parallel: their gradients are never synchronised",
+            span,
+            (f"outside every unit: {few(uncovered)}", hint),
+        )
+    ]

@@ -1,0 +1,61 @@
+"""Where tensors live (SL208, SL209): cpu and cuda meshes on one module, `init meta` without an init method."""
+
+from __future__ import annotations
+
+from ...frontend.diagnostics import SL208, SL209, Diagnostic, few
+from ..predict import enclosing, units_by_module
+from .common import unit_span
+
+
+def mixed_device_meshes(plan, resolution, predictions, shapes) -> list[Diagnostic]:
+    """SL208: one module's tensors placed by a cpu mesh and a cuda mesh."""
+    devices = {m.name: m.device for m in plan.meshes}
+    units = units_by_module(resolution)
+    found, reported = [], set()
+    for match in resolution.rules:
+        unit = enclosing(match.fqn, units)
+        if unit is None:
+            continue
+        tp_mesh, dp_mesh = plan.parallelize[match.block].mesh.mesh, plan.units[unit.block].mesh.mesh
+        pair = {devices[tp_mesh], devices[dp_mesh]}
+        if pair == {"cpu", "cuda"} and (match.fqn, unit.fqn) not in reported:
+            reported.add((match.fqn, unit.fqn))
+            found.append(
+                Diagnostic(
+                    SL208,
+                    f"module '{match.fqn or 'root'}' is parallelized on mesh '{tp_mesh}' ({devices[tp_mesh]}) "
+                    f"and sharded on mesh '{dp_mesh}' ({devices[dp_mesh]})",
+                    match.rule.span,
+                    (
+                        f"the {plan.units[unit.block].kind} unit is at line {unit_span(plan, unit).line}; use one device type",
+                    ),
+                )
+            )
+    return found
+
+
+def uninitialised_on_meta(plan, resolution, predictions, shapes) -> list[Diagnostic]:
+    """SL209: `init meta` leaves garbage in tensors whose module has no init method."""
+    if plan.init.mode != "meta":
+        return []
+    method = plan.init.method
+    missing = [
+        fqn or type(m).__name__
+        for fqn, m in resolution.modules.items()
+        if (any(p is not None for p in m._parameters.values()) or any(b is not None for b in m._buffers.values()))
+        and not callable(getattr(m, method, None))
+    ]
+    if not missing:
+        return []
+    return [
+        Diagnostic(
+            SL209,
+            f"init meta: {len(missing)} module{'s have' if len(missing) > 1 else ' has'} parameters or buffers "
+            f"but no {method}(), so they stay uninitialised",
+            plan.init.span,
+            (
+                f"without {method}(): {few(missing)}",
+                f"give them {method}(), or name another method: init meta with <method>",
+            ),
+        )
+    ]

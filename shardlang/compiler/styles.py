@@ -1,0 +1,92 @@
+"""DSL styles -> torch ParallelStyle constructors: plain data naming the torch callable and its arguments.
+
+A style lowers to a `Constructor`: a torch callable by import path and its keyword arguments (plain
+values, placements as `ir` layouts). runtime.values reads it two ways, as the objects apply runs and
+as the Python that `compile --emit python` prints, so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attrs import frozen
+
+from ..frontend import ir
+
+TP = "torch.distributed.tensor.parallel"
+
+
+@frozen
+class Constructor:
+    """`path(**kwargs)`: a torch (or user) callable by import path, and its keyword arguments."""
+
+    path: str
+    kwargs: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def name(self) -> str:
+        return self.path.replace(":", ".").rsplit(".", 1)[-1]
+
+
+def _placement(layout: Any) -> Any:
+    """`_` (a non-tensor input) is None in torch's input layouts."""
+    return None if isinstance(layout, ir.NonTensor) else layout
+
+
+def _layouts(value: tuple) -> Any:
+    """One layout stays a single placement; several become a tuple, as PrepareModuleInput takes them."""
+    items = tuple(_placement(v) for v in value)
+    return items[0] if len(items) == 1 else items
+
+
+def constructor(style: ir.Style) -> Constructor:
+    """The torch constructor for a built-in style, or the user's for a `use` style (ParallelStyle subclass)."""
+    get = style.get
+    if style.use is not None:
+        return Constructor(style.use.path, tuple((k, _passthrough(v)) for k, v in style.kwargs))
+    if style.name in ("colwise", "rowwise"):
+        cls = "ColwiseParallel" if style.name == "colwise" else "RowwiseParallel"
+        kwargs = {
+            "input_layouts": get("input"),
+            "output_layouts": get("output"),
+            "use_local_output": get("local_output"),
+        }
+        return Constructor(f"{TP}.{cls}", _given(kwargs))
+    if style.name == "sequence_parallel":
+        return Constructor(
+            f"{TP}.SequenceParallel", _given({"sequence_dim": get("dim"), "use_local_output": get("local_output")})
+        )
+    if style.name == "prepare_input":
+        kwargs = {
+            "input_layouts": _layouts(get("input")) if get("input") is not None else None,
+            "desired_input_layouts": _layouts(get("desired")) if get("desired") is not None else None,
+            "input_kwarg_layouts": dict(get("input_kwargs")) if get("input_kwargs") is not None else None,
+            "desired_input_kwarg_layouts": dict(get("desired_kwargs")) if get("desired_kwargs") is not None else None,
+            "use_local_output": get("local_output"),
+        }
+        return Constructor(f"{TP}.PrepareModuleInput", _given(kwargs))
+    if style.name == "prepare_output":
+        kwargs = {
+            "output_layouts": _layouts(get("output")) if get("output") is not None else None,
+            "desired_output_layouts": _layouts(get("desired")) if get("desired") is not None else None,
+            "use_local_output": get("local_output"),
+        }
+        return Constructor(f"{TP}.PrepareModuleOutput", _given(kwargs))
+    raise ValueError(f"style {style.name} is not a ParallelStyle")  # distribute lowers to distribute_module
+
+
+def _given(kwargs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple((k, v) for k, v in kwargs.items() if v is not None)
+
+
+def _passthrough(value: Any) -> Any:
+    """User style arguments: `(a, b)` stays a tuple, `(x=shard(0))` becomes a dict, `_` becomes None."""
+    if (
+        isinstance(value, tuple)
+        and value
+        and all(isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str) for v in value)
+    ):
+        return {k: _passthrough(v) for k, v in value}
+    if isinstance(value, tuple):
+        return tuple(_passthrough(v) for v in value)
+    return _placement(value)

@@ -1,0 +1,209 @@
+"""`compile --emit python`: a lowered program printed as a Python module of plain torch calls.
+
+Each step prints through its entry in runtime.steps (the same table apply runs it by), and the helpers
+those lines call are pasted in from their source, so the printed program runs without shardlang and
+does what `shardlang apply` does.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import attrs
+import torch.nn as nn
+
+from ..compiler import program as p
+from ..compiler.devices import mesh_device
+from ..compiler.lint import lint
+from ..compiler.lower import lower
+from ..frontend import ir, patterns
+from ..frontend.diagnostics import PlanError
+from ..frontend.source import Span
+from ..frontend.static_checks import check_world
+from ..runtime import helpers
+from ..runtime.steps import STEPS
+
+
+def compile_python(plan: ir.Plan, model: nn.Module | None, world_size: int | None, command: str = "") -> str:
+    """The program as Python: for `model` at `world_size` (default: what the meshes fix), or, without a
+    model, for any model, matching the plan's targets when it runs. PlanError if the plan does not fit."""
+    if model is None:
+        if world_size is not None:
+            problems = check_world(plan, world_size)
+            if problems:
+                raise PlanError(problems, {plan.source.name: plan.source})
+        return to_python(lower(plan, None, world_size), command)
+    world_size = world_size or plan.fixed_world_size()
+    linted = lint(plan, model, world_size)
+    if not linted.ok:
+        raise PlanError(linted.diagnostics, {plan.source.name: plan.source})
+    return to_python(lower(plan, linted.resolution, world_size), command)
+
+
+def _module(fqn: str) -> str:
+    return "model" if not fqn else f"model.get_submodule({fqn!r})"
+
+
+def _loopable(a: p.Step, b: p.Step) -> bool:
+    """Steps that differ only in the module they act on print as one `for` loop."""
+    if type(a) is not type(b) or not isinstance(getattr(a, "module", None), str) or not isinstance(b.module, str):
+        return False
+    return attrs.evolve(a, module="", origin=None) == attrs.evolve(b, module="", origin=None)
+
+
+def _matching(step: p.Step) -> bool:
+    return isinstance(getattr(step, "module", None), p.Matching)
+
+
+def _matching_loop(step: p.Step, program: p.Program) -> list[str]:
+    """A step on the modules a target matches at run time, as a loop (two, inside a scope)."""
+    where: p.Matching = step.module
+    if where.scope is None:
+        lines = [f"for name in modules_matching(model, {where.target!r}):"]
+        module = "model.get_submodule(name)"
+    else:
+        lines = [
+            f"for scope in modules_matching(model, {where.scope!r}):",
+            f"    for name in modules_matching(model.get_submodule(scope), {where.target!r}):",
+        ]
+        module = "model.get_submodule(scope).get_submodule(name)"
+    pad = "    " * len(lines)
+    return lines + [pad + line for line in _write(step, program, module)]
+
+
+def _groups(steps: tuple[p.Step, ...]) -> list[list[p.Step]]:
+    """Consecutive steps that print as one loop: the same call on several modules, or (without a
+    model) all the fully_shard and replicate units, wrapped children first at run time."""
+    groups: list[list[p.Step]] = []
+    for step in steps:
+        last = groups[-1][-1] if groups else None
+        units = last is not None and all(
+            _matching(s) and isinstance(s, (p.FullyShard, p.Replicate)) for s in (last, step)
+        )
+        if last is not None and (units or _loopable(last, step) and last.origin == step.origin):
+            groups[-1].append(step)
+        else:
+            groups.append([step])
+    return groups
+
+
+def _imports(program: p.Program) -> list[str]:
+    kinds = [kind for step_type, kind in STEPS.items() if any(type(s) is step_type for s in program.steps)]
+    names: set[str] = {"torch.distributed.device_mesh.init_device_mesh"}
+    for step in program.steps:
+        names |= STEPS[type(step)].names(step)
+    if program.plan.loss_parallel is not None:
+        names.add("torch.distributed.tensor.parallel.loss_parallel")
+    by_module: dict[str, set[str]] = {}
+    for path in names:
+        module, _, name = path.rpartition(".")
+        by_module.setdefault(module, set()).add(name)
+    lines = ["import contextlib", "", "import torch", "import torch.distributed as dist"]
+    lines += [f"from {m} import {', '.join(sorted(n))}" for m, n in sorted(by_module.items())]
+    lines += [kind.private_import for kind in kinds if kind.private_import is not None]
+    for use in program.plan.uses:
+        module, sep, attr = use.path.partition(":")
+        if not sep:
+            module, _, attr = use.path.rpartition(".")
+        lines.append(f"from {module} import {attr}" + (f" as {use.alias}" if attr != use.alias else ""))
+    return lines
+
+
+def _helpers(program: p.Program) -> list[str]:
+    """The source of the helpers the program's steps call, each once, in the table's order."""
+    present = {type(s) for s in program.steps}
+    seen, blocks = set(), []
+    for step_type, kind in STEPS.items():
+        if step_type not in present:
+            continue
+        for helper in kind.helpers:
+            if helper not in seen:
+                seen.add(helper)
+                blocks.append(inspect.getsource(helper).rstrip())
+    return blocks
+
+
+def _write(step: p.Step, program: p.Program, module: str) -> list[str]:
+    """The Python lines of one step, with `module` the expression of the module it acts on."""
+    return STEPS[type(step)].write(step, program, module)
+
+
+def to_python(program: p.Program, command: str = "") -> str:
+    """The program as a Python module with `build(build_model)` and `apply_plan(model)`."""
+    plan = program.plan
+    world = f"a world of {program.world_size}" if program.world_size else "any model and world size"
+    header = [
+        f"# Generated by shardlang from {plan.source.name} for {world}" + (f" (`{command}`)." if command else "."),
+        "# Call apply_plan(model) on every rank inside an initialised process group; build(build_model)",
+        "# builds the model the way the plan's `init` says; compute the loss inside `with loss_context():`.",
+    ]
+    body = (
+        ["ties = tied_parameter_groups(model)"]
+        if any(isinstance(s, p.Retie) and s.groups is None for s in program.steps)
+        else []
+    )
+    for group in _groups(program.steps):
+        step = group[0]
+        units = _matching(step) and isinstance(step, (p.FullyShard, p.Replicate))
+        if step.origin is not None and not units:
+            body.append(f"# {plan.source.name}:{step.origin.line}: {_origin_text(plan, step.origin)}")
+        if units:
+            body.append("# fully_shard and replicate units, children before parents")
+            body.append("wrap_children_first(model, [")
+            for unit in group:
+                (line,) = _write(unit, program, "module")
+                kind = "fully_shard" if isinstance(unit, p.FullyShard) else "replicate"
+                body.append(
+                    f"    ({unit.module.target!r}, {kind!r}, lambda module: {line}),  # line {unit.origin.line}"
+                )
+            body.append("])")
+        elif _matching(step):
+            body += _matching_loop(step, program)
+        elif len(group) > 1:
+            names = ", ".join(repr(s.module) for s in group)
+            body.append(f"for name in ({names}):")
+            body += ["    " + line for line in _write(step, program, "model.get_submodule(name)")]
+        else:
+            body += _write(step, program, _module(getattr(step, "module", "")))
+    pasted = [inspect.getsource(h).rstrip() for h in (helpers.build_for, mesh_device)] + _helpers(program)
+    if any(_matching(s) for s in program.steps) or "tied_parameter_groups" in "\n".join(body):
+        matching = (
+            patterns.split_pattern,
+            patterns.pattern_regex,
+            patterns.class_matches,
+            patterns.modules_matching,
+            patterns.depth,
+            patterns.named_units_win,
+            helpers.wrap_children_first,
+            helpers.tied_parameter_groups,
+        )
+        pasted += [inspect.getsource(h).rstrip() for h in matching]
+    parts = ["\n".join(header), "\n".join(_imports(program)), *pasted, _build_function(plan)]
+    parts.append("def apply_plan(model):\n" + "\n".join("    " + line for line in body) + "\n    return model")
+    parts.append(_loss_context(plan))
+    return "\n\n\n".join(parts) + "\n"
+
+
+def _loss_context(plan: ir.Plan) -> str:
+    if plan.loss_parallel is None:
+        return 'def loss_context():\n    """Where to compute the loss: the plan has no loss_parallel."""\n    return contextlib.nullcontext()'
+    return (
+        "def loss_context():\n"
+        '    """The plan says loss_parallel: compute the loss inside `with loss_context():` (the output\n'
+        '    layer leaves its logits sharded over the classes)."""\n'
+        "    return loss_parallel()"
+    )
+
+
+def _origin_text(plan: ir.Plan, span: Span) -> str:
+    """The plan line a step comes from, without its comment."""
+    return plan.source.line_text(span.line).split("#", 1)[0].strip()
+
+
+def _build_function(plan: ir.Plan) -> str:
+    device = plan.meshes[0].device if plan.meshes else "auto"
+    return (
+        "def build(build_model):\n"
+        f'    """Build the model for `init {plan.init.mode}`."""\n'
+        f"    return build_for({plan.init.mode!r}, {device!r}, build_model)"
+    )

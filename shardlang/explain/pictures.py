@@ -1,0 +1,197 @@
+"""How an explanation looks: tables for the terminal, a character grid of a tensor's shards, SVG."""
+
+from __future__ import annotations
+
+import html
+import re
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from .simulate import Explanation, TensorInfo, select
+
+#: Block symbols of the terminal grid, and fill colours of the SVG (colour-blind-safe, then more).
+SYMBOLS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
+COLOURS = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac")
+
+
+def size(n: int) -> str:
+    """Bytes in binary units: 1536 -> '1.5 KiB'."""
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def shape_text(shape: Sequence[int]) -> str:
+    return "x".join(map(str, shape)) if shape else "scalar"
+
+
+def ranks_text(ranks: Sequence[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    parts, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            parts.append(f"{start}-{r}" if r > start else str(r))
+            start = None
+    return ",".join(parts)
+
+
+def grouped(tensors: Sequence[TensorInfo]) -> list[tuple[str, TensorInfo, int]]:
+    """Rows for the table: tensors that differ only in integer path segments (layers.0, layers.1, ...)
+    collapse into one row named with `*`, with how many it stands for."""
+    rows: dict[tuple, list] = {}
+    for t in tensors:
+        key = (
+            re.sub(r"(?<=\.)\d+(?=\.)|^\d+(?=\.)", "*", t.name),
+            t.kind,
+            t.shape,
+            t.dtype,
+            t.layout,
+            t.local_shape,
+            t.local_bytes,
+        )
+        rows.setdefault(key, [t.name, t, 0])[2] += 1
+    return [(key[0] if n > 1 else name, t, n) for key, (name, t, n) in rows.items()]
+
+
+def render_text(e: Explanation, console: Console, pattern: str | None = None) -> None:
+    meshes = "; ".join(f"mesh {name}: " + " x ".join(f"{d}={n}" for d, n in dims) for name, dims in e.meshes)
+    console.print(f"[bold]{e.plan}[/bold] at world {e.world_size}, as rank {e.rank} sees it ({meshes})")
+
+    tensors = select(e, pattern)
+    console.print(f"\nparameters and buffers on rank {e.rank}")
+    table = Table(header_style="bold")
+    for column, justify in (
+        ("name", "left"),
+        ("global", "right"),
+        ("dtype", "left"),
+        ("placements", "left"),
+        ("local", "right"),
+        ("bytes", "right"),
+    ):
+        table.add_column(column, justify=justify)
+    for name, t, n in grouped(tensors):
+        table.add_row(
+            name + (f" (x{n})" if n > 1 else ""),
+            shape_text(t.shape),
+            t.dtype,
+            t.layout,
+            shape_text(t.local_shape),
+            size(t.local_bytes),
+        )
+    console.print(table)
+
+    console.print("\nmemory per rank (AdamW: two fp32 states; gathered: the largest fully_shard unit, unsharded)")
+    table = Table(header_style="bold")
+    for column in ("", "params", "grads", "optimizer", "gathered", "total"):
+        table.add_column(column, justify="right" if column else "left")
+    for label, r in (
+        (f"rank {e.rank}", e.this_rank),
+        (f"largest: rank {e.largest.rank}", e.largest),
+        (f"smallest: rank {e.smallest.rank}", e.smallest),
+    ):
+        table.add_row(label, size(r.params), size(r.grads), size(r.optimizer), size(r.gathered), size(r.total))
+    console.print(table)
+    console.print(f"spread between the largest and the smallest rank: {size(e.spread)}")
+
+    if e.collectives:
+        console.print(f"\ncollectives of one training step on rank {e.rank} (forward, loss, backward)")
+        table = Table(header_style="bold")
+        for column, justify in (("op", "left"), ("mesh dim", "left"), ("count", "right"), ("bytes", "right")):
+            table.add_column(column, justify=justify)
+        for c in e.collectives:
+            table.add_row(c.op, c.mesh_dim, str(c.count), size(c.bytes))
+        console.print(table)
+    for note in e.notes:
+        console.print(f"note: {note}")
+    for t in tensors:
+        if t.blocks:
+            console.print("\n" + grid(t), highlight=False, markup=False)
+
+
+def _plane(t: TensorInfo) -> tuple[int, int]:
+    """The 2-D view a picture draws: rows x columns (a vector is one row)."""
+    if len(t.shape) == 0:
+        return 1, 1
+    if len(t.shape) == 1:
+        return 1, t.shape[0]
+    return t.shape[0], t.shape[1]
+
+
+def _box(t: TensorInfo, offset, shape) -> tuple[int, int, int, int]:
+    """A block's rows and columns in the plane: (row0, row1, col0, col1)."""
+    if len(t.shape) == 0:
+        return 0, 1, 0, 1
+    if len(t.shape) == 1:
+        return 0, 1, offset[0], offset[0] + shape[0]
+    return offset[0], offset[0] + shape[0], offset[1], offset[1] + shape[1]
+
+
+def grid(t: TensorInfo, max_rows: int = 16, max_cols: int = 48) -> str:
+    """A small character picture of a tensor's blocks, each drawn with its symbol, and the legend."""
+    rows, cols = _plane(t)
+    height, width = min(rows, max_rows), min(cols, max_cols)
+    cells = [["." for _ in range(width)] for _ in range(height)]
+    legend = []
+    for i, (offset, shape, ranks) in enumerate(t.blocks):
+        symbol = SYMBOLS[i % len(SYMBOLS)]
+        r0, r1, c0, c1 = _box(t, offset, shape)
+        legend.append(
+            f"  {symbol}: rows {r0}-{r1 - 1}, cols {c0}-{c1 - 1} on ranks {ranks_text(ranks)}"
+            if r1 > r0 and c1 > c0
+            else f"  {symbol}: empty on ranks {ranks_text(ranks)}"
+        )
+        for y in range(height):
+            for x in range(width):
+                if r0 <= y * rows // height < r1 and c0 <= x * cols // width < c1:
+                    cells[y][x] = symbol
+    picture = "\n".join("  " + "".join(row) for row in cells)
+    return f"{t.name} {shape_text(t.shape)} ({t.layout}):\n{picture}\n" + "\n".join(legend)
+
+
+def render_svg(e: Explanation, pattern: str | None) -> str:
+    """One SVG document: for each tensor `pattern` picks, its plane split into blocks, one `rect` of
+    class `shard` per block, coloured and labelled by the ranks that hold it."""
+    width, margin, title_h = 640, 20, 36
+    pictures, y = [], margin
+    for t in (t for t in select(e, pattern) if t.blocks):
+        rows, cols = _plane(t)
+        scale = (width - 2 * margin) / max(cols, 1)
+        height = max(24.0, min(400.0, rows * scale))
+        row_h = height / max(rows, 1)
+        parts = [
+            f'<text x="{margin}" y="{y + 20}" font-size="14" font-family="monospace">'
+            f"{html.escape(t.name)} {shape_text(t.shape)} {html.escape(t.layout)}</text>"
+        ]
+        top = y + title_h
+        parts.append(
+            f'<rect x="{margin}" y="{top}" width="{width - 2 * margin}" height="{height:.1f}" fill="none" stroke="#333"/>'
+        )
+        for i, (offset, shape, ranks) in enumerate(t.blocks):
+            r0, r1, c0, c1 = _box(t, offset, shape)
+            bx, by = margin + c0 * scale, top + r0 * row_h
+            bw, bh = max((c1 - c0) * scale, 0.0), max((r1 - r0) * row_h, 0.0)
+            label = ranks_text(ranks)
+            parts.append(
+                f'<rect class="shard" data-ranks="{label}" data-offset="{",".join(map(str, offset))}" '
+                f'data-shape="{",".join(map(str, shape))}" x="{bx:.1f}" y="{by:.1f}" width="{bw:.1f}" height="{bh:.1f}" '
+                f'fill="{COLOURS[i % len(COLOURS)]}" stroke="white" stroke-width="1"><title>ranks {label}</title></rect>'
+            )
+            if bw >= 24 and bh >= 12:
+                parts.append(
+                    f'<text x="{bx + bw / 2:.1f}" y="{by + bh / 2 + 4:.1f}" font-size="11" text-anchor="middle" '
+                    f'font-family="monospace" fill="white">{label}</text>'
+                )
+        pictures.append("\n".join(parts))
+        y = top + height + margin
+    body = "\n".join(pictures) if pictures else f'<text x="{margin}" y="{margin + 14}">no tensor matches</text>'
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{max(y, 60):.0f}" '
+        f'viewBox="0 0 {width} {max(y, 60):.0f}">\n{body}\n</svg>\n'
+    )

@@ -1,0 +1,574 @@
+"""Pre-flight at any scale: what every rank of a world will hold and send, worked out in one CPU process.
+
+The plan is applied to the model on the meta device in a simulated world (torch's fake process group,
+standing for rank R of N), so the placements and rank R's local shapes are torch's own; every other
+rank's share follows from the same placements (torchcompat.local_shape_and_offset, torch's sharding
+arithmetic). One training step then runs on fake tensors under the fake process group to record each
+collective, its mesh dim and its size. Nothing is allocated: an 80-layer, 8192-wide model explains at
+1024 ranks in a few hundred MiB.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+import warnings
+from collections import defaultdict
+from collections.abc import Iterator
+
+import attrs
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from attrs import frozen
+
+from ..compiler.lint import lint
+from ..compiler.predict import enclosing, units_by_module
+from ..frontend import ir
+from ..frontend.diagnostics import PlanError
+from ..runtime.apply import apply_plan
+from ..runtime.modelfile import ModelFile
+from ..runtime.torchcompat import local_shape_and_offset
+from ..verification.placements import actual
+
+#: Bytes per element of the optimizer states AdamW keeps for each parameter element (two fp32 states).
+ADAMW_STATE_BYTES = 8
+
+
+@frozen
+class TensorInfo:
+    """One parameter or buffer: its global shape and dtype, its layout, and rank R's share of it."""
+
+    name: str
+    kind: str  # "parameter" | "buffer"
+    shape: tuple[int, ...]
+    dtype: str
+    dims: tuple[str, ...]  # mesh dims of its DTensor; () for a plain tensor
+    placements: tuple[str, ...]
+    local_shape: tuple[int, ...]
+    local_bytes: int
+    unit: str | None  # the fully_shard unit that gathers it, if any
+    #: For tensors picked with `blocks_for`: each distinct block as (offset, shape, ranks holding it).
+    blocks: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...] = ()
+
+    @property
+    def layout(self) -> str:
+        if not self.dims:
+            return "plain"
+        return " ".join(f"{d}:{p}" for d, p in zip(self.dims, self.placements))
+
+
+@frozen
+class RankBytes:
+    """What one rank holds for training: parameters, gradients, AdamW's states, and the largest
+    fully_shard unit while it is gathered (unsharded, in the dtype it computes in)."""
+
+    rank: int
+    params: int
+    grads: int
+    optimizer: int
+    gathered: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.gathered
+
+
+@frozen
+class Collective:
+    """One kind of collective on one mesh dim over a training step: how often, and how many bytes its
+    full buffers hold in all (the gathered or reduced tensor; what NCCL calls the message size)."""
+
+    op: str
+    mesh_dim: str
+    count: int
+    bytes: int
+
+
+@frozen
+class Explanation:
+    plan: str
+    world_size: int
+    rank: int
+    meshes: tuple[tuple[str, tuple[tuple[str, int], ...]], ...]
+    tensors: tuple[TensorInfo, ...]
+    ranks: tuple[RankBytes, ...]
+    collectives: tuple[Collective, ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def this_rank(self) -> RankBytes:
+        return self.ranks[self.rank]
+
+    @property
+    def largest(self) -> RankBytes:
+        return max(self.ranks, key=lambda r: (r.total, -r.rank))
+
+    @property
+    def smallest(self) -> RankBytes:
+        return min(self.ranks, key=lambda r: (r.total, r.rank))
+
+    @property
+    def spread(self) -> int:
+        return self.largest.total - self.smallest.total
+
+
+# --- the simulated world ---------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def simulated_world(world_size: int, rank: int) -> Iterator[None]:
+    """Torch's fake process group as rank `rank` of `world_size`, for the length of the block."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("explain simulates its own world: call it outside an initialised process group")
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def on_cpu(plan: ir.Plan) -> ir.Plan:
+    """The plan with every mesh on the CPU: a simulation needs no GPU and places tensors alike."""
+    return attrs.evolve(plan, meshes=tuple(attrs.evolve(m, device="cpu") for m in plan.meshes))
+
+
+#: Whether this process has simulated a world: torch's DTensor caches keep that world's meshes, so a
+#: second simulation runs in a fresh process.
+_simulated_before = False
+
+
+def explain(
+    plan: ir.Plan,
+    model: nn.Module,
+    world_size: int,
+    rank: int = 0,
+    model_file: ModelFile | None = None,
+    blocks_for: str | None = None,
+    step: bool = True,
+    full_step: bool = False,
+) -> Explanation:
+    """What `plan` gives every rank of a `world_size` world, seen from `rank`. `model` should be on the
+    meta device (it is copied, not changed). With a model file's `example_input`, also the collectives
+    of one training step (unless `step` is False; with `full_step`, never extrapolated from a few
+    repeated blocks: see `_step_collectives`); for the tensors a `blocks_for` pattern picks, every
+    block and who holds it.
+    PlanError if the plan does not fit the model at that world size.
+
+    The first call in a process simulates here; later ones (and any call inside a process group) in a
+    fresh process, since torch's DTensor caches remember the meshes of a world that is gone."""
+    if _simulated_before or (dist.is_available() and dist.is_initialized()):
+        from ..launch.workers import in_fresh_process
+
+        # A model from a model file loaded by path cannot be unpickled elsewhere: rebuild it there.
+        rebuild = model_file is not None and (model_file.path or model_file.entry)
+        return in_fresh_process(
+            _explain_here, plan, None if rebuild else model, world_size, rank, model_file, blocks_for, step, full_step
+        )
+    return _explain_here(plan, model, world_size, rank, model_file, blocks_for, step, full_step)
+
+
+def _explain_here(plan, model, world_size, rank, model_file, blocks_for, step, full_step) -> Explanation:
+    global _simulated_before
+    if model is None:
+        model = model_file.build_on_meta()
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of {world_size}")
+    linted = lint(plan, model, world_size)
+    if not linted.ok:
+        raise PlanError(linted.diagnostics, {plan.source.name: plan.source})
+    simulated = on_cpu(plan)
+    original, model = model, copy.deepcopy(model)
+    _simulated_before = True
+    with simulated_world(world_size, rank), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        applied = apply_plan(simulated, model)
+        tensors, ranks = _tensors_and_ranks(simulated, applied, world_size, blocks_for)
+        collectives, notes = (), ()
+        if not step:
+            notes = ("no collectives: the training step was not simulated (--no-step)",)
+        elif model_file is not None and model_file.example_input is not None:
+            try:
+                collectives, notes = _step_collectives(simulated, original, applied, model_file, full_step)
+            except Exception as e:  # noqa: BLE001 - the layouts stand; the step is what fails
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                notes = (f"no collectives: a training step fails at this world size ({type(e).__name__}: {first})",)
+        else:
+            notes = ("no collectives: the model file defines no example_input",)
+        meshes = tuple((m.name, tuple(zip(m.dim_names, m.shape(world_size)))) for m in plan.meshes)
+    return Explanation(plan.source.name, world_size, rank, meshes, tensors, ranks, collectives, notes)
+
+
+# --- memory --------------------------------------------------------------------------------------
+
+
+def _tensors_and_ranks(
+    plan: ir.Plan, applied, world_size: int, blocks_for: str | None
+) -> tuple[tuple[TensorInfo, ...], tuple[RankBytes, ...]]:
+    from ..frontend.patterns import pattern_regex
+
+    wanted = pattern_regex(blocks_for) if blocks_for is not None else None
+    model = applied.model
+    resolution = applied.linted.resolution
+    units = units_by_module(resolution)
+    params = np.zeros(world_size, dtype=np.int64)
+    optimizer = np.zeros(world_size, dtype=np.int64)
+    gathered: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(world_size, dtype=np.int64))
+    infos, seen = [], set()
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, tensor in named:
+            if id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            owner = name.rpartition(".")[0]
+            unit = enclosing(owner, units) if kind == "parameter" else None
+            fsdp = unit is not None and unit.kind(plan.units[unit.block]) == "fully_shard"
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+            element = tensor.element_size()
+            placements = tuple(getattr(tensor, "placements", ()))
+            blocks = _blocks(tensor, world_size) if wanted is not None and wanted.fullmatch("." + name) else ()
+            infos.append(
+                TensorInfo(
+                    name,
+                    kind,
+                    tuple(tensor.shape),
+                    str(tensor.dtype).removeprefix("torch."),
+                    actual(tensor).dims,
+                    tuple(str(p) for p in placements),
+                    tuple(local.shape),
+                    local.numel() * element,
+                    (unit.fqn or "root") if fsdp else None,
+                    blocks,
+                )
+            )
+            if kind != "parameter":
+                continue
+            numel = _numel_per_rank(tensor, world_size)
+            params += numel * element
+            if tensor.requires_grad:
+                optimizer += numel * ADAMW_STATE_BYTES
+            if fsdp:
+                compute = _compute_bytes(plan.units[unit.block], unit, element)
+                gathered[unit.fqn] += (
+                    _numel_per_rank(tensor, world_size, unsharded_dims=set(plan.units[unit.block].mesh.dims)) * compute
+                )
+    grads = params.copy()  # gradients share their parameters' layout and dtype
+    peak = np.max(np.stack(list(gathered.values())), axis=0) if gathered else np.zeros(world_size, dtype=np.int64)
+    ranks = tuple(
+        RankBytes(r, int(params[r]), int(grads[r]), int(optimizer[r]), int(peak[r])) for r in range(world_size)
+    )
+    return tuple(infos), ranks
+
+
+def _compute_bytes(units: ir.Units, unit, element: int) -> int:
+    """Bytes per element of a unit's gathered parameters: the mixed precision param dtype, if any."""
+    mp = unit.option(units, "mixed_precision")
+    if mp is not None and mp.param is not None:
+        return torch.empty((), dtype=getattr(torch, mp.param.name)).element_size()
+    return element
+
+
+def _numel_per_rank(tensor, world_size: int, unsharded_dims: set[str] = frozenset()) -> np.ndarray:
+    """Elements of `tensor` each rank holds (a plain tensor: all of it on every rank); with
+    `unsharded_dims`, as if it were not split along those mesh dims (FSDP's gathered copy)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(tensor, DTensor):
+        return np.full(world_size, tensor.numel(), dtype=np.int64)
+    mesh = tensor.device_mesh
+    names = tuple(mesh.mesh_dim_names or ())
+    placements = tuple(Replicate() if n in unsharded_dims else p for n, p in zip(names, tensor.placements))
+    return _local_numels(tuple(tensor.shape), tuple(mesh.shape), placements, _coordinates(mesh))
+
+
+def _coordinates(mesh) -> np.ndarray:
+    """(world, ndim): each global rank's coordinate in `mesh` (-1 for ranks outside it)."""
+    layout = mesh.mesh.cpu().numpy()
+    key = (layout.tobytes(), layout.shape)
+    cached = _COORDINATES.get(key)
+    if cached is None:
+        cached = np.full((dist.get_world_size(), layout.ndim), -1, dtype=np.int64)
+        cached[layout.reshape(-1)] = np.stack(np.unravel_index(np.arange(layout.size), layout.shape), axis=1)
+        _COORDINATES[key] = cached
+    return cached
+
+
+#: Rank coordinates by mesh layout, shared by the many tensors on one mesh.
+_COORDINATES: dict = {}
+
+
+def _local_numels(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple, coords: np.ndarray
+) -> np.ndarray:
+    """Local element counts for every rank at once (numpy, torch's chunking); torch's own function
+    where a placement is beyond that arithmetic."""
+    sizes = local_sizes(shape, mesh_shape, placements, coords)
+    if sizes is None:
+        return np.array(
+            [
+                math.prod(local_shape_and_offset(shape, mesh_shape, [int(c) for c in coordinate], placements)[0])
+                if coordinate[0] >= 0
+                else 0
+                for coordinate in coords
+            ],
+            dtype=np.int64,
+        )
+    return np.prod(sizes, axis=1, dtype=np.int64) if sizes.shape[1] else np.ones(len(coords), dtype=np.int64)
+
+
+def local_sizes(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple, coords: np.ndarray
+) -> np.ndarray | None:
+    """(world, ndim) local shapes; see `local_blocks`."""
+    blocks = local_blocks(shape, mesh_shape, placements, coords)
+    return None if blocks is None else blocks[1]
+
+
+def local_blocks(shape: tuple[int, ...], mesh_shape: tuple[int, ...], placements: tuple, coords: np.ndarray):
+    """(offsets, sizes), each (world, ndim): where every rank's shard starts and how big it is, split
+    like torch.chunk: each Shard(d) on mesh dim i cuts what is left of dim d into mesh_shape[i] chunks of
+    ceil(size / n), in mesh order. A _StridedShard(d, sf) (FSDP over a dim TP already shards) is applied
+    after the one later mesh dim that shards d, of size sf: FSDP chunks the TP shard. (For uneven sizes
+    that is what FSDP holds, where DTensor's own arithmetic for _StridedShard differs.) None for any
+    other placement (the caller asks torch)."""
+    sizes = np.tile(np.asarray(shape, dtype=np.int64), (len(coords), 1))
+    offsets = np.zeros_like(sizes)
+    for d in range(len(shape)):
+        order, deferred = [], []
+        for i, p in enumerate(placements):
+            if type(p).__name__ == "_StridedShard" and p.dim == d:
+                later = [
+                    j
+                    for j in range(i + 1, len(placements))
+                    if placements[j].is_shard() and getattr(placements[j], "dim", None) == d
+                ]
+                if len(later) != 1 or mesh_shape[later[0]] != p.split_factor:
+                    return None
+                deferred.insert(0, i)
+            elif p.is_shard() and p.dim == d:
+                order.append(i)
+        for i in order + deferred:
+            n = mesh_shape[i]
+            chunk = -(-sizes[:, d] // n)
+            start = np.minimum(coords[:, i] * chunk, sizes[:, d])
+            offsets[:, d] += start
+            sizes[:, d] = np.clip(sizes[:, d] - coords[:, i] * chunk, 0, chunk)
+    return offsets, sizes
+
+
+# --- one training step, recorded -------------------------------------------------------------
+
+
+#: The depths a repeated stack of blocks is cut to for the step: the first and the last block of a
+#: stack can differ from the middle ones (FSDP's root unit, the last unit's reshard), so each of 2, 3
+#: and 4 blocks has both ends, and 3 - 2 and 4 - 3 are two separate measurements of a middle block.
+STEP_DEPTHS = (2, 3, 4)
+#: A stack shorter than this runs whole: cutting it would save little.
+EXTRAPOLATE_FROM = 8
+
+
+def _step_collectives(plan: ir.Plan, model: nn.Module, applied, model_file: ModelFile, full_step: bool):
+    """The collectives of one training step, and a note saying how they were found.
+
+    A step on fake tensors costs ~70 us per op in torch's FakeTensorMode, so an 80-layer model takes
+    seconds. When the model's largest stack of blocks (a ModuleList, ModuleDict or Sequential) holds
+    identical blocks that the plan treats identically, the step runs on copies cut to 2, 3 and 4 blocks
+    instead; if the 3rd and the 4th block each add exactly the same collectives (count and bytes per op
+    and mesh dim), every middle block does, and the step of N blocks is the 2-block step plus N - 2
+    times that. Any difference, any failure, or `full_step`: the whole model runs.
+    """
+    # DTensor's caches hand back the meshes of an earlier apply where a later one's are equal, so a
+    # step may run on any of them: groups are named from every apply in this world.
+    groups = _group_names(applied)
+
+    def step(applied) -> dict[tuple[str, str], tuple[int, int]]:
+        groups.update(_group_names(applied))
+        return _training_step(plan, applied, model_file, groups)
+
+    stack = None if full_step else _repeated_stack(model, applied.linted.resolution)
+    if stack is not None:
+        path, keys = stack
+        try:
+            steps = [step(apply_plan(plan, _cut(model, path, keys[:depth]))) for depth in STEP_DEPTHS]
+        except Exception:  # noqa: BLE001 - a model that cannot run cut short runs whole
+            steps = None
+        if steps is not None:
+            first, second, third = steps
+            block = _minus(second, first)
+            if block is not None and block == _minus(third, second):
+                n, zero = len(keys), (0, 0)
+                whole = {}
+                for key in first.keys() | block.keys():
+                    (count, nbytes), (more, more_bytes) = first.get(key, zero), block.get(key, zero)
+                    whole[key] = (count + (n - 2) * more, nbytes + (n - 2) * more_bytes)
+                *fewer, most = map(str, STEP_DEPTHS)
+                note = (
+                    f"the step was simulated on {', '.join(fewer)} and {most} of the {n} blocks of `{path}`: each block past "
+                    f"the second added the same collectives, so the counts are extrapolated to all {n} "
+                    f"(--full-step simulates every block)"
+                )
+                return _collectives(whole), (note,)
+    return _collectives(step(applied)), ()
+
+
+def _repeated_stack(model: nn.Module, resolution) -> tuple[str, list[str]] | None:
+    """The container of the most identical blocks, if it is long enough to be worth cutting:
+    its path and its child names. Identical: same module types, parameter and buffer shapes and
+    dtypes, and the same plan statements (styles, units and their options, checkpointing) on the
+    same relative paths; no tensor shared between blocks."""
+    best = None
+    for path, container in model.named_modules():
+        if not isinstance(container, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            continue
+        keys = list(container._modules)
+        blocks = [container._modules[k] for k in keys]
+        if len(keys) < EXTRAPOLATE_FROM or None in blocks or len({id(b) for b in blocks}) < len(blocks):
+            continue
+        if best is not None and len(keys) <= len(best[1]):
+            continue
+        prefix = f"{path}." if path else ""
+        signatures = {_signature(block, f"{prefix}{key}", resolution) for key, block in zip(keys, blocks)}
+        tensors = [id(t) for b in blocks for t in (*b.parameters(), *b.buffers())]
+        if len(signatures) == 1 and len(set(tensors)) == len(tensors):
+            best = (path, keys)
+    return best
+
+
+def _signature(block: nn.Module, fqn: str, resolution) -> tuple:
+    """What makes a block what it is, by paths relative to it: a hashable summary."""
+
+    def inside(name: str) -> str | None:
+        return name[len(fqn) :] if name == fqn or name.startswith(fqn + ".") else None
+
+    structure = tuple((name, type(m)) for name, m in block.named_modules())
+    tensors = tuple((name, tuple(t.shape), t.dtype) for name, t in (*block.named_parameters(), *block.named_buffers()))
+    rules = tuple(
+        (r.block, inside(r.scope) if inside(r.scope) is not None else ("outside", r.scope), inside(r.fqn), r.rule)
+        for r in resolution.rules
+        if inside(r.fqn) is not None
+    )
+    units = tuple((u.block, inside(u.fqn), u.unit) for u in resolution.units if inside(u.fqn) is not None)
+    checkpoint = tuple(inside(f) for f in resolution.checkpoint if inside(f) is not None)
+    return structure, tensors, rules, units, checkpoint
+
+
+def _cut(model: nn.Module, path: str, keep: list[str]) -> nn.Module:
+    """A copy of `model` whose container at `path` holds only the children `keep`."""
+    container = model.get_submodule(path)
+    children = container._modules
+    container._modules = {k: children[k] for k in keep}
+    try:
+        return copy.deepcopy(model)
+    finally:
+        container._modules = children
+
+
+def _minus(more: dict, fewer: dict) -> dict | None:
+    """What `more` has beyond `fewer`, per key; None if it has less of anything."""
+    difference = {}
+    for key in more.keys() | fewer.keys():
+        (c1, b1), (c0, b0) = more.get(key, (0, 0)), fewer.get(key, (0, 0))
+        if c1 < c0 or b1 < b0:
+            return None
+        if (c1, b1) != (c0, b0):
+            difference[key] = (c1 - c0, b1 - b0)
+    return difference
+
+
+def _collectives(tally: dict[tuple[str, str], tuple[int, int]]) -> tuple[Collective, ...]:
+    return tuple(Collective(op, dim, n, b) for (op, dim), (n, b) in sorted(tally.items()))
+
+
+def _training_step(
+    plan: ir.Plan, applied, model_file: ModelFile, groups: dict[str, str]
+) -> dict[tuple[str, str], tuple[int, int]]:
+    """One forward, loss and backward on fake tensors: (op, mesh dim) -> (count, bytes) of the
+    collectives, each group named as `groups` names it (process group name -> `mesh.dim`)."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from ..verification import Context
+    from ..verification.comms import Calls, count_collectives
+
+    recorder = Calls()
+    plain = (FakeTensor, torch.Tensor, nn.Parameter)  # the types FakeTensorMode runs itself
+
+    class RecordingFakeMode(FakeTensorMode):
+        """Fake tensors that also note each collective: one dispatch mode instead of two."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(t not in plain for t in types):
+                # A DTensor op: let DTensor desugar it into local ops and collectives, which come back
+                # here. FakeTensorMode would say the same, but only after missing its cache (22,000
+                # such misses in the 80-layer step).
+                return NotImplemented
+            recorder.note(func, args)
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    # A step that fails is reported in a note; fake tensors' own error log would repeat it at length.
+    with _quiet("torch._subclasses.fake_tensor"), RecordingFakeMode(allow_non_fake_inputs=True):
+        applied.model.to_empty(device="cpu")
+        recorder.calls.clear()
+        count_collectives(Context(plan, applied, model_file), applied.model, recorder)
+    by_key: dict[tuple[str, str], tuple[int, int]] = defaultdict(lambda: (0, 0))
+    for op, group, nbytes in recorder.calls:
+        key = (op, groups.get(group, f"group {group}"))
+        by_key[key] = (by_key[key][0] + 1, by_key[key][1] + nbytes)
+    return dict(by_key)
+
+
+@contextlib.contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _group_names(applied) -> dict[str, str]:
+    """Process group name -> `mesh.dim` (several dims of a group joined by +)."""
+    names = {dist.distributed_c10d._get_default_group().group_name: "world"}
+    for mesh_name, mesh in applied.meshes.items():
+        for dim in mesh.mesh_dim_names or ():
+            names[mesh.get_group(dim).group_name] = f"{mesh_name}.{dim}"
+    return names
+
+
+def _blocks(tensor, world_size: int) -> tuple:
+    """Each distinct block of a tensor, (offset, shape, ranks), ordered by offset."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return (((0,) * tensor.ndim, tuple(tensor.shape), tuple(range(world_size))),)
+    mesh = tensor.device_mesh
+    coords = _coordinates(mesh)
+    computed = local_blocks(tuple(tensor.shape), tuple(mesh.shape), tuple(tensor.placements), coords)
+    holders: dict[tuple, list[int]] = defaultdict(list)
+    for rank, coordinate in enumerate(coords):
+        if coordinate[0] < 0:
+            continue
+        if computed is not None:
+            offset, shape = computed[0][rank], computed[1][rank]
+        else:
+            shape, offset = local_shape_and_offset(
+                tuple(tensor.shape), tuple(mesh.shape), [int(c) for c in coordinate], tensor.placements
+            )
+        holders[(tuple(int(o) for o in offset), tuple(int(x) for x in shape))].append(rank)
+    return tuple(sorted((offset, shape, tuple(ranks)) for (offset, shape), ranks in holders.items()))
+
+
+def select(explanation: Explanation, pattern: str | None) -> tuple[TensorInfo, ...]:
+    """The tensors whose names a pattern matches (the module pattern syntax, on parameter names)."""
+    if pattern is None:
+        return explanation.tensors
+    from ..frontend.patterns import pattern_regex
+
+    regex = pattern_regex(pattern)
+    return tuple(t for t in explanation.tensors if regex.fullmatch("." + t.name))

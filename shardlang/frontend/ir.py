@@ -1,0 +1,300 @@
+"""The plan IR: what a checked plan means, in typed frozen nodes that keep their spans. Data only.
+
+static_checks.py builds it from the syntax tree; the compiler, the runtime and the checks read it.
+Nothing here imports a later stage: the library's verbs (`plan.lint`, `plan.apply`, ...) are on the
+facade in shardlang.api, a subclass of this `Plan`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+from attrs import field, frozen
+
+from .diagnostics import Diagnostic
+from .source import Source, Span
+from .syntax import ClassTarget, Pattern, Target
+
+__all__ = ["ClassTarget", "Pattern", "Target"]
+
+# --- layouts (docs/language.md §4.2) ------------------------------------------------------------------------
+
+
+@frozen
+class Shard:
+    dim: int
+
+    def __str__(self) -> str:
+        return f"shard({self.dim})"
+
+
+@frozen
+class Replicate:
+    def __str__(self) -> str:
+        return "replicate"
+
+
+@frozen
+class Partial:
+    def __str__(self) -> str:
+        return "partial"
+
+
+@frozen
+class StridedShard:
+    """FSDP's shard of a tensor already sharded on the same dim by a later mesh dim (torch's `_StridedShard`)."""
+
+    dim: int
+    split_factor: int
+
+    def __str__(self) -> str:
+        return f"_StridedShard(dim={self.dim}, sf={self.split_factor})"
+
+
+@frozen
+class NonTensor:
+    """`_`: a positional input that is not a tensor and is passed through untouched."""
+
+    def __str__(self) -> str:
+        return "_"
+
+
+@frozen
+class Local:
+    """`distribute(output=local)`: the module's output DTensor becomes a plain local tensor."""
+
+    def __str__(self) -> str:
+        return "local"
+
+
+Layout = Shard | Replicate | Partial
+
+
+@frozen
+class DType:
+    """A torch dtype by its torch name (`bfloat16`, `float16`, `float32`)."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@frozen
+class MixedPrecision:
+    """`mixed_precision(param=, reduce=, output=, cast_forward_inputs=)` -> MixedPrecisionPolicy."""
+
+    param: DType | None = None
+    reduce: DType | None = None
+    output: DType | None = None
+    cast_forward_inputs: bool = True
+
+
+# --- meshes -------------------------------------------------------------------------------------
+
+
+def fixed_size(sizes: Iterable[int | None]) -> int:
+    """The product of a mesh's dim sizes, an `auto` dim (None) left out: the one place mesh sizes multiply."""
+    return math.prod(n for n in sizes if n is not None)
+
+
+@frozen
+class MeshDim:
+    name: str
+    size: int | None  # None: `auto`, filled from the world size
+    span: Span
+
+
+@frozen
+class Mesh:
+    name: str
+    device: str  # "cuda" | "cpu" | "auto"
+    dims: tuple[MeshDim, ...]
+    span: Span
+
+    @property
+    def dim_names(self) -> tuple[str, ...]:
+        return tuple(d.name for d in self.dims)
+
+    @property
+    def fixed_size(self) -> int:
+        """The ranks its sized dims span (all of the mesh when no dim is `auto`)."""
+        return fixed_size(d.size for d in self.dims)
+
+    def shape(self, world_size: int) -> tuple[int, ...]:
+        """The mesh shape with its `auto` dim filled in (check_world has made sure it fits)."""
+        return tuple(d.size if d.size is not None else world_size // self.fixed_size for d in self.dims)
+
+
+@frozen
+class MeshRef:
+    """Some dims of a mesh, in the order the plan names them (all of them for a bare `world`)."""
+
+    mesh: str
+    dims: tuple[str, ...]
+    span: Span
+
+    def __str__(self) -> str:
+        return f"{self.mesh}.{self.dims[0]}" if len(self.dims) == 1 else f"{self.mesh}[{', '.join(self.dims)}]"
+
+
+# --- statements ---------------------------------------------------------------------------------
+
+
+@frozen
+class Use:
+    path: str
+    alias: str
+    span: Span
+
+
+@frozen
+class Style:
+    """A tensor-parallel style with its typed keyword arguments; `use` is set for user styles."""
+
+    name: str
+    kwargs: tuple[tuple[str, Any], ...]
+    span: Span
+    use: Use | None = None
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return next((v for k, v in self.kwargs if k == name), default)
+
+
+@frozen
+class Rule:
+    target: Target
+    style: Style
+    span: Span
+
+
+@frozen
+class Parallelize:
+    scope: Target | None
+    mesh: MeshRef
+    rules: tuple[Rule, ...]
+    span: Span
+
+
+@frozen
+class Unit:
+    """One `each TARGET` of a fully_shard or replicate block, with its effective options (block's, then its own)."""
+
+    target: Target
+    options: tuple[tuple[str, Any], ...]
+    span: Span
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return next((v for k, v in self.options if k == name), default)
+
+
+@frozen
+class Units:
+    """A `fully_shard` or `replicate` block. `root` unit is added last unless the block says `root = false`."""
+
+    kind: str  # "fully_shard" | "replicate"
+    mesh: MeshRef
+    units: tuple[Unit, ...]
+    options: tuple[tuple[str, Any], ...]
+    root: bool
+    span: Span
+
+
+@frozen
+class Init:
+    mode: str  # "meta" | "rank0" | "cpu" | "auto"
+    method: str = "reset_parameters"
+    span: Span | None = None
+
+
+@frozen
+class Sync:
+    mesh: MeshRef
+    span: Span
+
+
+@frozen
+class Check:
+    """A verification check (docs/language.md §7) with its typed arguments."""
+
+    name: str
+    args: tuple[tuple[str, Any], ...]
+    span: Span | None = None
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return next((v for k, v in self.args if k == name), default)
+
+
+@frozen
+class Plan:
+    """A checked plan. Immutable: stages read it and return new values."""
+
+    source: Source
+    params: tuple[tuple[str, Any], ...] = ()
+    uses: tuple[Use, ...] = ()
+    meshes: tuple[Mesh, ...] = ()
+    parallelize: tuple[Parallelize, ...] = ()
+    checkpoint: tuple[Target, ...] = ()
+    units: tuple[Units, ...] = ()
+    init: Init = Init("auto")
+    syncs: tuple[Sync, ...] = ()
+    loss_parallel: Span | None = None
+    checks: tuple[Check, ...] = ()
+    #: Warnings found while checking (errors raise PlanError instead).
+    diagnostics: tuple[Diagnostic, ...] = field(default=(), eq=False)
+
+    def mesh(self, name: str) -> Mesh:
+        return next(m for m in self.meshes if m.name == name)
+
+    def param(self, name: str) -> Any:
+        return dict(self.params)[name]
+
+    def fixed_world_size(self) -> int:
+        """The world the meshes fix when none of their dims is `auto`; ValueError otherwise."""
+        sizes = set()
+        for mesh in self.meshes:
+            if any(d.size is None for d in mesh.dims):
+                raise ValueError(f"mesh '{mesh.name}' has an auto dim: give the world size")
+            sizes.add(mesh.fixed_size)
+        if len(sizes) != 1:
+            raise ValueError("give the world size")
+        return sizes.pop()
+
+
+def to_data(value: Any) -> Any:
+    """A JSON-ready view of any IR value, for golden files and `--format json` dumps. Spans become `l:c-l:c`."""
+    if isinstance(value, Span):
+        return value.short()
+    if isinstance(value, (Source, Diagnostic)):
+        return None
+    if attrs.has(type(value)):
+        data = {"node": type(value).__name__}
+        for f in attrs.fields(type(value)):
+            item = to_data(getattr(value, f.name))
+            if item is not None and item != () and item != []:
+                data[f.name] = item
+        return data
+    if isinstance(value, (tuple, list)):
+        return [to_data(v) for v in value]
+    return value
+
+
+def dump(value: Any, width: int = 100) -> str:
+    """`to_data` as JSON, one line per node where it fits in `width`: the golden-file form of the IR."""
+    return _dump(to_data(value), 0, width) + "\n"
+
+
+def _dump(data: Any, indent: int, width: int) -> str:
+    flat = json.dumps(data, ensure_ascii=False)
+    if len(flat) + indent <= width or not isinstance(data, (dict, list)) or not data:
+        return flat
+    pad = " " * (indent + 2)
+    if isinstance(data, dict):
+        items = [f"{pad}{json.dumps(k)}: {_dump(v, indent + 2, width)}" for k, v in data.items()]
+        return "{\n" + ",\n".join(items) + "\n" + " " * indent + "}"
+    items = [pad + _dump(v, indent + 2, width) for v in data]
+    return "[\n" + ",\n".join(items) + "\n" + " " * indent + "]"

@@ -1,0 +1,485 @@
+"""Static checks that need no model (SL101-SL107), building the typed plan IR from the syntax tree.
+
+Every statement is checked and every problem collected, so one run reports them all. Values are given
+their types (layouts, dtypes, booleans...) by the schema of the place they stand in (schema.py).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from . import ir
+from . import syntax as s
+from .diagnostics import SL100, SL101, SL102, SL103, SL104, SL105, SL106, SL107, Code, Diagnostic, did_you_mean
+from .parse import parse_value
+from .schema import (
+    BLOCK_OPTIONS,
+    CHECKS,
+    DEVICES,
+    INIT_MODES,
+    MIXED_PRECISION,
+    STYLES,
+    UNIT_OPTIONS,
+    Convert,
+    Invalid,
+    bare_word,
+    choice,
+    passthrough,
+)
+from .source import Source, Span
+
+
+def check(
+    module: s.Module,
+    source: Source,
+    params: Mapping[str, Any] | None = None,
+    world_size: int | None = None,
+) -> tuple[ir.Plan | None, list[Diagnostic]]:
+    """Check a parsed plan; return the typed plan (None if there were errors) and every diagnostic."""
+    checker = _Checker(source)
+    plan = checker.run(module, params or {})
+    if plan is not None and world_size is not None:
+        checker.diagnostics += check_world(plan, world_size)
+    if any(d.is_error for d in checker.diagnostics):
+        return None, checker.diagnostics
+    return plan, checker.diagnostics
+
+
+def check_world(plan: ir.Plan, world_size: int) -> list[Diagnostic]:
+    """SL105: every mesh must cover exactly `world_size` ranks, its `auto` dim taking what is left."""
+    found = []
+    for mesh in plan.meshes:
+        fixed = mesh.fixed_size
+        shape = " x ".join(f"{d.name}={d.size if d.size is not None else 'auto'}" for d in mesh.dims)
+        auto = [d for d in mesh.dims if d.size is None]
+        if auto and world_size % fixed:
+            message = f"mesh '{mesh.name}' [{shape}] does not fit a world of {world_size}: {fixed} does not divide {world_size}"
+            found.append(Diagnostic(SL105, message, mesh.span, (f"pick sizes whose product divides {world_size}",)))
+        elif not auto and fixed != world_size:
+            message = f"mesh '{mesh.name}' [{shape}] has {fixed} ranks but the world has {world_size}"
+            found.append(Diagnostic(SL105, message, mesh.span, ("make one dim `auto` to fill the world",)))
+    return found
+
+
+class _Checker:
+    def __init__(self, source: Source):
+        self.source = source
+        self.diagnostics: list[Diagnostic] = []
+        self.params: dict[str, s.Value] = {}
+        self.uses: dict[str, ir.Use] = {}
+        self.meshes: dict[str, ir.Mesh] = {}
+
+    def error(self, code: Code, message: str, span: Span | None, *help: str, label: str = "") -> None:
+        self.diagnostics.append(Diagnostic(code, message, span, help, label))
+
+    def convert(self, convert: Convert, value: s.Value) -> Any:
+        """Resolve `$param` references, then type the value; None (and a diagnostic) if it does not fit."""
+        value = self.resolve(value)
+        if value is None:
+            return None
+        try:
+            return convert(value)
+        except Invalid as e:
+            self.error(e.code, e.message, value.span, *e.help)
+            return None
+
+    def resolve(self, value: s.Value) -> s.Value | None:
+        if isinstance(value, s.ParamRef):
+            if value.name not in self.params:
+                self.error(
+                    SL104, f"undefined param '${value.name}'", value.span, *did_you_mean(value.name, self.params)
+                )
+                return None
+            found = self.params[value.name]
+            # Keep the use site's span, so that a bad value is reported where it is used.
+            return _respan(found, value.span)
+        if isinstance(value, s.Call):
+            args = tuple(self.resolve(a) for a in value.args)
+            return None if None in args else s.Call(value.name, args, value.span)
+        if isinstance(value, s.Tuple):
+            items = tuple(self.resolve(i) for i in value.items)
+            return None if None in items else s.Tuple(items, value.span)
+        if isinstance(value, s.Arg):
+            inner = self.resolve(value.value)
+            return None if inner is None else s.Arg(value.name, inner, value.span)
+        return value
+
+    def kwargs(
+        self, args: tuple[s.Value | s.Arg, ...], schema: Mapping[str, Convert] | None, what: str, owner: str
+    ) -> tuple:
+        """Keyword arguments checked against `schema` (None: any name, passed through as is)."""
+        typed, seen = [], {}
+        for arg in args:
+            if not isinstance(arg, s.Arg):
+                self.error(SL102, f"{what} arguments are keywords, e.g. {owner}(name=value)", arg.span)
+                continue
+            name = arg.name.text
+            if name in seen:
+                self.error(
+                    SL103,
+                    f"argument '{name}' is given twice",
+                    arg.name.span,
+                    f"the first is at line {seen[name].line}",
+                )
+                continue
+            seen[name] = arg.span
+            if schema is not None and name not in schema:
+                known = ", ".join(schema) or "none"
+                hint = did_you_mean(name, schema) or (f"{owner} takes: {known}",)
+                self.error(SL101, f"unknown {what} argument '{name}' for {owner}", arg.name.span, *hint)
+                continue
+            value = self.convert(schema[name] if schema is not None else passthrough, arg.value)
+            if value is not None:
+                typed.append((name, value))
+        return tuple(typed)
+
+    # --- statements ---
+
+    def run(self, module: s.Module, overrides: Mapping[str, Any]) -> ir.Plan | None:
+        by_type: dict[type, list] = {}
+        for statement in module.statements:
+            by_type.setdefault(type(statement), []).append(statement)
+        statements = lambda kind: by_type.get(kind, [])  # noqa: E731
+
+        for version in statements(s.VersionStmt):
+            if version.number.value != 1:
+                self.error(
+                    SL102,
+                    f"unsupported language version {version.number.value}",
+                    version.number.span,
+                    "this shardlang reads `shardlang 1`",
+                )
+        self.unique(statements(s.VersionStmt), "the version header")
+        self.declare_params(statements(s.ParamStmt), overrides)
+        uses = [self.use(u) for u in statements(s.UseStmt)]
+        meshes = [self.mesh(m) for m in statements(s.MeshStmt)]
+        parallelize = [self.parallelize(p) for p in statements(s.ParallelizeStmt)]
+        units = [self.units(u) for u in statements(s.UnitsStmt)]
+        checkpoint = tuple(self.target(t) for c in statements(s.CheckpointStmt) for t in c.targets)
+        self.unique(statements(s.InitStmt), "init")
+        inits = [self.init(i) for i in statements(s.InitStmt)]
+        syncs = [self.sync(x) for x in statements(s.SyncStmt)]
+        self.unique(statements(s.LossParallelStmt), "loss_parallel")
+        loss = statements(s.LossParallelStmt)
+        checks = [c for v in statements(s.VerifyStmt) for c in self.verify(v)]
+        self.unique_checks(checks)
+
+        if any(d.is_error for d in self.diagnostics):
+            return None
+        return ir.Plan(
+            source=self.source,
+            params=tuple((k, _plain(v)) for k, v in self.params.items()),
+            uses=tuple(uses),
+            meshes=tuple(meshes),
+            parallelize=tuple(parallelize),
+            checkpoint=checkpoint,
+            units=tuple(units),
+            init=inits[0] if inits else ir.Init("auto"),
+            syncs=tuple(syncs),
+            loss_parallel=loss[0].span if loss else None,
+            checks=tuple(checks) if statements(s.VerifyStmt) else tuple(ir.Check(name, ()) for name in CHECKS),
+            diagnostics=tuple(self.diagnostics),
+        )
+
+    def unique(self, statements: list, what: str) -> None:
+        for extra in statements[1:]:
+            self.error(SL103, f"{what} is given twice", extra.span, f"the first is at line {statements[0].span.line}")
+
+    def declare_params(self, params: list[s.ParamStmt], overrides: Mapping[str, Any]) -> None:
+        for p in params:
+            if p.name.text in self.params:
+                first = self.params[p.name.text].span.line
+                self.error(
+                    SL103, f"param '{p.name.text}' is declared twice", p.name.span, f"the first is at line {first}"
+                )
+            elif isinstance(p.value, s.ParamRef):
+                self.error(SL102, f"param '{p.name.text}' must be a literal, not another param", p.value.span)
+            else:
+                self.params[p.name.text] = p.value
+        for name, value in overrides.items():
+            if name not in self.params:
+                hint = did_you_mean(name, self.params) or (f"params of this plan: {', '.join(self.params) or 'none'}",)
+                self.error(SL104, f"no param named '{name}' to override", None, *hint)
+                continue
+            self.params[name] = _literal(value, self.params[name].span)
+
+    def use(self, use: s.UseStmt) -> ir.Use:
+        alias = use.alias.text
+        if alias in self.uses:
+            self.error(
+                SL103,
+                f"'{alias}' is declared twice by use",
+                use.alias.span,
+                f"the first is at line {self.uses[alias].span.line}",
+            )
+        elif alias in STYLES:
+            self.error(
+                SL103,
+                f"'{alias}' is a built-in style; a use cannot redefine it",
+                use.alias.span,
+                "pick another name after `as`",
+            )
+        if not all(part.isidentifier() for part in use.path.replace(":", ".").split(".")):
+            self.error(
+                SL102,
+                f"'{use.path}' is not an import path",
+                use.span,
+                'write package.module.Name or "package.module:Name"',
+            )
+        self.uses[alias] = ir.Use(use.path, alias, use.span)
+        return self.uses[alias]
+
+    def mesh(self, mesh: s.MeshStmt) -> ir.Mesh:
+        name = mesh.name.text
+        if name in self.meshes:
+            self.error(
+                SL103,
+                f"mesh '{name}' is declared twice",
+                mesh.name.span,
+                f"the first is at line {self.meshes[name].span.line}",
+            )
+        device = self.convert(choice(*DEVICES, what="device"), mesh.device) or "auto"
+        dims, autos = [], []
+        for arg in mesh.dims:
+            if not isinstance(arg, s.Arg):
+                self.error(SL102, "mesh dims are named, e.g. mesh world = cuda[dp=2, tp=4]", arg.span)
+                continue
+            if any(d.name == arg.name.text for d in dims):
+                self.error(SL103, f"mesh dim '{arg.name.text}' is declared twice in mesh '{name}'", arg.name.span)
+                continue
+            size = self.mesh_size(arg)
+            if size == "auto":
+                autos.append(arg)
+                size = None
+            dims.append(ir.MeshDim(arg.name.text, size, arg.span))
+        for extra in autos[1:]:
+            self.error(
+                SL105,
+                f"mesh '{name}' has more than one auto dim",
+                extra.span,
+                "at most one dim can take the rest of the world",
+            )
+        result = ir.Mesh(name, device, tuple(dims), mesh.span)
+        self.meshes.setdefault(name, result)
+        return result
+
+    def mesh_size(self, arg: s.Arg) -> int | str | None:
+        value = self.resolve(arg.value)
+        if value is None:
+            return None
+        if bare_word(value) == "auto":
+            return "auto"
+        if isinstance(value, s.Int) and value.value >= 1:
+            return value.value
+        self.error(SL102, f"mesh dim '{arg.name.text}' must be a positive integer or auto, got {value}", value.span)
+        return None
+
+    def mesh_ref(
+        self, ref: s.MeshRef, ndims: tuple[int, ...] = (), code: Code | None = None, what: str = ""
+    ) -> ir.MeshRef:
+        """Resolve `world`, `world.tp` or `world[dp, tp]`; `ndims` (if given) are the dimensionalities allowed."""
+        name = ref.mesh.text
+        mesh = self.meshes.get(name)
+        if mesh is None:
+            self.error(SL104, f"undefined mesh '{name}'", ref.mesh.span, *did_you_mean(name, self.meshes))
+            return ir.MeshRef(name, (), ref.span)
+        names = mesh.dim_names
+        dims = names if ref.dims is None else tuple(d.text for d in ref.dims)
+        for d in ref.dims or ():
+            if d.text not in names:
+                hint = did_you_mean(d.text, names) or (f"mesh '{name}' has dims {', '.join(names)}",)
+                self.error(SL104, f"mesh '{name}' has no dim '{d.text}'", d.span, *hint)
+        if len(set(dims)) != len(dims):
+            self.error(SL102, f"{ref.mesh.text}[{', '.join(dims)}] names a dim twice", ref.span)
+        elif ndims and len(dims) not in ndims:
+            wanted = " or ".join(f"{n}-D" for n in ndims)
+            self.error(
+                code,
+                f"{what} needs a {wanted} mesh, but {ref} is {len(dims)}-D",
+                ref.span,
+                f"name the dims to use, e.g. {name}.{names[-1]}" if len(names) > 1 else "",
+            )
+        return ir.MeshRef(name, dims, ref.span)
+
+    def target(self, target: s.Target) -> s.Target:
+        bad = _bad_segment(target) if isinstance(target, s.Pattern) else None
+        if bad is not None:
+            self.error(
+                SL100,
+                f"'{bad}' is not a pattern segment",
+                target.span,
+                "a segment is a name, an integer, a glob (*, **, w*, layer?) or {a,b,...} of those",
+            )
+        return target
+
+    def parallelize(self, block: s.ParallelizeStmt) -> ir.Parallelize:
+        mesh = self.mesh_ref(block.mesh, (1,), SL107, "parallelize")
+        scope = block.scope and self.target(block.scope)
+        rules = tuple(ir.Rule(self.target(r.target), self.style(r.style), r.span) for r in block.rules)
+        return ir.Parallelize(scope, mesh, rules, block.span)
+
+    def style(self, call: s.Call) -> ir.Style:
+        name = call.name.text
+        if name in STYLES:
+            return ir.Style(name, self.kwargs(call.args, STYLES[name], "style", name), call.span)
+        if name in self.uses:
+            return ir.Style(name, self.kwargs(call.args, None, "style", name), call.span, self.uses[name])
+        hint = did_you_mean(name, [*STYLES, *self.uses]) or (
+            f"built-in styles: {', '.join(STYLES)}; declare others with `use package.module.Style as {name}`",
+        )
+        self.error(SL104, f"undefined style '{name}'", call.name.span, *hint)
+        return ir.Style(name, (), call.span)
+
+    def units(self, block: s.UnitsStmt) -> ir.Units:
+        mesh = self.mesh_ref(block.mesh, (1, 2), SL106, block.kind)
+        schema = UNIT_OPTIONS[block.kind]
+        block_options = self.options(
+            [i for i in block.items if isinstance(i, s.Option)], {**schema, **BLOCK_OPTIONS}, block.kind
+        )
+        root = dict(block_options).pop("root", True)
+        block_options = tuple((k, v) for k, v in block_options if k != "root")
+        units = []
+        for each in (i for i in block.items if isinstance(i, s.Each)):
+            own = self.options(each.options, schema, f"each of {block.kind}")
+            units.append(ir.Unit(self.target(each.target), _merge(block_options, own), each.span))
+        self.check_strategy(block, mesh, block_options, units)
+        return ir.Units(block.kind, mesh, tuple(units), block_options, root, block.span)
+
+    def options(
+        self, options: list[s.Option] | tuple[s.Option, ...], schema: Mapping[str, Convert], where: str
+    ) -> tuple:
+        typed, seen = [], {}
+        for option in options:
+            name = option.name.text
+            if name not in schema:
+                hint = did_you_mean(name, schema) or (f"{where} options: {', '.join(schema)}",)
+                if name == "root":
+                    hint = ("root = false is a block option; it cannot be set per unit",)
+                self.error(SL101, f"unknown option '{name}' in {where}", option.name.span, *hint)
+                continue
+            if name in seen:
+                self.error(
+                    SL103,
+                    f"option '{name}' is set twice",
+                    option.name.span,
+                    f"the first is at line {seen[name].line}",
+                )
+                continue
+            seen[name] = option.span
+            if name == "mixed_precision":
+                if option.args is None:
+                    self.error(
+                        SL102,
+                        "mixed_precision takes arguments",
+                        option.span,
+                        "write mixed_precision(param=bf16, reduce=fp32)",
+                    )
+                    continue
+                fields = dict(self.kwargs(option.args, MIXED_PRECISION, "mixed_precision", "mixed_precision"))
+                typed.append((name, ir.MixedPrecision(**fields)))
+            elif option.value is None:
+                self.error(SL102, f"option '{name}' takes a value: {name} = ...", option.span)
+            else:
+                value = self.convert(schema[name], option.value)
+                if value is not None:
+                    typed.append((name, value))
+        return tuple(typed)
+
+    def check_strategy(self, block: s.UnitsStmt, mesh: ir.MeshRef, block_options: tuple, units: list[ir.Unit]) -> None:
+        """FSDP1 `strategy` aliases: hybrid_shard needs a 2-D mesh; full_shard and shard_grad_op a 1-D one."""
+        strategies = {dict(block_options).get("strategy")} | {u.get("strategy") for u in units}
+        if "hybrid_shard" in strategies and len(mesh.dims) == 1:
+            self.error(
+                SL106,
+                "strategy = hybrid_shard needs a 2-D mesh (replicate dim, shard dim)",
+                mesh.span,
+                f"write fully_shard on {mesh.mesh}[<replicate dim>, <shard dim>]",
+            )
+
+    def init(self, init: s.InitStmt) -> ir.Init:
+        mode = self.convert(choice(*INIT_MODES, what="init mode"), init.mode) or "auto"
+        return ir.Init(mode, init.method.text if init.method else "reset_parameters", init.span)
+
+    def sync(self, sync: s.SyncStmt) -> ir.Sync:
+        return ir.Sync(self.mesh_ref(sync.mesh), sync.span)
+
+    def verify(self, verify: s.VerifyStmt) -> list[ir.Check]:
+        checks = []
+        for call in verify.checks:
+            name = call.name.text
+            if name not in CHECKS:
+                hint = did_you_mean(name, CHECKS) or (f"checks: {', '.join(CHECKS)}",)
+                self.error(SL101, f"unknown check '{name}'", call.name.span, *hint)
+                continue
+            schema = CHECKS[name]
+            if name == "comms":
+                args = self.kwargs(call.args, None, "check", name)
+                for arg, (key, value) in zip(call.args, args):
+                    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                        self.error(SL102, f"comms counts are non-negative integers, got {key}={value}", arg.span)
+            else:
+                args = self.kwargs(call.args, schema, "check", name)
+            checks.append(ir.Check(name, args, call.span))
+        return checks
+
+    def unique_checks(self, checks: list[ir.Check]) -> None:
+        first: dict[str, ir.Check] = {}
+        for check in checks:
+            if check.name in first:
+                self.error(
+                    SL103,
+                    f"check '{check.name}' is listed twice",
+                    check.span,
+                    f"the first is at line {first[check.name].span.line}",
+                )
+            first.setdefault(check.name, check)
+
+
+_SEGMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|[0-9]+|\*\*|[A-Za-z0-9_?]*[*?][A-Za-z0-9_?]*(?:\*[A-Za-z0-9_?]*)*")
+
+
+def _bad_segment(pattern: s.Pattern) -> str | None:
+    """The first segment that is not a name, an integer, a glob, `**` or an alternation of those."""
+    for segment in pattern.segments:
+        for part in (segment,) if isinstance(segment, str) else segment:
+            if (
+                not _SEGMENT.fullmatch(part)
+                or (part != "**" and "**" in part)
+                or (part == "**" and not isinstance(segment, str))
+            ):
+                return part or "{}" if isinstance(segment, str) else "{" + ",".join(segment) + "}"
+    return None
+
+
+def _merge(base: tuple, own: tuple) -> tuple:
+    """Block options overridden by a unit's own, in the block's order then the unit's new ones."""
+    merged = dict(base)
+    merged.update(own)
+    return tuple(merged.items())
+
+
+def _respan(value: s.Value, span: Span) -> s.Value:
+    return attrs.evolve(value, span=span)
+
+
+def _literal(value: Any, span: Span) -> s.Value:
+    """A Python value given for a param (library `params=` or CLI `-D`) as a syntax value."""
+    if isinstance(value, bool):
+        return s.Name("true" if value else "false", span)
+    if isinstance(value, int):
+        return s.Int(value, span)
+    if isinstance(value, float):
+        return s.Float(value, span)
+    if isinstance(value, str):
+        parsed = parse_value(value, span.file)
+        return _respan(parsed, span) if parsed is not None else s.Str(value, span)
+    return s.Str(str(value), span)
+
+
+def _plain(value: s.Value) -> Any:
+    """A param's value as plain data for the IR dump."""
+    return value.text if isinstance(value, s.Name) else value.value if hasattr(value, "value") else str(value)

@@ -1,0 +1,193 @@
+"""One rank's `shardlang apply`: load the plan and the model file, build, apply, check, report.
+
+Every rank returns the same report. Run by local worker processes, under torchrun, or by the
+library's `shardlang.verify`."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from attrs import frozen
+
+from ..checkpoints.dcp import Transfer, load_checkpoint, read_checkpoint, save_checkpoint
+from ..compiler.devices import mesh_device
+from ..frontend import ir
+from ..frontend.diagnostics import SL400, Diagnostic, PlanError
+from ..frontend.read import read_file
+from ..frontend.source import Span
+from ..runtime.apply import apply_plan, build_for_plan
+from ..runtime.modelfile import ModelFile, load_model_file
+from ..verification import FAIL, SKIPPED, Context, combine, gather, run_checks
+from ..verification.layout import layout
+from .report import Report
+from .workers import progress
+
+
+@frozen
+class Job:
+    """What every rank needs to run `shardlang apply`. It crosses processes, so the plan and the model
+    are named by path (or given as a Plan and a ModelFile of importable functions, from the library)."""
+
+    plan: str | ir.Plan
+    params: dict[str, Any]
+    model: str | None
+    entry: str | None
+    checks: tuple[ir.Check, ...]
+    seed: int = 0
+    model_file: ModelFile | None = None
+    load: str | None = None  # a checkpoint to load after the plan is applied, before the checks
+    save: str | None = None  # where to save one after the checks, if they passed
+    explicit: bool = False  # the checks were asked for (by the plan's verify or --verify): each must run
+
+
+def run(job: Job) -> Report:
+    """Apply and verify on this rank; every rank returns the same report. Python warnings raised on
+    any rank (torch's included) are collected into the report, once each, instead of being printed."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = _run(job)
+    return attrs.evolve(report, warnings=report.warnings + _unique(caught))
+
+
+def _unique(caught) -> tuple[str, ...]:
+    seen: dict[str, int] = {}
+    for w in caught:
+        key = f"{w.category.__name__}: {str(w.message).splitlines()[0]} ({Path(w.filename).name}:{w.lineno})"
+        seen[key] = seen.get(key, 0) + 1
+    everyone = [seen]
+    if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake":
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, seen)
+    merged: dict[str, int] = {}
+    for counts in everyone:
+        for key, n in counts.items():
+            merged[key] = merged.get(key, 0) + n
+    return tuple(f"{key} [{n}x over all ranks]" if n > 1 else key for key, n in merged.items())
+
+
+def _run(job: Job) -> Report:
+    start = time.perf_counter()
+    world = dist.get_world_size()
+    if isinstance(job.plan, ir.Plan):
+        plan = job.plan
+    else:
+        plan, found, _ = read_file(job.plan, job.params, world)
+        if plan is None:
+            return _failed(world, found)
+    model_file = job.model_file or load_model_file(job.model, job.entry)
+    torch.manual_seed(job.seed)  # every rank builds the same model
+    progress("building the model")
+    model = build_for_plan(plan, model_file.build_model)
+    progress("applying the plan")
+    try:
+        applied = apply_plan(plan, model)
+    except PlanError as e:
+        return _failed(world, e.diagnostics)
+    applied_s = time.perf_counter() - start
+    transfers: dict[str, Transfer] = {}
+    checkpoint = None
+    if job.load is not None:
+        progress(f"loading {job.load}")
+        try:
+            checkpoint = read_checkpoint(job.load)
+            transfers["loaded"] = load_checkpoint(model, checkpoint)
+        except PlanError as e:
+            return _failed(world, e.diagnostics)
+    ctx = Context(plan, applied, model_file, checkpoint=checkpoint, seed=job.seed)
+    checked = time.perf_counter()
+    results = run_checks(ctx, job.checks, progress=lambda name: progress(f"check {name}"))
+    checks = tuple(combine(gather(results)))
+    failures = tuple(d for c in checks if c.status == FAIL for d in _failure(c, job.checks))
+    unrun = tuple(c for c in checks if c.status == SKIPPED) if job.explicit else ()
+    warnings = tuple(d for d in applied.linted.diagnostics if not d.is_error) + plan.diagnostics
+    where = layout(ctx)
+    shape = (
+        f"{where.replicas} replica{'s' if where.replicas > 1 else ''} x tp {where.tp_size}"
+        if where.tp_dims
+        else f"{where.replicas} replicas"
+    )
+    checks_s = time.perf_counter() - checked
+    notes: tuple[str, ...] = ()
+    if job.save is not None and failures:
+        notes = (f"not saved to {job.save}: a check failed (what was there is untouched)",)
+    elif job.save is not None:
+        progress(f"saving {job.save}")
+        info = {
+            "plan": str(job.plan) if not isinstance(job.plan, ir.Plan) else "<library plan>",
+            "params": job.params,
+            "layout": shape,
+        }
+        try:
+            transfers["saved"] = save_checkpoint(model, job.save, ctx.optimizer, info=info)
+        except PlanError as e:
+            return attrs.evolve(_failed(world, warnings + failures + e.diagnostics), checks=checks)
+    total = time.perf_counter() - start
+    stages = (
+        ("apply", applied_s),
+        ("load", transfers.get("loaded")),
+        ("checks", checks_s),
+        ("save", transfers.get("saved")),
+        ("total", total),
+    )
+    seconds = {name: getattr(t, "seconds", t) for name, t in stages if t is not None}
+    notes += tuple(f"check {c.check} was asked for but compared nothing: {c.message}" for c in unrun)
+    return Report(
+        ok=not failures and not unrun,
+        world_size=world,
+        device=_device(plan),
+        checks=checks,
+        diagnostics=warnings + failures,
+        warnings=notes,
+        usable=not unrun,
+        seconds=seconds,
+        layout=shape,
+        checkpoints=transfers,
+    )
+
+
+def _failure(result, checks) -> tuple[Diagnostic, ...]:
+    """SL400 at the check's verify statement; and where the gradients check localised the failure, SL400
+    at the plan statement that governs the first module that disagrees."""
+    found = [
+        Diagnostic(
+            SL400,
+            f"check {result.check} failed",
+            next((k.span for k in checks if k.name == result.check), None),
+            tuple(part.strip() for part in result.message.split("; ")[:4]),
+        )
+    ]
+    where = result.data.get("localised")
+    if where:
+        statements = where["statements"]
+        spans = [Span(s["file"], s["line"], s["col"], s["end_line"], s["end_col"]) for s in statements]
+        call = f" (call {where['call']})" if where["call"] > 1 else ""
+        found.append(
+            Diagnostic(
+                SL400,
+                f"first disagreement: module '{where['module']}' ({where['class']}){call}, its {where['what']}",
+                spans[0] if spans else None,
+                tuple(f"{s['what']}: {s['file']}:{s['line']}:{s['col']}: {s['text']}" for s in statements[1:])
+                or ("no plan statement governs this module itself; look at the rules around it",),
+                label=statements[0]["what"] if statements else "",
+            )
+        )
+    return tuple(found)
+
+
+def _failed(world: int, diagnostics) -> Report:
+    return Report(ok=False, world_size=world, device=_backend_device(), diagnostics=tuple(diagnostics), usable=False)
+
+
+def _device(plan: ir.Plan) -> str:
+    kinds = sorted({mesh_device(m.device) for m in plan.meshes}) or ["cpu"]
+    return f"{'+'.join(kinds)} ({dist.get_backend()})"
+
+
+def _backend_device() -> str:
+    return f"cpu ({dist.get_backend()})" if dist.get_backend() != "nccl" else "cuda (nccl)"

@@ -1,0 +1,101 @@
+"""The result of `shardlang apply`: one report from every rank's checks, as a table or as JSON (docs/language.md §7)."""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from attrs import field, frozen
+from rich.console import Console
+from rich.table import Table
+
+from ..frontend.diagnostics import Diagnostic, render_all
+from ..frontend.source import Source
+from ..verification import PASS, SKIPPED, CheckResult, summary
+
+if TYPE_CHECKING:
+    from ..checkpoints.dcp import Transfer
+
+
+@frozen
+class Report:
+    ok: bool
+    world_size: int
+    device: str
+    checks: tuple[CheckResult, ...] = ()
+    diagnostics: tuple[Diagnostic, ...] = ()  # lint warnings, and errors when the plan or a check failed
+    warnings: tuple[str, ...] = ()  # not diagnostics of the plan: e.g. a worker's abnormal teardown
+    seconds: dict[str, float] = field(factory=dict)  # apply, checks, total
+    layout: str = ""
+    checkpoints: dict[str, Transfer] = field(factory=dict)  # "loaded" and "saved", where --load / --save ran
+    usable: bool = True  # False: the plan or the model could not be used (exit status 2)
+
+    @property
+    def ran(self) -> tuple[CheckResult, ...]:
+        """The checks that compared something (passed, failed or reported)."""
+        return tuple(c for c in self.checks if c.status != SKIPPED)
+
+    @property
+    def skipped(self) -> tuple[CheckResult, ...]:
+        return tuple(c for c in self.checks if c.status == SKIPPED)
+
+    @property
+    def summary(self) -> str:
+        return summary(self.checks)
+
+    def to_json(self) -> dict[str, Any]:
+        """SPEC §7's object: one entry per check with its status (pass, fail, skipped, reported); only
+        `pass` is a pass. `skipped` repeats the skipped ones with their reasons."""
+        return {
+            "ok": self.ok,
+            "world_size": self.world_size,
+            "device": self.device,
+            "summary": self.summary,
+            "checks": [c.to_json() for c in self.checks],
+            "skipped": [{"check": c.check, "message": c.message} for c in self.skipped],
+            "diagnostics": [d.to_json() for d in self.diagnostics],
+            "warnings": list(self.warnings),
+            "checkpoint": {
+                k: self.checkpoints[k].to_json() if k in self.checkpoints else None for k in ("loaded", "saved")
+            },
+            "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+        }
+
+    def json(self) -> str:
+        return json.dumps(self.to_json(), indent=2)
+
+
+def render(report: Report, sources: dict[str, Source], console: Console) -> None:
+    """The text report: a heading, the table (check, result, worst error, seconds), each check's message,
+    then any diagnostics."""
+    console.print(
+        f"[bold]world {report.world_size} on {report.device}[/bold]" + (f", {report.layout}" if report.layout else "")
+    )
+    if report.checks:
+        table = Table(show_edge=True, header_style="bold")
+        for column, justify in (
+            ("check", "left"),
+            ("result", "left"),
+            ("error / allowed", "right"),
+            ("seconds", "right"),
+        ):
+            table.add_column(column, justify=justify)
+        for c in report.checks:
+            result = {PASS: "[green]pass[/green]", SKIPPED: "[yellow]skipped[/yellow]"}.get(
+                c.status, "[red]FAIL[/red]" if c.ok is False else "[cyan]reported[/cyan]"
+            )
+            worst = "-" if c.worst is None else f"{c.worst:.2e}"
+            table.add_row(c.check, result, worst, f"{c.seconds:.2f}")
+        console.print(table)
+        for c in report.checks:
+            console.print(f"  {c.check}: {c.message}", highlight=False, markup=False)
+    if report.diagnostics:
+        console.print(render_all(report.diagnostics, sources), highlight=False, markup=False)
+    for kind, transfer in report.checkpoints.items():
+        console.print(f"{kind} {transfer.path}: {transfer.describe()}", highlight=False, markup=False)
+    for warning in report.warnings:
+        console.print(f"warning: {warning}", highlight=False, markup=False, style="yellow")
+    timing = ", ".join(f"{k} {v:.1f} s" for k, v in report.seconds.items())
+    colour = "red" if not report.ok else "green" if all(c.status == PASS for c in report.checks) else "yellow"
+    verdict = report.summary if report.usable else "failed"
+    console.print(f"[{colour}]{verdict}[/{colour}] ({timing})")

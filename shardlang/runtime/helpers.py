@@ -1,0 +1,220 @@
+"""Plain-torch helpers that a lowered program calls where torch has no one-line API.
+
+apply calls these functions, and `compile --emit python` copies their source into the program it
+prints, so the pasted code and `shardlang apply` run the same lines. Each helper imports what it
+needs and calls only torch and the other pasted functions (these, frontend.patterns and
+compiler.devices), which the printed program defines beside it.
+"""
+
+from __future__ import annotations
+
+from ..compiler.devices import mesh_device
+from ..frontend.patterns import depth, modules_matching, named_units_win
+
+
+def wrap_children_first(model, units):
+    """Apply each (target, kind, wrap) to the modules its target matches, deepest modules first, so that
+    a fully_shard or replicate unit is always wrapped before any unit that contains it."""
+    order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
+    matches = [
+        (fqn, kind, target.startswith("class "), wrap)
+        for target, kind, wrap in units
+        for fqn in modules_matching(model, target)
+    ]
+    for fqn, _, _, wrap in sorted(named_units_win(matches), key=lambda m: (-depth(m[0]), order[m[0]])):
+        wrap(model.get_submodule(fqn))
+
+
+def tied_parameter_groups(model):
+    """Names of parameters that share one Parameter object, one tuple per shared parameter."""
+    names = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, param in module._parameters.items():
+            if param is not None:
+                full = f"{module_name}.{name}" if module_name else name
+                names.setdefault(id(param), [])
+                if full not in names[id(param)]:
+                    names[id(param)].append(full)
+    return tuple(tuple(group) for group in names.values() if len(group) > 1)
+
+
+def build_for(init, device, build_model):
+    """Build the model where `init` says: meta, cpu, rank 0's cpu (meta elsewhere), or the mesh device."""
+    import torch
+    import torch.distributed as dist
+
+    if init == "rank0":
+        init = "cpu" if dist.get_rank() == 0 else "meta"
+    if init == "auto":
+        init = mesh_device(device)
+        if init == "cuda":
+            init = torch.device("cuda", torch.cuda.current_device())
+    with torch.device(init):
+        return build_model()
+
+
+def submesh(mesh, dims):
+    """Some dims of a mesh: the mesh itself, one dim, or several (for FSDP's 2-D HSDP mesh)."""
+    if tuple(dims) == tuple(mesh.mesh_dim_names):
+        return mesh
+    return mesh[dims[0]] if len(dims) == 1 else mesh[tuple(dims)]
+
+
+def flat_mesh(mesh, dims):
+    """A 1-D mesh over the given dims (DDP-style replicate takes only 1-D meshes)."""
+    sub = submesh(mesh, dims)
+    return sub if sub.ndim == 1 else sub._flatten("_".join(dims))
+
+
+def distribute_with_layouts(module, mesh, input_placement, output_placement):
+    """distribute_module (parameters and buffers replicated over `mesh`) where each tensor input becomes
+    `DTensor.from_local(x, mesh, [input_placement])` and the output goes back to a local tensor
+    (`output_placement` None) or is redistributed to `output_placement`."""
+    import torch
+    from torch.distributed.tensor import DTensor, distribute_module
+
+    def input_fn(mod, inputs, device_mesh):
+        return tuple(
+            DTensor.from_local(x, device_mesh, [input_placement], run_check=False)
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+            else x
+            for x in inputs
+        )
+
+    def output_fn(mod, outputs, device_mesh):
+        if output_placement is None:
+            return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+        return outputs.redistribute(device_mesh, [output_placement])
+
+    return distribute_module(module, mesh, input_fn=input_fn, output_fn=output_fn)
+
+
+def apply_user_style(module, mesh, style, **kwargs):
+    """A user style: a ParallelStyle subclass (instantiated with kwargs) or a callable (module, mesh, **kwargs)."""
+    from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+    if isinstance(style, type) and issubclass(style, ParallelStyle):
+        return parallelize_module(module, mesh, style(**kwargs))
+    return style(module, mesh, **kwargs)
+
+
+def retie(model, groups):
+    """Make each group of parameter names share one Parameter again, preferring one that was distributed
+    (parallelize_module replaces the parameters it shards, which unties them)."""
+    from torch.distributed.tensor import DTensor
+
+    for names in groups:
+        params = [model.get_parameter(name) for name in names]
+        shared = next((p for p in params if isinstance(p, DTensor)), params[0])
+        for name in names:
+            owner, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(owner), attr, shared)
+
+
+def common_seed():
+    """One random seed, the same on every rank: rank 0's, broadcast."""
+    import torch
+    import torch.distributed as dist
+
+    seed = torch.tensor([torch.initial_seed() % (2**62)], dtype=torch.int64)
+    if dist.is_initialized():
+        backend = str(dist.get_backend())
+        seed = seed.to("cuda" if "nccl" in backend and "gloo" not in backend else "cpu")
+        dist.broadcast(seed, src=0)
+    return int(seed.item())
+
+
+def init_on_mesh(model, device, method, seed):
+    """Materialise a model built on the meta device and sharded: allocate every local shard on `device`,
+    then call `method` on every module that has it, with the same seed on every rank.
+
+    On CUDA, DTensor's random number generator gives each shard its own values. On the CPU it would
+    repeat the same values in every shard, so there each module's own sharded tensors are initialised
+    in full, as an unsharded model would be, and each rank keeps its shard.
+    """
+    import torch
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    model.to_empty(device=device)
+    devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        torch.manual_seed(seed)
+        for module in model.modules():
+            init = getattr(module, method, None)
+            if not callable(init):
+                continue
+            sharded = {}
+            if torch.device(device).type == "cpu":
+                for store in (module._parameters, module._buffers):
+                    for name, tensor in store.items():
+                        if isinstance(tensor, DTensor):
+                            sharded[name] = (store, tensor)
+                            full = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+                            store[name] = (
+                                torch.nn.Parameter(full, tensor.requires_grad) if store is module._parameters else full
+                            )
+            try:
+                init()
+            finally:
+                for name, (store, tensor) in sharded.items():
+                    full = store[name]
+                    store[name] = tensor
+                    shard = distribute_tensor(full.detach(), tensor.device_mesh, tensor.placements, src_data_rank=None)
+                    tensor.to_local().copy_(shard.to_local())
+
+
+def load_from_rank0(model, device, full_state, all_buffers):
+    """Materialise a sharded meta model from rank 0's full CPU model: allocate the shards on `device`,
+    scatter rank 0's state dict, and broadcast the buffers a state dict leaves out (non-persistent)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    model.to_empty(device=device)
+    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    kept = set(model.state_dict().keys())
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name in kept:
+                continue
+            local = buffer.to_local() if isinstance(buffer, DTensor) else buffer
+            if dist.get_rank() == 0:
+                local.copy_(all_buffers[name])
+            dist.broadcast(local, src=0)
+
+
+def sync_module_states(model, mesh, dims):
+    """Broadcast every parameter and buffer from the first rank of its group along each of `dims`,
+    skipping a dim along which the tensor is sharded (each rank rightly holds its own piece)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate
+
+    tensors = [t for _, t in model.named_parameters()] + [t for _, t in model.named_buffers()]
+    with torch.no_grad():
+        for dim in dims:
+            group = mesh.get_group(dim)
+            src = dist.get_global_rank(group, 0)
+            for tensor in tensors:
+                if isinstance(tensor, DTensor):
+                    names = tensor.device_mesh.mesh_dim_names or ()
+                    if dim in names and not isinstance(tensor.placements[names.index(dim)], Replicate):
+                        continue
+                    tensor = tensor.to_local()
+                dist.broadcast(tensor, src=src, group=group)
+
+
+def move_to_device(model, device):
+    """Move parameters and buffers that no sharding moved (plain tensors) to `device`."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for module in model.modules():
+            for param in module._parameters.values():
+                if param is not None and not isinstance(param, DTensor) and param.device != torch.device(device):
+                    param.data = param.data.to(device)
+            for name, buffer in module._buffers.items():
+                if buffer is not None and not isinstance(buffer, DTensor) and buffer.device != torch.device(device):
+                    module._buffers[name] = buffer.to(device)

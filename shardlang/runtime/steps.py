@@ -1,0 +1,299 @@
+"""One table of the program's step types: for each, the function that runs it and the one that prints it.
+
+runtime.apply runs a program with `STEPS[type(step)].run`; emit.python prints it with `.write`, pasting
+the source of the helpers an entry names. Adding a step type is its data class in compiler.program and
+one entry here; the check at the end of this module fails at import if a step type has none.
+"""
+
+from __future__ import annotations
+
+import typing
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from attrs import define, field, frozen
+
+from ..compiler import program as p
+from ..compiler.devices import mesh_device
+from ..frontend import ir
+from . import helpers
+from .torchcompat import composable_checkpoint, composable_replicate
+from .values import build, names_used, source, to_torch, value_source
+
+
+@define
+class Running:
+    """What the steps of one program share while it runs: the model, the meshes made so far, the
+    objects `use` imported, and (for `init rank0`) rank 0's values kept before it shards."""
+
+    model: nn.Module
+    meshes: dict[str, Any]
+    imported: dict[str, Any]
+    full_state: dict = field(factory=dict)
+    all_buffers: dict = field(factory=dict)
+
+    def mesh(self, ref: ir.MeshRef):
+        return helpers.submesh(self.meshes[ref.mesh], ref.dims)
+
+    def module(self, fqn: str) -> nn.Module:
+        return self.model.get_submodule(fqn) if fqn else self.model
+
+
+@frozen
+class StepType:
+    """How one kind of step runs and prints. `write(step, program, module)` returns the Python lines,
+    `module` being the expression of the module the step acts on."""
+
+    run: Callable[[Any, Running], None]
+    write: Callable[[Any, p.Program, str], list[str]]
+    #: Helpers (runtime.helpers) the printed lines call: the printed program pastes their source.
+    helpers: tuple[Callable, ...] = ()
+    #: Public torch names (import paths) the printed lines need, from the step's values.
+    names: Callable[[Any], set[str]] = lambda step: set()
+    #: An import line for a torch API with no public path.
+    private_import: str | None = None
+    #: Allocates or moves tensors: a simulated world (the fake process group) skips it.
+    moves_data: bool = False
+
+
+# --- printing helpers ---------------------------------------------------------------------------
+
+
+def mesh_expr(ref: ir.MeshRef, program: p.Program) -> str:
+    mesh = next(m for m in program.meshes if m.name == ref.mesh)
+    var = mesh_var(ref.mesh)
+    if ref.dims == mesh.dims:
+        return var
+    return f"{var}[{', '.join(repr(d) for d in ref.dims)}]"
+
+
+def mesh_var(mesh: str) -> str:
+    """A mesh's Python variable: its plan name, unless that would shadow a name the program uses."""
+    return f"{mesh}_mesh" if mesh in {"model", "torch", "dist", "name", "full_state", "all_buffers"} else mesh
+
+
+def _kwargs(kwargs: tuple[tuple[str, Any], ...]) -> str:
+    return "".join(f", {k}={value_source(v)}" for k, v in kwargs)
+
+
+def _device_source(device: str) -> str:
+    return f"mesh_device({device!r})"
+
+
+def _shape(shape: tuple[int | None, ...]) -> str:
+    """A mesh shape; an `auto` dim (None) takes what the world size leaves."""
+    if None not in shape:
+        return repr(shape)
+    fixed = ir.fixed_size(shape)
+    rest = "dist.get_world_size()" + (f" // {fixed}" if fixed > 1 else "")
+    parts = [str(n) if n is not None else rest for n in shape]
+    return f"({', '.join(parts)},)" if len(parts) == 1 else f"({', '.join(parts)})"
+
+
+def _value_names(step) -> set[str]:
+    """The torch names a step's argument values print with (placements, dtypes, policies)."""
+    values = [v for _, v in getattr(step, "kwargs", ())] + [getattr(step, "input", None), getattr(step, "output", None)]
+    return set().union(*(names_used(v) for v in values))
+
+
+def _device(kind: str) -> torch.device:
+    device = mesh_device(kind)
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+
+
+# --- the steps, each run then write -------------------------------------------------------------
+
+
+def run_make_mesh(step: p.MakeMesh, ctx: Running) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ctx.meshes[step.name] = init_device_mesh(mesh_device(step.device), step.shape, mesh_dim_names=step.dims)
+
+
+def write_make_mesh(step: p.MakeMesh, program: p.Program, module: str) -> list[str]:
+    return [
+        f"{mesh_var(step.name)} = init_device_mesh({_device_source(step.device)}, {_shape(step.shape)}, mesh_dim_names={step.dims!r})"
+    ]
+
+
+def run_parallelize(step: p.Parallelize, ctx: Running) -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    module, mesh = ctx.module(step.module), ctx.mesh(step.mesh)
+    for fqn, ctor in step.plan:
+        if fqn == "":
+            parallelize_module(module, mesh, build(ctor))
+    children = {fqn: build(ctor) for fqn, ctor in step.plan if fqn}
+    if children:
+        parallelize_module(module, mesh, children)
+
+
+def write_parallelize(step: p.Parallelize, program: p.Program, module: str) -> list[str]:
+    mesh = mesh_expr(step.mesh, program)
+    lines = []
+    own = [c for fqn, c in step.plan if fqn == ""]
+    children = [(fqn, c) for fqn, c in step.plan if fqn]
+    for ctor in own:
+        lines.append(f"parallelize_module({module}, {mesh}, {source(ctor)})")
+    if children:
+        lines.append(f"parallelize_module({module}, {mesh}, {{")
+        lines += [f"    {fqn!r}: {source(ctor)}," for fqn, ctor in children]
+        lines.append("})")
+    return lines
+
+
+def _parallelize_names(step: p.Parallelize) -> set[str]:
+    return {"torch.distributed.tensor.parallel.parallelize_module"}.union(*(names_used(c) for _, c in step.plan))
+
+
+def run_distribute(step: p.Distribute, ctx: Running) -> None:
+    helpers.distribute_with_layouts(
+        ctx.module(step.module), ctx.mesh(step.mesh), to_torch(step.input), to_torch(step.output)
+    )
+
+
+def write_distribute(step: p.Distribute, program: p.Program, module: str) -> list[str]:
+    return [
+        f"distribute_with_layouts({module}, {mesh_expr(step.mesh, program)}, {value_source(step.input)}, {value_source(step.output)})"
+    ]
+
+
+def run_user_style(step: p.UserStyle, ctx: Running) -> None:
+    kwargs = {k: to_torch(v) for k, v in step.kwargs}
+    helpers.apply_user_style(ctx.module(step.module), ctx.mesh(step.mesh), ctx.imported[step.alias], **kwargs)
+
+
+def write_user_style(step: p.UserStyle, program: p.Program, module: str) -> list[str]:
+    return [f"apply_user_style({module}, {mesh_expr(step.mesh, program)}, {step.alias}{_kwargs(step.kwargs)})"]
+
+
+def run_retie(step: p.Retie, ctx: Running) -> None:
+    helpers.retie(ctx.model, step.groups)
+
+
+def write_retie(step: p.Retie, program: p.Program, module: str) -> list[str]:
+    return [f"retie(model, {step.groups!r})" if step.groups is not None else "retie(model, ties)"]
+
+
+def run_checkpoint(step: p.Checkpoint, ctx: Running) -> None:
+    composable_checkpoint()(ctx.module(step.module))
+
+
+def write_checkpoint(step: p.Checkpoint, program: p.Program, module: str) -> list[str]:
+    return [f"checkpoint({module})"]
+
+
+def run_fully_shard(step: p.FullyShard, ctx: Running) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(ctx.module(step.module), mesh=ctx.mesh(step.mesh), **{k: to_torch(v) for k, v in step.kwargs})
+
+
+def write_fully_shard(step: p.FullyShard, program: p.Program, module: str) -> list[str]:
+    return [f"fully_shard({module}, mesh={mesh_expr(step.mesh, program)}{_kwargs(step.kwargs)})"]
+
+
+def run_replicate(step: p.Replicate, ctx: Running) -> None:
+    mesh = helpers.flat_mesh(ctx.meshes[step.mesh.mesh], step.mesh.dims)
+    composable_replicate()(ctx.module(step.module), device_mesh=mesh, **{k: to_torch(v) for k, v in step.kwargs})
+
+
+def write_replicate(step: p.Replicate, program: p.Program, module: str) -> list[str]:
+    mesh = f"flat_mesh({mesh_var(step.mesh.mesh)}, {step.mesh.dims!r})"
+    return [f"replicate({module}, device_mesh={mesh}{_kwargs(step.kwargs)})"]
+
+
+def run_take_rank0_values(step: p.TakeRank0Values, ctx: Running) -> None:
+    if dist.get_rank() == 0:
+        ctx.full_state, ctx.all_buffers = ctx.model.state_dict(), dict(ctx.model.named_buffers())
+        ctx.model.to("meta")
+
+
+def write_take_rank0_values(step: p.TakeRank0Values, program: p.Program, module: str) -> list[str]:
+    return [
+        "full_state, all_buffers = {}, {}",
+        "if dist.get_rank() == 0:  # rank 0 built the full model: keep its values, shard it as a meta model",
+        "    full_state, all_buffers = model.state_dict(), dict(model.named_buffers())",
+        '    model.to("meta")',
+    ]
+
+
+def run_init_on_mesh(step: p.InitOnMesh, ctx: Running) -> None:
+    helpers.init_on_mesh(ctx.model, _device(step.device), step.method, seed=helpers.common_seed())
+
+
+def write_init_on_mesh(step: p.InitOnMesh, program: p.Program, module: str) -> list[str]:
+    return [f"init_on_mesh(model, {_device_source(step.device)}, {step.method!r}, seed=common_seed())"]
+
+
+def run_load_from_rank0(step: p.LoadFromRank0, ctx: Running) -> None:
+    helpers.load_from_rank0(ctx.model, _device(step.device), ctx.full_state, ctx.all_buffers)
+
+
+def write_load_from_rank0(step: p.LoadFromRank0, program: p.Program, module: str) -> list[str]:
+    return [f"load_from_rank0(model, {_device_source(step.device)}, full_state, all_buffers)"]
+
+
+def run_sync(step: p.Sync, ctx: Running) -> None:
+    helpers.sync_module_states(ctx.model, ctx.meshes[step.mesh.mesh], step.mesh.dims)
+
+
+def write_sync(step: p.Sync, program: p.Program, module: str) -> list[str]:
+    return [f"sync_module_states(model, {mesh_var(step.mesh.mesh)}, {step.mesh.dims!r})"]
+
+
+def run_move_to_device(step: p.MoveToDevice, ctx: Running) -> None:
+    helpers.move_to_device(ctx.model, _device(step.device))
+
+
+def write_move_to_device(step: p.MoveToDevice, program: p.Program, module: str) -> list[str]:
+    return [f"move_to_device(model, {_device_source(step.device)})"]
+
+
+# --- the table ----------------------------------------------------------------------------------
+
+#: Every step type, in the order lowering emits them (the printed program's helpers and imports follow it).
+STEPS: dict[type, StepType] = {
+    p.MakeMesh: StepType(run_make_mesh, write_make_mesh),
+    p.Parallelize: StepType(run_parallelize, write_parallelize, names=_parallelize_names),
+    p.Distribute: StepType(
+        run_distribute, write_distribute, helpers=(helpers.distribute_with_layouts,), names=_value_names
+    ),
+    p.UserStyle: StepType(run_user_style, write_user_style, helpers=(helpers.apply_user_style,), names=_value_names),
+    p.Retie: StepType(run_retie, write_retie, helpers=(helpers.retie,)),
+    p.Checkpoint: StepType(
+        run_checkpoint,
+        write_checkpoint,
+        private_import="from torch.distributed._composable import checkpoint  # composable, non-reentrant, keeps FQNs",
+    ),
+    p.FullyShard: StepType(
+        run_fully_shard,
+        write_fully_shard,
+        names=lambda step: {"torch.distributed.fsdp.fully_shard"} | _value_names(step),
+    ),
+    p.Replicate: StepType(
+        run_replicate,
+        write_replicate,
+        helpers=(helpers.flat_mesh, helpers.submesh),
+        names=_value_names,
+        private_import="from torch.distributed._composable import replicate  # composable DDP",
+    ),
+    p.TakeRank0Values: StepType(run_take_rank0_values, write_take_rank0_values, moves_data=True),
+    p.InitOnMesh: StepType(
+        run_init_on_mesh, write_init_on_mesh, helpers=(helpers.common_seed, helpers.init_on_mesh), moves_data=True
+    ),
+    p.LoadFromRank0: StepType(
+        run_load_from_rank0, write_load_from_rank0, helpers=(helpers.load_from_rank0,), moves_data=True
+    ),
+    p.Sync: StepType(run_sync, write_sync, helpers=(helpers.sync_module_states,), moves_data=True),
+    p.MoveToDevice: StepType(
+        run_move_to_device, write_move_to_device, helpers=(helpers.move_to_device,), moves_data=True
+    ),
+}
+
+_missing = set(typing.get_args(p.Step)) ^ set(STEPS)
+if _missing:
+    raise TypeError(f"step types without (or not in) the table: {sorted(t.__name__ for t in _missing)}")

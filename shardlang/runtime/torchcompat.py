@@ -1,0 +1,55 @@
+"""What differs between the torch versions shardlang supports (2.11 and newer), in one place.
+
+Private torch paths are imported here only, each with the public one first where one exists.
+"""
+
+from __future__ import annotations
+
+
+def fsdp_strided_shard() -> bool:
+    """Whether FSDP2 marks its shard of a tensor that TP already shards on the same dim as `_StridedShard`
+    (`(_StridedShard(dim=0, sf=tp), Shard(0))` for a colwise weight) rather than `(Shard(0), Shard(0))`.
+    Seen on 2.11 and 2.13 (tests/test_apply.py::test_spec_placements_for_tp_and_fsdp); releases without
+    `_StridedShard` used plain Shard."""
+    from torch.distributed.tensor import placement_types
+
+    return hasattr(placement_types, "_StridedShard")
+
+
+def composable_checkpoint():
+    """Non-reentrant activation checkpointing that keeps module FQNs (no public path exists)."""
+    from torch.distributed._composable import checkpoint
+
+    return checkpoint
+
+
+def composable_replicate():
+    """DDP-style `replicate(module, device_mesh=...)` (no public path exists)."""
+    from torch.distributed._composable import replicate
+
+    return replicate
+
+
+def strided_shard_class():
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard
+
+
+def composable_state_mapping():
+    """torch's module -> composable-API state map (fully_shard, replicate, checkpoint), or None if absent."""
+    try:
+        from torch.distributed import _composable_state
+    except ImportError:
+        return None
+    return getattr(_composable_state, "_module_state_mapping", None)
+
+
+def local_shape_and_offset(global_shape, mesh_shape, coordinate, placements) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Torch's own arithmetic for the local shape and global offset of the shard at `coordinate`
+    (uneven shards, empty shards and _StridedShard included); for any rank, without a process group."""
+    from torch.distributed.tensor import _utils
+
+    return _utils._compute_local_shape_and_global_offset(
+        list(global_shape), list(mesh_shape), list(coordinate), placements
+    )
