@@ -42,6 +42,10 @@ class Code(enum.Enum):
     SL207 = (Severity.ERROR, "loss_parallel without a colwise(output=shard(-1), local_output=false) output layer")
     SL208 = (Severity.ERROR, "meshes of different device types are combined on one module")
     SL209 = (Severity.WARNING, "init meta but some parameters belong to modules without the init method")
+    SL210 = (
+        Severity.WARNING,
+        "a parameter replicated over a TP dim sits where that dim's activations are sharded: partial gradients",
+    )
     SL300 = (Severity.ERROR, "apply failed (the model is left exactly as it was)")
     SL400 = (Severity.ERROR, "a verification check failed")
     SL500 = (
@@ -86,6 +90,7 @@ class Code(enum.Enum):
     SL207,
     SL208,
     SL209,
+    SL210,
     SL300,
     SL400,
     SL500,

@@ -1,5 +1,6 @@
-"""The lint rules (SL201-SL209), one module per family; each rule is (plan, resolution, predictions, mesh shapes) -> diagnostics."""
+"""The lint rules (SL201-SL210), one module per family; each rule is (plan, resolution, predictions, mesh shapes) -> diagnostics."""
 
+from .activations import partial_gradients
 from .coverage import unsynchronised_gradients
 from .devices import mixed_device_meshes, uninitialised_on_meta
 from .matches import duplicate_matches, unit_conflicts
@@ -17,4 +18,5 @@ RULES = (
     loss_parallel_output,
     mixed_device_meshes,
     uninitialised_on_meta,
+    partial_gradients,
 )

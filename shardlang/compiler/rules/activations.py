@@ -1,0 +1,134 @@
+"""Replicated parameters where activations are sharded (SL210): the most common silent bug of sequence
+parallelism.
+
+A parameter that stays replicated over a tensor-parallel dim (a plain tensor, or a DTensor sharded over
+data-parallel dims only) inside a region whose activations each TP rank holds a slice of (the sequence,
+after `rowwise(output=shard(1))`) gets, on each TP rank, the gradient of its own slice only: partial,
+different on every rank, and nothing all-reduces it. Training goes on, silently wrong.
+
+The rule follows the activations' layout over each TP dim through the modules in the order they are
+registered (the order their forward usually runs them): a style's output says what comes next (a
+local `shard(D)` of a dim other than the last: sharded; `replicate`: replicated; a DTensor: neither;
+features sharded, as a colwise leaves them inside a block: unchanged), a style that declares a sharded input (`prepare_input(input=shard(1))`,
+`colwise(input=shard(1))`) says what came right before it. A module with parameters of its own that no
+style of that dim places is flagged where activations are known sharded, or where it runs right before
+(no rule in between) a module that declares its input sharded, and nothing before made them replicated.
+"""
+
+from __future__ import annotations
+
+from ...frontend import ir
+from ...frontend.diagnostics import SL210, Diagnostic, few
+from .common import dim_sizes
+
+SHARDED, REPLICATED, OTHER, UNKNOWN = "sharded", "replicated", "other", "unknown"
+#: Styles that only move activations: they place no parameter.
+MOVERS = ("prepare_input", "prepare_output")
+
+
+def partial_gradients(plan, resolution, predictions, shapes) -> list[Diagnostic]:
+    """SL210: parameters replicated over a TP dim that sit where that dim's activations are sharded."""
+    sizes = dim_sizes(plan, shapes)
+    found = []
+    for mesh, dim in sorted({(b.mesh.mesh, d) for b in plan.parallelize for d in b.mesh.dims}):
+        if sizes.get((mesh, dim), 1) <= 1:
+            continue
+        rules = {}
+        for match in resolution.rules:
+            block = plan.parallelize[match.block]
+            if block.mesh.mesh == mesh and dim in block.mesh.dims:
+                rules.setdefault(match.fqn, match.rule)
+        placed = [fqn for fqn, rule in rules.items() if rule.style.name not in MOVERS]
+        flagged: dict[tuple, list[str]] = {}
+        state, cause, pending = UNKNOWN, None, []
+        for fqn, module in resolution.modules.items():
+            rule = rules.get(fqn)
+            if rule is not None:
+                if _declares_sharded(rule.style) and state != REPLICATED and pending:
+                    flagged.setdefault(_key(rule), []).extend(pending)  # the rule that says so is the cause
+                pending = []  # only the modules right before a rule feed it
+                after = _after(rule.style)
+                if after is not None:
+                    state, cause = after, rule
+                continue
+            if not any(p is not None for p in module._parameters.values()) or _placed(fqn, placed):
+                continue
+            if state == SHARDED:
+                flagged.setdefault(_key(cause), []).append(fqn)
+            elif state == UNKNOWN:
+                pending.append(fqn)
+        for (span, text), modules in flagged.items():
+            params = [
+                f"{m}.{n}" if m else n
+                for m in modules
+                for n, p in resolution.modules[m]._parameters.items()
+                if p is not None
+            ]
+            found.append(
+                Diagnostic(
+                    SL210,
+                    f"{few(params)} {'stay' if len(params) > 1 else 'stays'} replicated over {mesh}.{dim} in a region "
+                    f"whose activations are sharded over {dim} ({text}): each rank gets a partial gradient and "
+                    "nothing reduces it",
+                    span,
+                    (
+                        f"modules: {few(modules)}",
+                        "give a norm `sequence_parallel`, or the module a style that places its parameters over "
+                        f"{dim}; or make the activations replicated before it (`rowwise` with `output=replicate`)",
+                    ),
+                )
+            )
+    return found
+
+
+def _key(rule: ir.Rule) -> tuple:
+    return rule.span, f"`{rule.target} : {rule.style.name}` at line {rule.span.line}"
+
+
+def _placed(fqn: str, placed: list[str]) -> bool:
+    return any(fqn == p or fqn.startswith(p + ".") or not p for p in placed)
+
+
+def _sharded(layout) -> bool:
+    """A layout that shards a dim other than the last (the sequence, not the features)."""
+    if isinstance(layout, tuple):
+        return any(_sharded(item) for item in layout)
+    return isinstance(layout, ir.Shard) and layout.dim != -1
+
+
+def _declares_sharded(style: ir.Style) -> bool:
+    """The style says in words that its input arrives sharded (`input=shard(1)`); sequence_parallel only
+    assumes it."""
+    return style.name in ("colwise", "rowwise", "prepare_input") and _sharded(style.get("input"))
+
+
+def _first(layout):
+    return layout[0] if isinstance(layout, tuple) and layout else layout
+
+
+def _after(style: ir.Style) -> str | None:
+    """The layout of activations after a module with this style: SHARDED, REPLICATED, OTHER, or None
+    (unchanged: its children's styles decide)."""
+    name = style.name
+    if name in ("colwise", "rowwise"):
+        default = ir.Shard(-1) if name == "colwise" else ir.Replicate()
+        output, local = style.get("output", default), style.get("local_output", True)
+        if isinstance(output, ir.Replicate):
+            return REPLICATED
+        if isinstance(output, ir.Shard) and output.dim == -1 and local:
+            # Features sharded: inside a block, between a colwise and the rowwise that ends it. Modules
+            # are registered in an order (w1, w2, w3) that need not be the order they run (w1, w3, w2),
+            # so this says nothing of what comes after the block.
+            return None
+        return SHARDED if local and _sharded(output) else OTHER
+    if name == "sequence_parallel":
+        return SHARDED if style.get("local_output", False) else OTHER
+    if name == "prepare_input":
+        desired = _first(style.get("desired"))
+        return REPLICATED if isinstance(desired, ir.Replicate) else OTHER if desired is not None else None
+    if name == "prepare_output":
+        desired = _first(style.get("desired"))
+        if isinstance(desired, ir.Replicate):
+            return REPLICATED
+        return SHARDED if style.get("local_output", True) and _sharded(desired) else OTHER
+    return OTHER
