@@ -1,7 +1,8 @@
-"""Every plan in plans/ under `shardlang apply --device cuda` with all five checks, at 4 GPUs and at 2
-where the plan fits, next to the same command on the CPU (gloo) where reports are given.
+"""Every plan in plans/ (and plans/hf/ where transformers is installed) under `shardlang apply --device
+cuda` with all six checks, at 4 GPUs and at 2 where the plan fits, with each optimizer asked for, next
+to the same command on the CPU (gloo) where reports are given.
 
-    python benchmarks/gpu_plans.py [--nproc 4 2] [--cpu-reports DIR]
+    python benchmarks/gpu_plans.py [--nproc 4 2] [--optimizers adam adamw] [--cpu-reports DIR]
 
 Prints one table: plan, GPUs, result, the worst gradient error, collective counts, and where the
 counts or placements differ from the CPU run's.
@@ -10,6 +11,7 @@ counts or placements differ from the CPU run's.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 import subprocess
@@ -20,10 +22,10 @@ from pathlib import Path
 import shardlang
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKS = "gradients,module_states,init_device,placements,comms"
+CHECKS = "init,gradients,module_states,init_device,placements,comms"
 
 
-def apply(plan: Path, model: str, nproc: int, device: str) -> tuple[dict | None, float, str]:
+def apply(plan: Path, model: str, nproc: int, device: str, optimizer: str) -> tuple[dict | None, float, str]:
     start = time.perf_counter()
     done = subprocess.run(
         [
@@ -39,6 +41,8 @@ def apply(plan: Path, model: str, nproc: int, device: str) -> tuple[dict | None,
             str(nproc),
             "--verify",
             CHECKS,
+            "--optimizer",
+            optimizer,
             "--json",
         ],
         cwd=ROOT,
@@ -56,29 +60,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, nargs="+", default=[4, 2])
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--optimizers", nargs="+", default=["adam", "adamw"], choices=["sgd", "adam", "adamw"])
     parser.add_argument("--cpu-reports", metavar="DIR", help="JSON reports of the same runs on the CPU, to compare")
     parser.add_argument("--save", metavar="DIR", help="write each JSON report there")
     args = parser.parse_args()
     rows = []
-    for plan in sorted((ROOT / "plans").glob("*.sl")):
+    plans = sorted((ROOT / "plans").glob("*.sl"))
+    if importlib.util.find_spec("transformers") is not None:
+        plans += sorted((ROOT / "plans" / "hf").glob("*.sl"))
+    for plan in plans:
         model = re.search(r"Model: (\S+\.py)", plan.read_text()).group(1)
+        name = plan.stem if plan.parent.name == "plans" else f"hf/{plan.stem}"
         for nproc in args.nproc:
             if shardlang.load(plan).with_world(nproc):
                 continue
-            report, wall, tail = apply(plan, model, nproc, args.device)
-            if args.save and report is not None:
-                Path(args.save).mkdir(parents=True, exist_ok=True)
-                (Path(args.save) / f"{plan.stem}-{nproc}.json").write_text(json.dumps(report))
-            other = None
-            if args.cpu_reports and (Path(args.cpu_reports) / f"{plan.stem}-{nproc}.json").exists():
-                other = json.loads((Path(args.cpu_reports) / f"{plan.stem}-{nproc}.json").read_text())
-            rows.append((plan.stem, nproc, report, wall, tail, other))
+            for optimizer in args.optimizers:
+                report, wall, tail = apply(plan, model, nproc, args.device, optimizer)
+                key = f"{name.replace('/', '-')}-{nproc}-{optimizer}"
+                if args.save and report is not None:
+                    Path(args.save).mkdir(parents=True, exist_ok=True)
+                    (Path(args.save) / f"{key}.json").write_text(json.dumps(report))
+                other = None
+                if args.cpu_reports and (Path(args.cpu_reports) / f"{key}.json").exists():
+                    other = json.loads((Path(args.cpu_reports) / f"{key}.json").read_text())
+                rows.append((f"{name} {optimizer}", nproc, report, wall, tail, other))
 
     print(f"shardlang apply --device {args.device} --verify {CHECKS}")
-    print(f"{'plan':22}{'n':>3}{'ok':>5}{'wall':>7}  {'gradients worst':>16}  comms (vs cpu)")
+    print(f"{'plan, optimizer':30}{'n':>3}{'ok':>5}{'wall':>7}  {'summary':24}{'worst/allowed':>14}  comms (vs cpu)")
     for name, nproc, report, wall, tail, other in rows:
         if report is None:
-            print(f"{name:22}{nproc:>3}{'ERR':>5}{wall:>6.1f}s  {tail!r}")
+            print(f"{name:30}{nproc:>3}{'ERR':>5}{wall:>6.1f}s  {tail!r}")
             continue
         checks = {c["check"]: c for c in report["checks"]}
         worst = checks.get("gradients", {}).get("data", {}).get("worst_error", float("nan"))
@@ -88,8 +99,9 @@ def main() -> None:
             cpu = {c["check"]: c for c in other["checks"]}
             cpu_counts = cpu.get("comms", {}).get("data", {}).get("counts", {})
             note = "same as cpu" if cpu_counts == counts else f"cpu {cpu_counts}"
-        failed = [f"{c}: {checks[c]['message']}" for c in checks if not checks[c]["ok"]]
-        print(f"{name:22}{nproc:>3}{'yes' if report['ok'] else 'NO':>5}{wall:>6.1f}s  {worst:>16.2e}  {counts} {note}")
+        failed = [f"{c}: {checks[c]['message']}" for c in checks if checks[c]["status"] == "fail"]
+        ok = "yes" if report["ok"] else "NO"
+        print(f"{name:30}{nproc:>3}{ok:>5}{wall:>6.1f}s  {report['summary']:24}{worst:>14.2f}  {counts} {note}")
         for line in failed + [d["message"] for d in report["diagnostics"] if d["severity"] == "error"][:3]:
             print(f"{'':30}{line[:300]}")
 

@@ -83,6 +83,11 @@ def _parser() -> argparse.ArgumentParser:
         "--verify", metavar="LIST|none", help="checks to run, comma-separated, instead of the plan's (none: no checks)"
     )
     apply.add_argument("--steps", type=_positive, metavar="N", help="training steps of the gradients check")
+    apply.add_argument(
+        "--optimizer",
+        choices=("sgd", "adam", "adamw"),
+        help="the gradients check's optimizer, in place of the plan's",
+    )
     apply.add_argument("--seed", type=int, default=0, help="the seed every rank builds the model with (default 0)")
     apply.add_argument(
         "--timeout", type=float, default=600.0, metavar="S", help="stop the workers if a job runs longer (default 600)"
@@ -450,13 +455,15 @@ def _checks(plan: Plan, args: argparse.Namespace) -> tuple:
             )
         given = {c.name: c for c in plan.checks}
         checks = tuple(given.get(n) or Check(n, (), None) for n in names)
-    if args.steps is not None:
-        checks = tuple(
-            attrs.evolve(c, args=tuple((k, v) for k, v in c.args if k != "steps") + (("steps", args.steps),))
-            if c.name == "gradients"
-            else c
-            for c in checks
-        )
+    for name in ("steps", "optimizer"):
+        value = getattr(args, name)
+        if value is not None:
+            checks = tuple(
+                attrs.evolve(c, args=tuple((k, v) for k, v in c.args if k != name) + ((name, value),))
+                if c.name == "gradients"
+                else c
+                for c in checks
+            )
     return checks
 
 
