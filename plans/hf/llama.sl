@@ -5,7 +5,7 @@
 # Run: shardlang apply plans/hf/llama.sl examples/hf_llama.py --nproc 4
 shardlang 1
 
-mesh world = cpu[dp=2, tp=2]
+mesh world = auto[dp=auto, tp=2]
 
 parallelize model.layers.* on world.tp {
     self_attn.{q_proj,k_proj,v_proj} : colwise

@@ -45,14 +45,18 @@ def localise(ctx, references, inputs: tuple, where, args: dict, failing_params: 
     group = _tp_group(ctx, where)
     for kind, label in (("outputs", "output"), ("grads", "gradient with respect to its output")):
         want, rounding = dict(getattr(truth, kind)), dict(getattr(same, kind))
-        # Every rank reads every record (the same collectives everywhere), then looks for the first miss.
-        ratios = [
-            (key, _ratio(_readings(got, group), want.get(key), rounding.get(key), K))
-            for key, got in getattr(sharded, kind)
-        ]
-        first = next((key for key, ratio in ratios if ratio is not None and ratio > CLEAR), None)
+        # The records in the truth's order (backward may reach modules in another order on each rank),
+        # every rank reading every record: the same collectives everywhere, in the same order.
+        order = {key: i for i, (key, _) in enumerate(getattr(truth, kind))}
+        records = sorted(getattr(sharded, kind), key=lambda record: (order.get(record[0], len(order)), record[0]))
+        if not _same_everywhere(len(records)):
+            return None  # the ranks ran different modules: no record-by-record comparison is possible
+        ratios = _largest_anywhere(
+            [_ratio(_readings(got, group), want.get(key), rounding.get(key), K) for key, got in records]
+        )
+        first = next((i for i, ratio in enumerate(ratios) if ratio is not None and ratio > CLEAR), None)
         if first is not None:
-            return _found(ctx, first, label, dict(ratios)[first])
+            return _found(ctx, records[first][0], label, ratios[first])
     if failing_params:
         name = failing_params[0]
         what = (
@@ -61,6 +65,29 @@ def localise(ctx, references, inputs: tuple, where, args: dict, failing_params: 
         )
         return _found(ctx, f"{name.rpartition('.')[0]}#1", what, None)
     return None
+
+
+def _tensor(values: list[float]) -> torch.Tensor:
+    device = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
+    return torch.tensor(values, dtype=torch.float64, device=device)
+
+
+def _same_everywhere(count: int) -> bool:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return True
+    bounds = _tensor([count, -count])
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+    return int(bounds[0]) == -int(bounds[1])
+
+
+def _largest_anywhere(ratios: list[float | None]) -> list[float | None]:
+    """Each record's ratio as the largest over every rank, so that every rank names the same module (a
+    rank that returned early while another went on reading would leave it waiting forever)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1 or not ratios:
+        return ratios
+    values = _tensor([-1.0 if r is None else min(r, 1e300) for r in ratios])
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return [None if v < 0 else v for v in values.tolist()]
 
 
 class _Recording:
