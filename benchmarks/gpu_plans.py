@@ -1,5 +1,5 @@
 """Every plan in plans/ (and plans/hf/ where transformers is installed) under `shardlang apply --device
-cuda` with all six checks, at 4 GPUs and at 2 where the plan fits, with each optimizer asked for, next
+cuda` with its own checks and comms, at 4 GPUs and at 2 where the plan fits, with each optimizer asked for, next
 to the same command on the CPU (gloo) where reports are given.
 
     python benchmarks/gpu_plans.py [--nproc 4 2] [--optimizers adam adamw] [--cpu-reports DIR]
@@ -22,10 +22,12 @@ from pathlib import Path
 import shardlang
 
 ROOT = Path(__file__).resolve().parent.parent
-CHECKS = "init,gradients,module_states,init_device,placements,comms"
 
 
 def apply(plan: Path, model: str, nproc: int, device: str, optimizer: str) -> tuple[dict | None, float, str]:
+    """The plan's own checks plus comms (to compare the collectives with the CPU's), under `optimizer`."""
+    checks = [c.name for c in shardlang.load(plan).checks]
+    checks += [] if "comms" in checks else ["comms"]
     start = time.perf_counter()
     done = subprocess.run(
         [
@@ -40,7 +42,7 @@ def apply(plan: Path, model: str, nproc: int, device: str, optimizer: str) -> tu
             "--nproc",
             str(nproc),
             "--verify",
-            CHECKS,
+            ",".join(checks),
             "--optimizer",
             optimizer,
             "--json",
@@ -85,7 +87,7 @@ def main() -> None:
                     other = json.loads((Path(args.cpu_reports) / f"{key}.json").read_text())
                 rows.append((f"{name} {optimizer}", nproc, report, wall, tail, other))
 
-    print(f"shardlang apply --device {args.device} --verify {CHECKS}")
+    print(f"shardlang apply --device {args.device} --verify <the plan's checks>,comms --optimizer <each>")
     print(f"{'plan, optimizer':30}{'n':>3}{'ok':>5}{'wall':>7}  {'summary':24}{'worst/allowed':>14}  comms (vs cpu)")
     for name, nproc, report, wall, tail, other in rows:
         if report is None:
