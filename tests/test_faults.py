@@ -155,6 +155,17 @@ FAULTS = {
         ["net1.weight: (8, 16) float32, unsharded (10, 16)"],
         None,
     ),
+    "a forward wrong on one replica, under HSDP and activation checkpointing": (
+        4,
+        ("tests/faults/rank_scaled.py", "examples/mlp.py"),
+        "gradients",
+        "mesh world = cpu[rep=2, shard=2]\nfully_shard on world[rep, shard] { each net1; each net2 }\n"
+        "checkpoint net1, net2\nverify gradients(steps=1)\n",
+        "mesh world = cpu[rep=2, shard=2]\nfully_shard on world[rep, shard] { each net1; each net2 }\n"
+        "checkpoint net1, net2\nverify gradients(steps=1)\n",
+        ["step 0: gradient of net2.weight"],
+        "net2",
+    ),
     "an init method that fills every shard alike": (
         2,
         "tests/faults/shard_init.py",
