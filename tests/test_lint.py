@@ -62,3 +62,30 @@ def test_lint_at_world_1024_in_one_process():
     found = plan.lint(model, world_size=1024)
     assert time.perf_counter() - start < 10
     assert [d.code for d in found] == []
+
+
+HAS_TRANSFORMERS = __import__("importlib.util").util.find_spec("transformers") is not None
+
+
+@pytest.mark.parametrize(
+    ("plan", "model"),
+    [
+        ("init meta\n", "examples/encoder.py"),  # nn.MultiheadAttention initialises in _reset_parameters
+        pytest.param(
+            "init meta\n",
+            "examples/hf_qwen3.py",
+            marks=pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs pip install -e '.[hf]'"),
+        ),
+        pytest.param(  # transformers' init_weights on the root initialises every module below it
+            "init meta with init_weights\n",
+            "examples/hf_qwen3.py",
+            marks=pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs pip install -e '.[hf]'"),
+        ),
+    ],
+)
+def test_init_meta_knows_the_models_own_initialisers(plan, model, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    path = tmp_path / "plan.sl"
+    path.write_text("mesh world = cpu[dp=auto]\nfully_shard on world.dp { }\n" + plan)
+    status = main(["lint", str(path), model, "--world", "2", "--format", "json"])
+    assert status == 0 and json.loads(capsys.readouterr().out) == []

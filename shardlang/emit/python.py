@@ -165,7 +165,8 @@ def to_python(program: p.Program, command: str = "") -> str:
             body += ["    " + line for line in _write(step, program, "model.get_submodule(name)")]
         else:
             body += _write(step, program, _module(getattr(step, "module", "")))
-    pasted = [inspect.getsource(h).rstrip() for h in (helpers.build_for, mesh_device)] + _helpers(program)
+    pasted = [inspect.getsource(h).rstrip() for h in (helpers.build_for, helpers.parameters_on_meta, mesh_device)]
+    pasted += _helpers(program)
     if any(_matching(s) for s in program.steps) or "tied_parameter_groups" in "\n".join(body):
         matching = (
             patterns.split_pattern,

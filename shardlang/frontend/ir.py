@@ -207,7 +207,8 @@ class Units:
 @frozen
 class Init:
     mode: str  # "meta" | "rank0" | "cpu" | "auto"
-    method: str = "reset_parameters"
+    #: `init meta with METHOD`; None: the model's own way (compiler.initialisers)
+    method: str | None = None
     span: Span | None = None
 
 

@@ -402,7 +402,7 @@ class _Checker:
 
     def init(self, init: s.InitStmt) -> ir.Init:
         mode = self.convert(choice(*INIT_MODES, what="init mode"), init.mode) or "auto"
-        return ir.Init(mode, init.method.text if init.method else "reset_parameters", init.span)
+        return ir.Init(mode, init.method.text if init.method else None, init.span)
 
     def sync(self, sync: s.SyncStmt) -> ir.Sync:
         return ir.Sync(self.mesh_ref(sync.mesh), sync.span)

@@ -161,7 +161,8 @@ def _check_devices(plan: ir.Plan, model: nn.Module) -> list[Diagnostic]:
     """The model must be built the way `init` says: on meta for `init meta` (rank 0 excepted for rank0),
     materialised otherwise: a meta model under another `init` would never be materialised."""
     tensors = [*model.named_parameters(), *model.named_buffers()]
-    devices = {t.device.type for _, t in tensors}
+    # Parameters on meta; buffers may be real (plan.build keeps what the constructor computed in them).
+    devices = {t.device.type for _, t in model.named_parameters()}
     mode = plan.init.mode
     expect_meta = mode == "meta" or (mode == "rank0" and dist.get_rank() != 0)
     if expect_meta and devices - {"meta"}:
@@ -169,7 +170,8 @@ def _check_devices(plan: ir.Plan, model: nn.Module) -> list[Diagnostic]:
         return [
             Diagnostic(
                 SL300,
-                f"init {mode} needs {where}on the meta device, but it has tensors on {', '.join(sorted(devices - {'meta'}))}",
+                f"init {mode} needs {where}parameters on the meta device, but it has some on "
+                f"{', '.join(sorted(devices - {'meta'}))}",
                 plan.init.span,
                 ("build it with plan.build(build_model), or under `with torch.device('meta')`",),
             )

@@ -8,7 +8,10 @@ compiler.devices), which the printed program defines beside it.
 
 from __future__ import annotations
 
+import contextlib
+
 from ..compiler.devices import mesh_device
+from ..compiler.initialisers import children_first, initialiser
 from ..frontend.patterns import depth, modules_matching, named_units_win
 
 
@@ -49,8 +52,32 @@ def build_for(init, device, build_model):
         init = mesh_device(device)
         if init == "cuda":
             init = torch.device("cuda", torch.cuda.current_device())
+    if init == "meta":
+        with parameters_on_meta():
+            return build_model()
     with torch.device(init):
         return build_model()
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Parameters created while this is active go to the meta device as they are registered (before the
+    module's constructor initialises them, so that costs nothing); buffers stay real, on the CPU, with
+    the values the constructor computed (rotary tables, causal masks, position ids)."""
+    import torch.nn as nn
+
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
 
 
 def submesh(mesh, dims):
@@ -125,8 +152,10 @@ def common_seed():
 
 
 def init_on_mesh(model, device, method, seed):
-    """Materialise a model built on the meta device and sharded: allocate every local shard on `device`,
-    then call `method` on every module that has it, with the same seed on every rank.
+    """Materialise a model whose parameters were built on the meta device and sharded: allocate every
+    local shard on `device`, put back the buffers the constructor computed, then initialise every module
+    (children first) with `initialiser` (the plan's `method`, or the model's own), with the same seed on
+    every rank.
 
     On CUDA, DTensor's random number generator gives each shard its own values. On the CPU it would
     repeat the same values in every shard, so there each module's own sharded tensors are initialised
@@ -135,28 +164,44 @@ def init_on_mesh(model, device, method, seed):
     import torch
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    computed = {n: b for n, b in model.named_buffers() if not b.is_meta and not isinstance(b, DTensor)}
     model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buffer in computed.items():
+            owner, _, leaf = name.rpartition(".")
+            model.get_submodule(owner)._buffers[leaf] = buffer.to(device)
     devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         torch.manual_seed(seed)
-        for module in model.modules():
-            init = getattr(module, method, None)
-            if not callable(init):
+        for module in children_first(model):
+            init = initialiser(model, module, method)
+            if init is None:
                 continue
-            sharded = {}
+            sharded = []
             if torch.device(device).type == "cpu":
-                for store in (module._parameters, module._buffers):
-                    for name, tensor in store.items():
-                        if isinstance(tensor, DTensor):
-                            sharded[name] = (store, tensor)
-                            full = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-                            store[name] = (
-                                torch.nn.Parameter(full, tensor.requires_grad) if store is module._parameters else full
-                            )
+                # A method the plan names may initialise the module's whole subtree (transformers'
+                # init_weights on the root): every tensor it can reach is whole while it runs, holding
+                # its current values; the model's own initialisers set their module's own tensors only.
+                owners = module.modules() if method is not None else [module]
+                for owner in owners:
+                    for store in (owner._parameters, owner._buffers):
+                        for name, tensor in store.items():
+                            if isinstance(tensor, DTensor):
+                                sharded.append((store, name, tensor))
+                                full = (
+                                    tensor.full_tensor()
+                                    if method is not None
+                                    else torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+                                )
+                                store[name] = (
+                                    torch.nn.Parameter(full, tensor.requires_grad)
+                                    if store is owner._parameters
+                                    else full
+                                )
             try:
                 init()
             finally:
-                for name, (store, tensor) in sharded.items():
+                for store, name, tensor in sharded:
                     full = store[name]
                     store[name] = tensor
                     shard = distribute_tensor(full.detach(), tensor.device_mesh, tensor.placements, src_data_rank=None)

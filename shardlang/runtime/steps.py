@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from attrs import define, field, frozen
 
+from ..compiler import initialisers
 from ..compiler import program as p
 from ..compiler.devices import mesh_device
 from ..frontend import ir
@@ -283,7 +284,16 @@ STEPS: dict[type, StepType] = {
     ),
     p.TakeRank0Values: StepType(run_take_rank0_values, write_take_rank0_values, moves_data=True),
     p.InitOnMesh: StepType(
-        run_init_on_mesh, write_init_on_mesh, helpers=(helpers.common_seed, helpers.init_on_mesh), moves_data=True
+        run_init_on_mesh,
+        write_init_on_mesh,
+        helpers=(
+            helpers.common_seed,
+            initialisers.forget_initialised,
+            initialisers.initialiser,
+            initialisers.children_first,
+            helpers.init_on_mesh,
+        ),
+        moves_data=True,
     ),
     p.LoadFromRank0: StepType(
         run_load_from_rank0, write_load_from_rank0, helpers=(helpers.load_from_rank0,), moves_data=True

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from ..compiler.initialisers import children_first, initialiser
 from .outcome import FAIL, PASS, SKIPPED, Outcome
 from .reference import full
 
@@ -72,12 +73,12 @@ def _unsharded(ctx, mode: str) -> torch.nn.Module:
         torch.manual_seed(ctx.seed)
         with torch.device(device):
             model = ctx.model_file.build_model()
-        if mode == "meta":  # `init meta with METHOD`: the unsharded model initialised by METHOD as well
+        if mode == "meta":  # the unsharded model initialised as apply initialises the sharded one
             with torch.no_grad():
-                for module in model.modules():
-                    method = getattr(module, ctx.plan.init.method, None)
-                    if callable(method):
-                        method()
+                for module in children_first(model):
+                    init = initialiser(model, module, ctx.plan.init.method)
+                    if init is not None:
+                        init()
     return model
 
 

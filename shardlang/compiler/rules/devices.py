@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ...frontend.diagnostics import SL208, SL209, Diagnostic, few
+from ..initialisers import covered
 from ..predict import enclosing, units_by_module
 from .common import unit_span
 
@@ -35,27 +36,30 @@ def mixed_device_meshes(plan, resolution, predictions, shapes) -> list[Diagnosti
 
 
 def uninitialised_on_meta(plan, resolution, predictions, shapes) -> list[Diagnostic]:
-    """SL209: `init meta` leaves garbage in tensors whose module has no init method."""
+    """SL209: `init meta` leaves garbage in parameters that no initialiser covers (buffers are built real
+    and keep what the constructor computed)."""
     if plan.init.mode != "meta":
         return []
     method = plan.init.method
     missing = [
         fqn or type(m).__name__
         for fqn, m in resolution.modules.items()
-        if (any(p is not None for p in m._parameters.values()) or any(b is not None for b in m._buffers.values()))
-        and not callable(getattr(m, method, None))
+        if any(p is not None for p in m._parameters.values()) and not covered(resolution.modules, fqn, method)
     ]
     if not missing:
         return []
+    named = (
+        f"{method}()" if method else "init method (reset_parameters, _reset_parameters, or the model's _init_weights)"
+    )
     return [
         Diagnostic(
             SL209,
-            f"init meta: {len(missing)} module{'s have' if len(missing) > 1 else ' has'} parameters or buffers "
-            f"but no {method}(), so they stay uninitialised",
+            f"init meta: {len(missing)} module{'s have' if len(missing) > 1 else ' has'} parameters but no "
+            f"{named}, so they stay uninitialised",
             plan.init.span,
             (
-                f"without {method}(): {few(missing)}",
-                f"give them {method}(), or name another method: init meta with <method>",
+                f"without one: {few(missing)}",
+                "give them reset_parameters(), or name a method that initialises them: init meta with <method>",
             ),
         )
     ]
