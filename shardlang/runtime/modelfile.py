@@ -29,12 +29,14 @@ class ModelFile:
     loss: Callable[[Any, Any], torch.Tensor] | None = None
     path: str | None = None  # how to load it again in another process: a file
     entry: str | None = None  # ... or a package.module:function
+    hf: str | None = None  # ... or a Hugging Face config (--hf), with its sequence length
+    seq: int | None = None
 
     def __reduce__(self):
         # Functions from a file loaded by path live in a module other processes cannot import:
-        # cross processes by path or entry, and load again there.
-        if self.path or self.entry:
-            return (load_model_file, (self.path, self.entry))
+        # cross processes by path, entry or config, and load again there.
+        if self.path or self.entry or self.hf:
+            return (load_model_file, (self.path, self.entry, self.hf, self.seq))
         return (ModelFile, (self.origin, self.build_model, self.example_input, self.loss))
 
     def build_on_meta(self) -> torch.nn.Module:
@@ -48,10 +50,21 @@ class ModelFile:
             ) from e
 
 
-def load_model_file(path: str | None = None, entry: str | None = None) -> ModelFile:
-    """Load `path` (a .py file) or `entry` (`package.module:function`, the function being build_model)."""
-    if (path is None) == (entry is None):
-        raise ModelFileError("give a model file or --entry package.module:function (one of them)")
+def load_model_file(
+    path: str | None = None, entry: str | None = None, hf: str | None = None, seq: int | None = None
+) -> ModelFile:
+    """Load `path` (a .py file), `entry` (`package.module:function`, the function being build_model) or
+    `hf` (a Hugging Face config: runtime.hf)."""
+    if sum(x is not None for x in (path, entry, hf)) != 1:
+        raise ModelFileError("give a model file, --entry package.module:function or --hf PATH (one of them)")
+    if hf is not None:
+        from .hf import HFError, functions
+
+        try:
+            build, example, loss = functions(hf, seq)
+        except HFError as e:
+            raise ModelFileError(str(e)) from None
+        return ModelFile(f"--hf {hf}", build, example, loss, hf=hf, seq=seq)
     if entry is not None:
         module_name, sep, function = entry.partition(":")
         if not sep or not module_name or not function:
