@@ -203,11 +203,11 @@ def read_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
 
 class _Refused(Exception):
-    """A global the metadata unpickler does not admit."""
+    """What the metadata unpickler refused: a global it does not admit, or a change to one it does."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, changed: bool = False):
         super().__init__(name)
-        self.name = name
+        self.name, self.changed = name, changed
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -224,6 +224,42 @@ class _MetadataUnpickler(pickle.Unpickler):
     def persistent_load(self, pid: Any) -> Any:
         raise pickle.UnpicklingError("DCP metadata has no persistent ids")
 
+    def load(self) -> Any:
+        """As pickle's, but a pickle that sets attributes of an admitted class or function (BUILD on a
+        global, which pickle allows: `Metadata.x = ...`, `_get_layout.cache = ...`) is undone and refused,
+        so reading a checkpoint cannot change how this process later behaves either."""
+        watched = [(g, dict(vars(g))) for g in _admitted() if hasattr(g, "__dict__")]
+        try:
+            return super().load()
+        finally:
+            changed = [g for g, before in watched if not _same(vars(g), before)]
+            for g, before in watched:
+                _restore(g, before)
+            if changed:
+                raise _Refused(f"{changed[0].__module__}.{changed[0].__qualname__}", changed=True)
+
+
+def _admitted() -> list[Any]:
+    """The objects METADATA_GLOBALS names (those a metadata pickle can reach)."""
+    import importlib
+
+    return [getattr(importlib.import_module(m), n) for m, names in METADATA_GLOBALS.items() for n in names]
+
+
+def _same(now: Mapping[str, Any], before: Mapping[str, Any]) -> bool:
+    return now.keys() == before.keys() and all(now[k] is before[k] for k in before)
+
+
+def _restore(obj: Any, before: Mapping[str, Any]) -> None:
+    now = dict(vars(obj))
+    if _same(now, before):
+        return
+    for key in now.keys() - before.keys():
+        delattr(obj, key)
+    for key, value in before.items():
+        if now.get(key) is not value:
+            setattr(obj, key, value)
+
 
 def read_metadata(file: str | os.PathLike) -> Metadata:
     """A DCP `.metadata` file's Metadata, unpickled admitting only METADATA_GLOBALS and checked for the
@@ -235,8 +271,10 @@ def read_metadata(file: str | os.PathLike) -> Metadata:
     except _Refused as e:
         raise _error(
             SL501,
-            f"refusing to unpickle {e.name} from {file}: DCP metadata is made of other classes, and "
-            "unpickling this could run code",
+            f"refusing to unpickle {file}: it sets attributes of {e.name}, which DCP metadata never does"
+            if e.changed
+            else f"refusing to unpickle {e.name} from {file}: DCP metadata is not made of it, and unpickling "
+            "it could run code",
             (
                 "a checkpoint may have been crafted to run code when it is loaded; shardlang never unpickles "
                 "what DCP metadata is not made of",
@@ -580,14 +618,17 @@ def _data_error(file: Path, e: BaseException) -> str:
     if isinstance(e, OSError):
         return f"cannot read the checkpoint's data file {file}: {e.strerror or e}"
     text = str(e)
-    refused = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+    # torch's weights-only unpickler names the global it refused
+    refused = re.search(r"\bGLOBAL ([\w.]+)", text) if isinstance(e, pickle.UnpicklingError) else None
     if refused:
         return (
             f"refusing to unpickle {refused.group(1)} from {file}: checkpoint data holds tensors and plain "
             "values, and unpickling this could run code"
         )
-    detail = text.partition("WeightsUnpickler error:")[2].strip() if "WeightsUnpickler error:" in text else ""
-    detail = detail.splitlines()[0] if detail else _first_line(e)
+    detail = _first_line(e)
+    if text.startswith("Weights only load failed"):  # the cause follows torch's paragraph of advice
+        cause = text.partition("WeightsUnpickler error:")[2] or text.partition("\n\n")[2]
+        detail = next((line.strip() for line in cause.splitlines() if line.strip()), detail)
     return f"the checkpoint at {file.parent} is damaged: its data file {file} is not what DCP wrote ({detail})"
 
 
