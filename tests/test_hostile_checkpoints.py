@@ -282,7 +282,7 @@ def test_apply_save_onto_a_symlinked_checkpoint_writes_where_it_points(copy, tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]  # no staging, no lock left
 
 
-def test_symlinks_that_lead_nowhere(tmp_path):
+def test_symlinks_that_lead_nowhere_or_in_circles_and_a_planted_lock(tmp_path):
     (tmp_path / "dangling").symlink_to(tmp_path / "made")
     save_checkpoint(build(), tmp_path / "dangling")  # as writing into it would: the target is created
     assert (tmp_path / "dangling").is_symlink() and read_checkpoint(tmp_path / "made").tensors == 4
@@ -290,6 +290,11 @@ def test_symlinks_that_lead_nowhere(tmp_path):
     (tmp_path / "b").symlink_to(tmp_path / "a")
     with pytest.raises(PlanError, match=f"SL501.*cannot save to {tmp_path / 'a'}"):
         save_checkpoint(build(), tmp_path / "a")
+    (tmp_path / "victim").write_text("kept")
+    (tmp_path / ".ck.lock").symlink_to(tmp_path / "victim")  # a lock planted as a link is not followed
+    with pytest.raises(PlanError, match="SL501.*cannot create its lock"):
+        save_checkpoint(build(), tmp_path / "ck")
+    assert (tmp_path / "victim").read_text() == "kept" and not (tmp_path / "ck").exists()
 
 
 HOLD = """
@@ -348,3 +353,32 @@ def test_a_failed_save_leaves_the_previous_checkpoint_untouched(copy, tmp_path, 
     assert {f.name: (f.read_bytes(), f.stat().st_mtime_ns) for f in path.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"], "a staging directory or the lock was left"
     assert time.time() - started < 30
+
+
+def test_mutated_checkpoints_are_read_or_refused_never_crash(copy, tmp_path):
+    """A seeded byte-level fuzz of `.metadata` and of a data file through convert: it converts, or
+    raises PlanError(SL501); nothing else escapes."""
+    import random
+
+    path = copy()
+    files = {f: f.read_bytes() for f in (path / ".metadata", *sorted(path.glob("*.distcp")))}
+    rng, outcomes = random.Random(13), set()
+    for _ in range(200):
+        for f, data in files.items():
+            f.write_bytes(data)
+        f = rng.choice(list(files))
+        data = bytearray(files[f])
+        for _ in range(rng.randint(1, 4)):
+            at = rng.randrange(len(data))
+            if rng.random() < 0.7:
+                data[at] = rng.randrange(256)
+            else:
+                del data[at : at + rng.randint(1, 16)]
+        f.write_bytes(bytes(data))
+        try:
+            convert_checkpoint(path, tmp_path / "out.pt", optimizer=True)
+            outcomes.add("read")
+        except PlanError as e:
+            assert [d.code for d in e.diagnostics] == ["SL501"]
+            outcomes.add("SL501")
+    assert outcomes == {"read", "SL501"}

@@ -37,6 +37,7 @@ import pickle
 import re
 import shutil
 import socket
+import stat
 import time
 import uuid
 import warnings
@@ -320,7 +321,10 @@ def _malformed(metadata: Any) -> str | None:
     if planner_data is not None and not (
         isinstance(planner_data, dict)
         and all(
-            isinstance(path, (tuple, list)) and path and all(isinstance(p, (str, int)) for p in path)
+            isinstance(path, (tuple, list))
+            and path
+            # a list index (param_groups) is below the number of entries: no list of 10**12 is built
+            and all(isinstance(p, str) or (isinstance(p, int) and 0 <= p <= len(entries)) for p in path)
             for path in planner_data.values()
         )
     ):
@@ -366,17 +370,17 @@ def _missing_data(directory: Path, infos: Iterable[Any]) -> str | None:
     for name, end in sorted(needed.items()):
         file = directory / name
         try:
-            stat = file.stat()
+            found = file.stat()
         except FileNotFoundError:
             return f"the checkpoint at {directory} is damaged: its data file {file} is missing"
         except OSError as e:
             return f"cannot read the checkpoint's data file {file}: {e.strerror or e}"
         if not file.is_file():
             return f"the checkpoint at {directory} is damaged: its data file {file} is not a file"
-        if stat.st_size < end:
+        if found.st_size < end:
             return (
                 f"the checkpoint at {directory} is damaged: its data file {file} is truncated "
-                f"({stat.st_size} bytes, its metadata needs {end})"
+                f"({found.st_size} bytes, its metadata needs {end})"
             )
     return None
 
@@ -829,7 +833,12 @@ def _save_lock(target: Path, shown: Path | None = None) -> Iterator[None]:
     lock = target.parent / f".{target.name}.lock"
     while True:
         try:
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            # O_NOFOLLOW: a `.NAME.lock` planted as a symlink must not make us truncate what it points to
+            flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+            fd = os.open(lock, flags, 0o644)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise OSError(errno.EINVAL, "not a regular file")
         except OSError as e:
             raise _error(SL501, f"cannot save to {target}: cannot create its lock {lock}: {e.strerror or e}") from None
         try:
@@ -991,7 +1000,13 @@ def _read_all(checkpoint: Checkpoint, optimizer: bool) -> dict[str, Any]:
             )
         except (RuntimeError, MemoryError) as e:  # a size no memory holds
             raise _error(SL501, f"cannot read the checkpoint at {checkpoint.path}: {_first_line(e)}") from None
-        _put(tree, parts, value)
+        try:
+            _put(tree, parts, value)
+        except (TypeError, AttributeError, IndexError):  # a list index and a key at one place
+            raise _error(
+                SL501, f"{checkpoint.path / '.metadata'} is not DCP metadata: its nested paths conflict"
+            ) from None
+    tree.setdefault("model", {})  # (a checkpoint of no tensors)
     _dcp_load(tree if checkpoint.nested else tree["model"], checkpoint, distributed=False)
     return tree
 
