@@ -590,14 +590,18 @@ class _Reader(dcp.FileSystemReader):
 
     def read_data(self, plan, planner):
         directory = Path(self.path)
-        problem = _missing_data(directory, (self.storage_data[item.storage_index] for item in plan.items))
+        infos = [self.storage_data[item.storage_index] for item in plan.items]
+        problem = _missing_data(directory, infos)
         if problem:
             raise _Unreadable(problem)
+        self._reading = None
         try:
             return super().read_data(plan, planner)
         except Exception as e:
-            file = directory / (self._reading or "?")
-            raise _Unreadable(_data_error(file, e)) from None
+            # (_slice_file is private to torch: should it go, name the files this rank was reading)
+            names = sorted({info.relative_path for info in infos})
+            name = self._reading or (names[0] if len(names) == 1 else "{" + ",".join(names) + "}")
+            raise _Unreadable(_data_error(directory / name, e)) from None
 
 
 class _Planner(DefaultLoadPlanner):
