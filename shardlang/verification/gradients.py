@@ -236,8 +236,7 @@ def _resume(ctx, optim, reference, ref_optim) -> str:
     checkpoint = ctx.checkpoint
     if checkpoint is None or not checkpoint.has_optimizer:
         return ""
-    info = checkpoint.info if isinstance(checkpoint.info, dict) else {}
-    kind = info.get("optimizer")
+    kind = checkpoint.info.get("optimizer")  # a str or None: read_checkpoint checked shardlang.json
     if kind and kind != type(optim).__name__:
         return (
             f"optimizer state not resumed: the checkpoint holds {kind} state, the check trains with "
