@@ -7,15 +7,11 @@ init check ask the same question here. Duck-typed: no torch import.
 
 from __future__ import annotations
 
-#: The per-module methods PyTorch modules initialise themselves with, in the order they are tried
-#: (nn.MultiheadAttention has only the second).
-OWN_METHODS = ("reset_parameters", "_reset_parameters")
-
 
 def initialiser(root, module, method=None):
     """The call (no arguments) that initialises `module`'s own parameters, or None if nothing does.
     `method`: the METHOD of `init meta with METHOD`; None for the model's own way."""
-    hugging_face = callable(getattr(root, "_init_weights", None)) and callable(getattr(root, "post_init", None))
+    hugging_face = is_hugging_face(root)
     if method is not None:
         found = getattr(module, method, None)
         if not callable(found):
@@ -26,11 +22,18 @@ def initialiser(root, module, method=None):
         # from_config would (normal(0, initializer_range) for linears and embeddings, ones for norms,
         # the rotary tables...).
         return lambda: (forget_initialised([module]), root._init_weights(module))
-    for name in OWN_METHODS:
+    # The per-module methods PyTorch modules initialise themselves with (nn.MultiheadAttention has only
+    # the second).
+    for name in ("reset_parameters", "_reset_parameters"):
         found = getattr(module, name, None)
         if callable(found):
             return found
     return None
+
+
+def is_hugging_face(root) -> bool:
+    """A transformers PreTrainedModel (duck-typed: it has _init_weights and post_init)."""
+    return callable(getattr(root, "_init_weights", None)) and callable(getattr(root, "post_init", None))
 
 
 def children_first(model):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 
 from ..compiler.devices import mesh_device
-from ..compiler.initialisers import children_first, initialiser
+from ..compiler.initialisers import children_first, initialiser, is_hugging_face
 from ..frontend.patterns import depth, modules_matching, named_units_win
 
 
@@ -179,10 +179,12 @@ def init_on_mesh(model, device, method, seed):
                 continue
             sharded = []
             if torch.device(device).type == "cpu":
-                # A method the plan names may initialise the module's whole subtree (transformers'
-                # init_weights on the root): every tensor it can reach is whole while it runs, holding
-                # its current values; the model's own initialisers set their module's own tensors only.
-                owners = module.modules() if method is not None else [module]
+                # transformers' init_weights (a METHOD the plan names, on the root) initialises the whole
+                # subtree: every tensor it reaches is whole while it runs, holding its current values.
+                # Other initialisers set their module's own tensors (a user method that writes local
+                # shards itself sees them as they are).
+                subtree = method is not None and is_hugging_face(model)
+                owners = module.modules() if subtree else [module]
                 for owner in owners:
                     for store in (owner._parameters, owner._buffers):
                         for name, tensor in store.items():

@@ -289,6 +289,7 @@ STEPS: dict[type, StepType] = {
         helpers=(
             helpers.common_seed,
             initialisers.forget_initialised,
+            initialisers.is_hugging_face,
             initialisers.initialiser,
             initialisers.children_first,
             helpers.init_on_mesh,
