@@ -150,9 +150,18 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> tuple[str, ...]:
 
     Close means a few typing slips away (insertions, deletions, substitutions, swapped neighbours:
     `pt` for `tp`) or similar by difflib's ratio (`colwse` for `colwise`); the nearest come first.
+    Names longer than SUGGEST_LENGTH are not compared (both measures are quadratic in the length), nor
+    are pairs whose lengths alone rule out both kinds of closeness.
     """
+    if len(word) > SUGGEST_LENGTH:
+        return ()
     scored = []
     for candidate in set(candidates):
+        if len(candidate) > SUGGEST_LENGTH:
+            continue
+        gap, total = abs(len(word) - len(candidate)), len(word) + len(candidate)
+        if gap > max(1, len(candidate) // 3) and 2 * min(len(word), len(candidate)) < 0.6 * total:
+            continue
         distance = _edit_distance(word.lower(), candidate.lower())
         ratio = difflib.SequenceMatcher(None, word, candidate).ratio()
         if distance <= max(1, len(candidate) // 3) or ratio >= 0.6:
@@ -161,6 +170,10 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> tuple[str, ...]:
     if not close:
         return ()
     return ("did you mean " + " or ".join(f"'{c}'" for c in close) + "?",)
+
+
+#: The longest name `did_you_mean` compares (module paths are far shorter; a 30,000-character name is an attack).
+SUGGEST_LENGTH = 100
 
 
 def _edit_distance(a: str, b: str) -> int:
