@@ -48,8 +48,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"shardlang: error: {e}", file=sys.stderr)
         return UNUSABLE
     except KeyboardInterrupt:
-        print("shardlang: interrupted", file=sys.stderr)
+        print("shardlang: interrupted (Ctrl-C); no worker is left running", file=sys.stderr)
         return 130
+    except Terminated as e:
+        print(f"shardlang: stopped by {e.name}; no worker is left running", file=sys.stderr)
+        return 128 + e.signum
+
+
+class Terminated(BaseException):
+    """The launcher got SIGTERM (a scheduler, `kill`): raised where it runs, so the workers are stopped."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum, self.name = signum, signal.Signals(signum).name
+
+
+@contextlib.contextmanager
+def _terminable() -> Iterator[None]:
+    """SIGTERM (and SIGHUP) raise Terminated in the main thread while workers run, as SIGINT raises
+    KeyboardInterrupt: the pool kills its workers on the way out, and main prints one line."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Terminated(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -107,6 +137,9 @@ def _parser() -> argparse.ArgumentParser:
         help="how long workers may take to start, and then the job (default 600)",
     )
     apply.add_argument("--json", action="store_true", help="print the report as one JSON object on stdout")
+    apply.add_argument(
+        "--debug", action="store_true", help="with a failure, also print the full traceback (torch's frames included)"
+    )
     apply.add_argument(
         "--load", metavar="DIR", help="load a checkpoint (any plan, any world size) after applying the plan"
     )
@@ -386,15 +419,29 @@ def run_apply(args: argparse.Namespace) -> int:
         report = _run_under_torchrun(job, device, console)
         _exit_now(OK if report is None else _show_report(report, warnings, sources, args))  # None: not rank 0
     try:
-        report, warnings = _run_local(job, world, device, args.timeout, console)
+        with _terminable():
+            report, warnings = _run_local(job, world, device, args.timeout, console, args.debug)
     except WorkerError as e:
-        print(
-            f"shardlang: error: rank {e.rank} failed: {e.message.splitlines()[0] if e.message else ''}", file=sys.stderr
-        )
-        if e.details:
-            print(e.details.rstrip(), file=sys.stderr)
-        return UNUSABLE
+        return _worker_failed(e, sources, args.debug)
+    if args.debug and report.details:
+        print(report.details.rstrip(), file=sys.stderr)
     return _show_report(report, warnings, sources, args)
+
+
+def _worker_failed(error, sources: dict[str, Source], debug: bool) -> int:
+    """A job that failed on a worker: a check that raised is SL400 at its statement (exit 1); otherwise one
+    line naming the rank, and the frames of the user's own files (exit 2). --debug adds the traceback."""
+    if error.diagnostic is not None:
+        emit_diagnostics([error.diagnostic], sources, "text", stream=sys.stderr)
+    else:
+        print(f"shardlang: error: {error.headline}", file=sys.stderr)
+        for frame in error.user:
+            print(f"  at {frame}", file=sys.stderr)
+    if debug and error.details:
+        print(f"rank {error.rank}'s traceback:\n{error.details.rstrip()}", file=sys.stderr)
+    elif error.details and error.diagnostic is None:
+        print("  (run with --debug for the full traceback)", file=sys.stderr)
+    return FOUND if error.diagnostic is not None and error.diagnostic.code == "SL400" else UNUSABLE
 
 
 def _show_report(report, warnings: list[str], sources: dict[str, Source], args: argparse.Namespace) -> int:
@@ -584,23 +631,41 @@ def _apply_unusable(found, sources, args, world: int, device: str) -> int:
     return UNUSABLE
 
 
-def _run_local(job, world: int, device: str, timeout: float, console: Console):
+def _run_local(job, world: int, device: str, timeout: float, console: Console, debug: bool = False):
+    """The job on `world` local workers; their stderr (torch's and gloo's logs) is kept in a temporary
+    directory and printed only with --debug, after a failure."""
+    import tempfile
+
     from ..launch.job import run
-    from ..launch.workers import WorkerPool
+    from ..launch.workers import WorkerError, WorkerPool
 
     backend = "nccl" if device == "cuda" else "gloo"
-    with console.status(f"starting {world} workers ({backend})") as status:
-
-        def show(rank: int, message: str) -> None:
-            if rank == 0:
-                status.update(f"rank 0: {message}")
-
-        pool = WorkerPool(world, backend, timeout_s=timeout, on_progress=show)
+    with tempfile.TemporaryDirectory(prefix="shardlang-logs-") as logs:
+        pool = None
         try:
-            report = pool.run(run, job, timeout_s=timeout)[0]
-        finally:
-            warnings = pool.close()
+            with console.status(f"starting {world} workers ({backend})") as status:
+
+                def show(rank: int, message: str) -> None:
+                    if rank == 0:
+                        status.update(f"rank 0: {message}")
+
+                pool = WorkerPool(world, backend, timeout_s=timeout, on_progress=show, log_dir=logs)
+                try:
+                    report = pool.run(run, job, timeout_s=timeout)[0]
+                finally:
+                    warnings = pool.close()
+        except WorkerError:
+            if debug:
+                _print_logs(logs)
+            raise
     return report, warnings
+
+
+def _print_logs(folder: str) -> None:
+    for path in sorted(Path(folder).glob("rank*.log")):
+        text = path.read_text(errors="replace").rstrip()
+        if text:
+            print(f"--- {path.stem}'s stderr ---\n{text}", file=sys.stderr)
 
 
 def _run_under_torchrun(job, device: str, console: Console):

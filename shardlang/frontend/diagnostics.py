@@ -261,6 +261,7 @@ class PlanError(Exception):
 
     diagnostics: tuple[Diagnostic, ...] = field(converter=tuple)
     sources: Mapping[str, Source] = field(factory=dict, eq=False)
+    details: str = field(default="", eq=False, repr=False)  # a traceback behind it (apply's SL300), for --debug
 
     def __str__(self) -> str:
         return render_all(self.diagnostics, self.sources)

@@ -84,7 +84,7 @@ def apply_plan(plan: ir.Plan, model: nn.Module) -> Applied:
     program = lower(plan, linted.resolution, world_size)
     applied = Applied(model, {}, program, linted, imported)
     snapshot = Snapshot.take(model)
-    failure = None
+    failure, details = None, ""
     try:
         running = Running(model, applied.meshes, imported)
         for step in program.steps:
@@ -95,13 +95,14 @@ def apply_plan(plan: ir.Plan, model: nn.Module) -> Applied:
                 kind.run(step, running)
             except Exception as e:  # noqa: BLE001 - any failure of a torch call is reported as SL300
                 failure = _failure(plan, step, e)
+                details = "".join(traceback.format_exception(e))
                 break
     finally:
         failure = _agree(failure)
         if failure is not None:
             snapshot.restore()
     if failure is not None:
-        raise PlanError([failure], sources)
+        raise PlanError([failure], sources, details)  # details: the local traceback, for `--debug`
     return applied
 
 

@@ -91,11 +91,11 @@ class ModelFile:
 def check_module(model: Any, origin: str) -> torch.nn.Module:
     """What build_model() returned, if it is a module (ModelFileError otherwise)."""
     if not isinstance(model, torch.nn.Module):
-        raise ModelFileError(f"build_model() from {origin} returned {_a(model)}, not a torch.nn.Module")
+        raise ModelFileError(f"build_model() from {origin} returned {describe(model)}, not a torch.nn.Module")
     return model
 
 
-def _a(value: Any) -> str:
+def describe(value: Any) -> str:
     """`a str`, `None`: what a value is, for a message."""
     if value is None:
         return "None"
