@@ -46,6 +46,10 @@ class Code(enum.Enum):
         Severity.WARNING,
         "a parameter replicated over a TP dim sits where that dim's activations are sharded: partial gradients",
     )
+    SL211 = (
+        Severity.ERROR,
+        "an uneven tensor-parallel shard that the installed torch cannot run (a rowwise Linear's local input)",
+    )
     SL300 = (Severity.ERROR, "apply failed (the model is left exactly as it was)")
     SL400 = (Severity.ERROR, "a verification check failed")
     SL500 = (
@@ -91,6 +95,7 @@ class Code(enum.Enum):
     SL208,
     SL209,
     SL210,
+    SL211,
     SL300,
     SL400,
     SL500,
