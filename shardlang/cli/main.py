@@ -392,6 +392,10 @@ def run_apply(args: argparse.Namespace) -> int:
             f"{model_file.origin} defines no example_input(batch, generator), which {' and '.join(needs_input)} need"
         )
     meta = _meta_model(model_file, args.timeout)
+    if next(meta.parameters(), None) is None:
+        raise UsageError(
+            f"build_model() from {model_file.origin} returned a model without parameters: nothing to shard"
+        )
     linted = lint(plan, meta, world)
     if not linted.ok:
         return _apply_unusable(sorted([*found, *linted.diagnostics], key=sort_key), sources, args, world, device)

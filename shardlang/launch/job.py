@@ -23,7 +23,7 @@ from ..frontend.read import read_file
 from ..frontend.source import Span
 from ..runtime.apply import apply_plan, build_for_plan
 from ..runtime.modelfile import ModelFile, ModelFileError, check_module, load_model_file, user_code
-from ..verification import FAIL, SKIPPED, Context, combine, gather, run_checks
+from ..verification import FAIL, PASS, SKIPPED, Context, combine, gather, run_checks
 from ..verification.layout import layout
 from .report import Report
 from .workers import progress
@@ -63,6 +63,13 @@ def run(job: Job) -> Report:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = _run(job)
+    gradients_passed = any(c.check == "gradients" and c.status == PASS for c in report.checks)
+    # FSDP2 warns when a unit returns a view: a TP output layer's hook returns `to_local()`, a view,
+    # so every plan with a TP output layer in a unit (and its root) raises it. It is harmless unless
+    # code modifies that output in place, and then gradients would be wrong; so where the gradients
+    # check passed, it is left out of the report.
+    if gradients_passed:
+        caught = [w for w in caught if "returned a view tensor" not in str(w.message)]
     return attrs.evolve(report, warnings=report.warnings + _unique(caught))
 
 
