@@ -397,3 +397,42 @@ def test_workers_die_with_a_killed_launcher(runs):
     assert run.status == -signal.SIGKILL
     assert len(run.seen) >= 2 and not run.left, run  # left: still alive 10 s after the launcher's exit
     assert "Traceback" not in run.output
+
+
+# --- the README ---------------------------------------------------------------------------------------
+
+
+def _readme() -> str:
+    return (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_readme_set_up_says_how_to_get_the_cpu_build_first():
+    block = _readme().split("## Set up", 1)[1].split("```\n", 2)[1]
+    lines = block.splitlines()
+    install = next(i for i, line in enumerate(lines) if line.startswith("pip install -e . "))
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in lines[install - 1]
+    assert lines[install - 1].startswith("#")  # a note, not a third command
+    commands = [line for line in _readme().split("## A plan", 1)[0].splitlines() if line.startswith("pip install")]
+    assert len(commands) == 2, commands
+
+
+def test_readme_bad_plan_is_what_lint_prints(capsys):
+    text = _readme()
+    shown = text.split("$ shardlang lint plans/broken/bad.sl\n", 1)[1].split("```", 1)[0]
+    status, out = call(["lint", "plans/broken/bad.sl"], capsys)
+    assert status == 2 and out == shown
+    assert 'shardlang.load("plans/broken/bad.sl")' in text
+
+
+def test_readme_with_world_examples_are_true():
+    import shardlang
+
+    plan = shardlang.load(ROOT / "plans" / "llama_2d.sl", params={"tp": 4}, world_size=16)
+    assert plan.with_world(12) == [] and "plan.with_world(12)                 # -> []" in _readme()
+    assert [d.code for d in plan.with_world(10)] == ["SL105"]
+
+
+def test_readme_library_verify_is_under_the_main_guard():
+    library = _readme().split("## Library", 1)[1]
+    guard = library.index('if __name__ == "__main__":')
+    assert guard < library.index("shardlang.verify(plan, build_model, example_input, nproc=4)")
