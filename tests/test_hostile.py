@@ -436,3 +436,9 @@ def test_readme_library_verify_is_under_the_main_guard():
     library = _readme().split("## Library", 1)[1]
     guard = library.index('if __name__ == "__main__":')
     assert guard < library.index("shardlang.verify(plan, build_model, example_input, nproc=4)")
+
+
+def test_explain_lays_out_what_torch_cannot_run_and_notes_the_step(capsys):
+    status, text = call(["explain", "plans/mlp_tp.sl", "examples/mlp.py", "--world", "3"], capsys)
+    assert status == 0, text
+    assert "note: no collectives: a training step fails at this world size" in text

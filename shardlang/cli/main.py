@@ -645,7 +645,6 @@ def _run_local(job, world: int, device: str, timeout: float, console: Console, d
 
     backend = "nccl" if device == "cuda" else "gloo"
     with tempfile.TemporaryDirectory(prefix="shardlang-logs-") as logs:
-        pool = None
         try:
             with console.status(f"starting {world} workers ({backend})") as status:
 

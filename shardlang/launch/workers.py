@@ -129,11 +129,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with(parent: int) -> None:
+def _die_with(parent: int, deathsig: bool = True) -> None:
     """End this worker when the launcher dies, whatever killed it (SIGTERM, the OOM killer's SIGKILL):
     the kernel's parent-death signal on Linux, and a thread watching the parent's pid everywhere (for
-    other systems, and for the moment before prctl took effect)."""
-    if sys.platform.startswith("linux"):
+    other systems, and for the moment before prctl took effect). The kernel sends that signal when the
+    parent *thread* that started the worker ends, so `deathsig` is off for a pool started from a thread
+    other than the main one, and only the watcher acts."""
+    if deathsig and sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
@@ -159,11 +161,12 @@ def _worker(
     timeout_s: float,
     parent: int | None = None,
     log: str | None = None,
+    deathsig: bool = True,
 ) -> None:
     # Ctrl-C is the launcher's to handle (it stops every worker): a worker prints no KeyboardInterrupt.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if parent is not None:
-        _die_with(parent)
+        _die_with(parent, deathsig)
     if log is not None:
         # What torch and gloo print (C++ warnings, logged tracebacks, teardown notices) goes to a file: the
         # launcher reports failures itself, and shows these logs with --debug.
@@ -345,6 +348,7 @@ class WorkerPool:
                     timeout_s,
                     os.getpid(),
                     None if log_dir is None else str(Path(log_dir) / f"rank{r}.log"),
+                    threading.current_thread() is threading.main_thread(),
                 ),
                 daemon=True,
             )

@@ -75,7 +75,8 @@ def apply_plan(plan: ir.Plan, model: nn.Module) -> Applied:
         )
     world_size = dist.get_world_size()
     imported = _import_uses(plan, sources)
-    linted = lint(plan, model, world_size, style_kinds(imported), fsdp_strided_shard())
+    # In a simulated world (explain) nothing runs: what torch cannot run shows as explain's failed step.
+    linted = lint(plan, model, world_size, style_kinds(imported), fsdp_strided_shard(), runs=not simulated())
     if not linted.ok:
         raise PlanError(linted.diagnostics, sources)
     problems = [] if simulated() else _check_devices(plan, model)
