@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
+import math
 import os
 import re
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -34,14 +38,48 @@ class UsageError(Exception):
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse's usage errors (2), --help and --version (0): a status, not an exit
+        return e.code if isinstance(e.code, int) else UNUSABLE
     try:
         return args.run(args)
     except UsageError as e:
         print(f"shardlang: error: {e}", file=sys.stderr)
         return UNUSABLE
     except KeyboardInterrupt:
+        print("shardlang: interrupted (Ctrl-C); no worker is left running", file=sys.stderr)
         return 130
+    except Terminated as e:
+        print(f"shardlang: stopped by {e.name}; no worker is left running", file=sys.stderr)
+        return 128 + e.signum
+
+
+class Terminated(BaseException):
+    """The launcher got SIGTERM (a scheduler, `kill`): raised where it runs, so the workers are stopped."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum, self.name = signum, signal.Signals(signum).name
+
+
+@contextlib.contextmanager
+def _terminable() -> Iterator[None]:
+    """SIGTERM (and SIGHUP) raise Terminated in the main thread while workers run, as SIGINT raises
+    KeyboardInterrupt: the pool kills its workers on the way out, and main prints one line."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Terminated(signum)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -88,11 +126,20 @@ def _parser() -> argparse.ArgumentParser:
         choices=("sgd", "adam", "adamw"),
         help="the gradients check's optimizer, in place of the plan's",
     )
-    apply.add_argument("--seed", type=int, default=0, help="the seed every rank builds the model with (default 0)")
     apply.add_argument(
-        "--timeout", type=float, default=600.0, metavar="S", help="stop the workers if a job runs longer (default 600)"
+        "--seed", type=_seed, default=0, metavar="N", help="the seed every rank builds the model with (default 0)"
+    )
+    apply.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=600.0,
+        metavar="S",
+        help="how long workers may take to start, and then the job (default 600)",
     )
     apply.add_argument("--json", action="store_true", help="print the report as one JSON object on stdout")
+    apply.add_argument(
+        "--debug", action="store_true", help="with a failure, also print the full traceback (torch's frames included)"
+    )
     apply.add_argument(
         "--load", metavar="DIR", help="load a checkpoint (any plan, any world size) after applying the plan"
     )
@@ -107,7 +154,9 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument("plan", metavar="PLAN", help="the .sl plan file")
     _add_model(explain, required=False)
     explain.add_argument("--world", type=_positive, metavar="N", required=True, help="the world size to simulate")
-    explain.add_argument("--rank", type=int, default=0, metavar="R", help="the rank whose view to show (default 0)")
+    explain.add_argument(
+        "--rank", type=_non_negative, default=0, metavar="R", help="the rank whose view to show (default 0)"
+    )
     _add_params(explain)
     explain.add_argument(
         "--param", metavar="PATTERN", help="only these parameters; with svg (or text), draw their shards"
@@ -124,6 +173,13 @@ def _parser() -> argparse.ArgumentParser:
         help="simulate every block of a repeated stack (default: 2, 3 and 4 blocks, extrapolated when each block adds the same)",
     )
     explain.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+    explain.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=600.0,
+        metavar="S",
+        help="stop if loading the model or simulating the step takes longer (default 600)",
+    )
     explain.set_defaults(run=run_explain)
 
     compile_ = commands.add_parser("compile", help="print the plan as plain torch code")
@@ -160,10 +216,37 @@ def _add_model(parser: argparse.ArgumentParser, required: bool) -> None:
 def _model_file(args: argparse.Namespace) -> ModelFile | None:
     if args.model is None and args.entry is None:
         return None
+    with time_limit(getattr(args, "timeout", None), f"loading {args.model or args.entry}"):
+        try:
+            return load_model_file(args.model, args.entry, keep_alive=True)
+        except ModelFileError as e:
+            raise UsageError(str(e)) from None
+
+
+class _TimedOut(BaseException):
+    """Raised by time_limit's alarm inside user code (a BaseException, so that no `except Exception` eats it)."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None, what: str) -> Iterator[None]:
+    """Bound `what` (a model file's import, build_model, explain's simulated step) by `seconds`: a usage
+    error when it runs longer. A SIGALRM timer, so only in the main thread (elsewhere: unbounded)."""
+    if seconds is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise _TimedOut
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
-        return load_model_file(args.model, args.entry)
-    except ModelFileError as e:
-        raise UsageError(str(e)) from None
+        yield
+    except _TimedOut:
+        raise UsageError(f"{what} took longer than --timeout {seconds:g} s") from None
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _world(plan: Plan, given: int | None) -> int:
@@ -181,13 +264,44 @@ def _add_params(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _positive(text: str) -> int:
+#: The largest world size, rank or step count a flag takes (a world beyond it is not a real one).
+MAX_COUNT = 2**31 - 1
+#: The longest --timeout: a week (torch turns it into a timedelta, which overflows past ~10**9 days).
+MAX_SECONDS = 7 * 24 * 3600.0
+#: torch.manual_seed takes what fits in 64 bits, signed or unsigned.
+SEEDS = range(-(2**63), 2**64)
+
+
+def _integer(text: str, what: str, lowest: int, highest: int) -> int:
     try:
-        value = int(text)
+        value = int(text.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text[:40]!r}") from None
+    if not lowest <= value <= highest:
+        shown = str(value) if len(str(value)) <= 24 else f"a {len(str(value))}-digit number"
+        raise argparse.ArgumentTypeError(f"expected {what} from {lowest} to {highest}, got {shown}")
+    return value
+
+
+def _positive(text: str) -> int:
+    return _integer(text, "a positive integer", 1, MAX_COUNT)
+
+
+def _non_negative(text: str) -> int:
+    return _integer(text, "a non-negative integer", 0, MAX_COUNT)
+
+
+def _seed(text: str) -> int:
+    return _integer(text, "an integer seed (what torch.manual_seed takes)", SEEDS.start, SEEDS.stop - 1)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text[:40]!r}") from None
+    if not math.isfinite(value) or not 0 < value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(f"expected seconds greater than 0 and at most {MAX_SECONDS:.0f}, got {text}")
     return value
 
 
@@ -230,6 +344,7 @@ def run_compile(args: argparse.Namespace) -> int:
     """The program as Python on stdout (or -o); diagnostics on stderr. A plan that does not compile: 2."""
     from ..emit.python import compile_python
 
+    _check_output(args.output)
     plan, found, sources = compile_plan(args.plan, args.params, args.world)
     model_file = _model_file(args)
     code = None
@@ -246,7 +361,7 @@ def run_compile(args: argparse.Namespace) -> int:
     if code is None:
         return UNUSABLE
     if args.output:
-        Path(args.output).write_text(code)
+        _write(args.output, code)
     else:
         sys.stdout.write(code)
     return OK
@@ -276,7 +391,11 @@ def run_apply(args: argparse.Namespace) -> int:
         raise UsageError(
             f"{model_file.origin} defines no example_input(batch, generator), which {' and '.join(needs_input)} need"
         )
-    meta = _meta_model(model_file)
+    meta = _meta_model(model_file, args.timeout)
+    if next(meta.parameters(), None) is None:
+        raise UsageError(
+            f"build_model() from {model_file.origin} returned a model without parameters: nothing to shard"
+        )
     linted = lint(plan, meta, world)
     if not linted.ok:
         return _apply_unusable(sorted([*found, *linted.diagnostics], key=sort_key), sources, args, world, device)
@@ -304,15 +423,29 @@ def run_apply(args: argparse.Namespace) -> int:
         report = _run_under_torchrun(job, device, console)
         _exit_now(OK if report is None else _show_report(report, warnings, sources, args))  # None: not rank 0
     try:
-        report, warnings = _run_local(job, world, device, args.timeout, console)
+        with _terminable():
+            report, warnings = _run_local(job, world, device, args.timeout, console, args.debug)
     except WorkerError as e:
-        print(
-            f"shardlang: error: rank {e.rank} failed: {e.message.splitlines()[0] if e.message else ''}", file=sys.stderr
-        )
-        if e.details:
-            print(e.details.rstrip(), file=sys.stderr)
-        return UNUSABLE
+        return _worker_failed(e, sources, args.debug)
+    if args.debug and report.details:
+        print(report.details.rstrip(), file=sys.stderr)
     return _show_report(report, warnings, sources, args)
+
+
+def _worker_failed(error, sources: dict[str, Source], debug: bool) -> int:
+    """A job that failed on a worker: a check that raised is SL400 at its statement (exit 1); otherwise one
+    line naming the rank, and the frames of the user's own files (exit 2). --debug adds the traceback."""
+    if error.diagnostic is not None:
+        emit_diagnostics([error.diagnostic], sources, "text", stream=sys.stderr)
+    else:
+        print(f"shardlang: error: {error.headline}", file=sys.stderr)
+        for frame in error.user:
+            print(f"  at {frame}", file=sys.stderr)
+    if debug and error.details:
+        print(f"rank {error.rank}'s traceback:\n{error.details.rstrip()}", file=sys.stderr)
+    elif error.details and error.diagnostic is None:
+        print("  (run with --debug for the full traceback)", file=sys.stderr)
+    return FOUND if error.diagnostic is not None and error.diagnostic.code == "SL400" else UNUSABLE
 
 
 def _show_report(report, warnings: list[str], sources: dict[str, Source], args: argparse.Namespace) -> int:
@@ -358,6 +491,7 @@ def run_explain(args: argparse.Namespace) -> int:
     from ..explain.pictures import render_svg, render_text
     from ..explain.simulate import explain
 
+    _check_output(args.output)
     plan, found, sources = compile_plan(args.plan, args.params, args.world)
     model_file = _model_file(args)
     if model_file is None:
@@ -370,16 +504,17 @@ def run_explain(args: argparse.Namespace) -> int:
         emit_diagnostics(found, sources, "text", stream=sys.stderr)
         return UNUSABLE
     try:
-        explanation = explain(
-            plan,
-            _meta_model(model_file),
-            args.world,
-            args.rank,
-            model_file,
-            blocks_for=args.param,
-            step=args.step,
-            full_step=args.full_step,
-        )
+        with time_limit(args.timeout, "explain (building the model and simulating the step)"):
+            explanation = explain(
+                plan,
+                _meta_model(model_file),
+                args.world,
+                args.rank,
+                model_file,
+                blocks_for=args.param,
+                step=args.step,
+                full_step=args.full_step,
+            )
     except PlanError as e:
         emit_diagnostics(sorted([*found, *e.diagnostics], key=sort_key), sources, "text", stream=sys.stderr)
         return UNUSABLE
@@ -394,10 +529,31 @@ def run_explain(args: argparse.Namespace) -> int:
         render_text(explanation, console, args.param)
         text = stream.getvalue() if args.output else None
     if text is not None and args.output:
-        Path(args.output).write_text(text)
+        _write(args.output, text)
     elif text is not None:
         sys.stdout.write(text)
     return OK
+
+
+def _check_output(path: str | None) -> None:
+    """`-o FILE` names a file that can be written: checked before the work, so that a typo costs nothing."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"cannot write {path}: it is a directory (-o takes a file name)")
+    folder = target.parent
+    if not folder.is_dir():
+        raise UsageError(f"cannot write {path}: no directory {folder}")
+    if not os.access(folder, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise UsageError(f"cannot write {path}: permission denied")
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise UsageError(f"cannot write {path}: {e.strerror or e}") from None
 
 
 def explanation_data(explanation, pattern: str | None) -> dict:
@@ -479,23 +635,40 @@ def _apply_unusable(found, sources, args, world: int, device: str) -> int:
     return UNUSABLE
 
 
-def _run_local(job, world: int, device: str, timeout: float, console: Console):
+def _run_local(job, world: int, device: str, timeout: float, console: Console, debug: bool = False):
+    """The job on `world` local workers; their stderr (torch's and gloo's logs) is kept in a temporary
+    directory and printed only with --debug, after a failure."""
+    import tempfile
+
     from ..launch.job import run
-    from ..launch.workers import WorkerPool
+    from ..launch.workers import WorkerError, WorkerPool
 
     backend = "nccl" if device == "cuda" else "gloo"
-    with console.status(f"starting {world} workers ({backend})") as status:
-
-        def show(rank: int, message: str) -> None:
-            if rank == 0:
-                status.update(f"rank 0: {message}")
-
-        pool = WorkerPool(world, backend, timeout_s=timeout, on_progress=show)
+    with tempfile.TemporaryDirectory(prefix="shardlang-logs-") as logs:
         try:
-            report = pool.run(run, job, timeout_s=timeout)[0]
-        finally:
-            warnings = pool.close()
+            with console.status(f"starting {world} workers ({backend})") as status:
+
+                def show(rank: int, message: str) -> None:
+                    if rank == 0:
+                        status.update(f"rank 0: {message}")
+
+                pool = WorkerPool(world, backend, timeout_s=timeout, on_progress=show, log_dir=logs)
+                try:
+                    report = pool.run(run, job, timeout_s=timeout)[0]
+                finally:
+                    warnings = pool.close()
+        except WorkerError:
+            if debug:
+                _print_logs(logs)
+            raise
     return report, warnings
+
+
+def _print_logs(folder: str) -> None:
+    for path in sorted(Path(folder).glob("rank*.log")):
+        text = path.read_text(errors="replace").rstrip()
+        if text:
+            print(f"--- {path.stem}'s stderr ---\n{text}", file=sys.stderr)
 
 
 def _run_under_torchrun(job, device: str, console: Console):
@@ -533,11 +706,12 @@ def _exit_now(status: int) -> NoReturn:
     os._exit(status)
 
 
-def _meta_model(model_file: ModelFile):
-    try:
-        return model_file.build_on_meta()
-    except ModelFileError as e:
-        raise UsageError(str(e)) from None
+def _meta_model(model_file: ModelFile, timeout: float | None = None):
+    with time_limit(timeout, f"build_model() from {model_file.origin}"):
+        try:
+            return model_file.build_on_meta(keep_alive=True)
+        except ModelFileError as e:
+            raise UsageError(str(e)) from None
 
 
 def emit_diagnostics(found: list[Diagnostic], sources: dict[str, Source], form: str, stream=None) -> None:

@@ -12,7 +12,7 @@ import torch.nn as nn
 from attrs import frozen
 
 from ..frontend import ir
-from ..frontend.diagnostics import Diagnostic
+from ..frontend.diagnostics import SL211, Diagnostic
 from ..frontend.static_checks import check_world
 from .predict import Placed, mesh_shapes, predict
 from .resolve import Resolution, resolve
@@ -38,9 +38,12 @@ def lint(
     world_size: int,
     user_kinds: Mapping[str, str] | None = None,
     strided_shard: bool = True,
+    runs: bool = True,
 ) -> Linted:
     """Resolve `plan` on `model`, predict placements at `world_size` and run every SL2xx check.
-    `user_kinds` and `strided_shard` are what apply knows of the installed torch (see predict)."""
+    `user_kinds` and `strided_shard` are what apply knows of the installed torch (see predict).
+    `runs` False leaves out SL211 (what the installed torch cannot run): explain lays out a plan in a
+    simulated world without running it, and says in a note when its step fails."""
     found = list(check_world(plan, world_size))
     if found:
         return Linted(None, None, tuple(found))
@@ -49,4 +52,6 @@ def lint(
     predictions = predict(plan, resolution, shapes, user_kinds, strided_shard)
     for rule in RULES:
         found += rule(plan, resolution, predictions, shapes)
+    if not runs:
+        found = [d for d in found if d.code != SL211.name]
     return Linted(resolution, predictions, tuple(found))

@@ -46,6 +46,10 @@ class Code(enum.Enum):
         Severity.WARNING,
         "a parameter replicated over a TP dim sits where that dim's activations are sharded: partial gradients",
     )
+    SL211 = (
+        Severity.ERROR,
+        "an uneven tensor-parallel shard that the installed torch cannot run (a rowwise Linear's local input)",
+    )
     SL300 = (Severity.ERROR, "apply failed (the model is left exactly as it was)")
     SL400 = (Severity.ERROR, "a verification check failed")
     SL500 = (
@@ -91,6 +95,7 @@ class Code(enum.Enum):
     SL208,
     SL209,
     SL210,
+    SL211,
     SL300,
     SL400,
     SL500,
@@ -150,9 +155,18 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> tuple[str, ...]:
 
     Close means a few typing slips away (insertions, deletions, substitutions, swapped neighbours:
     `pt` for `tp`) or similar by difflib's ratio (`colwse` for `colwise`); the nearest come first.
+    Names longer than SUGGEST_LENGTH are not compared (both measures are quadratic in the length), nor
+    are pairs whose lengths alone rule out both kinds of closeness.
     """
+    if len(word) > SUGGEST_LENGTH:
+        return ()
     scored = []
     for candidate in set(candidates):
+        if len(candidate) > SUGGEST_LENGTH:
+            continue
+        gap, total = abs(len(word) - len(candidate)), len(word) + len(candidate)
+        if gap > max(1, len(candidate) // 3) and 2 * min(len(word), len(candidate)) < 0.6 * total:
+            continue
         distance = _edit_distance(word.lower(), candidate.lower())
         ratio = difflib.SequenceMatcher(None, word, candidate).ratio()
         if distance <= max(1, len(candidate) // 3) or ratio >= 0.6:
@@ -161,6 +175,10 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> tuple[str, ...]:
     if not close:
         return ()
     return ("did you mean " + " or ".join(f"'{c}'" for c in close) + "?",)
+
+
+#: The longest name `did_you_mean` compares (module paths are far shorter; a 30,000-character name is an attack).
+SUGGEST_LENGTH = 100
 
 
 def _edit_distance(a: str, b: str) -> int:
@@ -248,6 +266,7 @@ class PlanError(Exception):
 
     diagnostics: tuple[Diagnostic, ...] = field(converter=tuple)
     sources: Mapping[str, Source] = field(factory=dict, eq=False)
+    details: str = field(default="", eq=False, repr=False)  # a traceback behind it (apply's SL300), for --debug
 
     def __str__(self) -> str:
         return render_all(self.diagnostics, self.sources)

@@ -86,8 +86,8 @@ def _run(text: str, name: str, start: str):
 
 def decode(name: str, data: bytes) -> tuple[Source | None, list[Diagnostic]]:
     """Bytes of a plan file -> Source, or SL102 for a file over 1 MiB or one that is not UTF-8."""
-    if len(data) > MAX_PLAN_BYTES:
-        return None, [_too_large(name, len(data))]
+    if len(data) > MAX_PLAN_BYTES:  # read_file reads at most one byte more than the limit
+        return None, [_too_large(name, None)]
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -133,8 +133,9 @@ def _token_span(source: Source, token: Token) -> Span:
     return source.span(token.line, token.column, token.end_line, token.end_column)
 
 
-def _too_large(name: str, size: int) -> Diagnostic:
-    message = f"plan file is {size:,} bytes; the limit is {MAX_PLAN_BYTES:,} (1 MiB)"
+def _too_large(name: str, size: int | None) -> Diagnostic:
+    what = f"{size:,} bytes" if size is not None else f"over {MAX_PLAN_BYTES:,} bytes"
+    message = f"plan file is {what}; the limit is {MAX_PLAN_BYTES:,} (1 MiB)"
     return Diagnostic(SL102, message, Source(name, "").span(1, 1))
 
 

@@ -29,6 +29,7 @@ class Report:
     layout: str = ""
     checkpoints: dict[str, Transfer] = field(factory=dict)  # "loaded" and "saved", where --load / --save ran
     usable: bool = True  # False: the plan or the model could not be used (exit status 2)
+    details: str = ""  # the traceback behind a failed apply (SL300), shown by `--debug`; not in the JSON
 
     @property
     def ran(self) -> tuple[CheckResult, ...]:

@@ -9,30 +9,103 @@ other ranks may be waiting in a collective that will never complete, so they are
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
 import pickle
 import queue
+import signal
 import socket
+import sys
+import sysconfig
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.multiprocessing as mp
 
 
 class WorkerError(RuntimeError):
-    """A job failed on a worker (or a worker died)."""
+    """A job failed on a worker (or a worker died, or the workers did not start).
 
-    def __init__(self, rank: int, message: str, details: str = ""):
+    `details` is the whole traceback; `user` the frames of it in the user's own files (their model
+    file, their styles), one `file:line in function: code` each, which is what a user needs; `diagnostic` a Diagnostic when
+    the job said where in the plan it failed (a check that raised: SL400)."""
+
+    def __init__(
+        self,
+        rank: int,
+        message: str,
+        details: str = "",
+        user: tuple[str, ...] = (),
+        diagnostic: Any = None,
+        died: bool = False,
+        summary: str | None = None,
+    ):
         super().__init__(f"rank {rank}: {message}")
-        self.rank, self.message, self.details = rank, message, details
+        self.rank, self.message, self.details, self.user = rank, message, details, user
+        self.diagnostic, self.died = diagnostic, died
+        self.summary = summary  # the one line that says what happened (default: `rank R failed: message`)
+
+    @property
+    def headline(self) -> str:
+        if self.summary is not None:
+            return self.summary
+        first = self.message.splitlines()[0] if self.message else ""
+        return f"rank {self.rank} {'died' if self.died else 'failed'}: {first}"
 
     def __str__(self) -> str:
         text = f"rank {self.rank}: {self.message}"
         return f"{text}\n{self.details.rstrip()}" if self.details else text
+
+
+#: Where code that is not the user's lives: shardlang, torch, the standard library, installed packages.
+def _library_dirs() -> tuple[str, ...]:
+    dirs = {str(Path(__file__).resolve().parents[1])}
+    try:
+        import torch
+
+        dirs.add(str(Path(torch.__file__).resolve().parent))
+    except ImportError:
+        pass
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        path = sysconfig.get_paths().get(key)
+        if path:
+            dirs.add(str(Path(path).resolve()))
+    return tuple(sorted(dirs))
+
+
+def user_stack(error: BaseException, limit: int = 6) -> list[traceback.FrameSummary]:
+    """The frames of `error`'s traceback (and of what caused it) that are in the user's own files, innermost
+    last: what to show instead of shardlang's and torch's internals."""
+    libraries = _library_dirs()
+    chain, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        chain.append(error)
+        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    frames = []
+    for e in reversed(chain):
+        for frame in traceback.extract_tb(e.__traceback__):
+            name = frame.filename
+            if name.startswith("<") or str(Path(name).resolve()).startswith(libraries):
+                continue
+            frames.append(frame)
+    return frames[-limit:]
+
+
+def where(frame: traceback.FrameSummary) -> str:
+    """`examples/model.py:12 in forward: raise ValueError(...)`, the path relative to here where it can be."""
+    path = Path(frame.filename)
+    with contextlib.suppress(ValueError):
+        path = path.resolve().relative_to(Path.cwd())
+    code = f": {frame.line.strip()}" if frame.line else ""
+    return f"{path}:{frame.lineno} in {frame.name}{code}"
 
 
 #: Set in a pool worker while a job runs: sends a progress message to the launcher.
@@ -56,7 +129,50 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, jobs, results, timeout_s: float) -> None:
+def _die_with(parent: int, deathsig: bool = True) -> None:
+    """End this worker when the launcher dies, whatever killed it (SIGTERM, the OOM killer's SIGKILL):
+    the kernel's parent-death signal on Linux, and a thread watching the parent's pid everywhere (for
+    other systems, and for the moment before prctl took effect). The kernel sends that signal when the
+    parent *thread* that started the worker ends, so `deathsig` is off for a pool started from a thread
+    other than the main one, and only the watcher acts."""
+    if deathsig and sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(1)  # the launcher died before prctl
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="shardlang-parent-watch", daemon=True).start()
+
+
+def _worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    jobs,
+    results,
+    timeout_s: float,
+    parent: int | None = None,
+    log: str | None = None,
+    deathsig: bool = True,
+) -> None:
+    # Ctrl-C is the launcher's to handle (it stops every worker): a worker prints no KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if parent is not None:
+        _die_with(parent, deathsig)
+    if log is not None:
+        # What torch and gloo print (C++ warnings, logged tracebacks, teardown notices) goes to a file: the
+        # launcher reports failures itself, and shows these logs with --debug.
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(fd, 2)
+        os.close(fd)
     if backend == "gloo":
         # A CPU world: hide GPUs so that an `auto` mesh means cpu on every rank, as gloo expects.
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -81,27 +197,45 @@ def _worker(rank: int, world_size: int, port: int, backend: str, jobs, results, 
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     except Exception as e:  # noqa: BLE001
-        results.put((None, rank, "error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+        results.put((None, rank, "error", _failure(e)))
         return
-    results.put((None, rank, "ready", None, ""))
+    results.put((None, rank, "ready", None))
     while True:
         job = jobs.get()
         if job is None:
             break
         job_id, payload = job
         global _progress
-        _progress = lambda message, job_id=job_id: results.put((job_id, rank, "progress", message, ""))  # noqa: E731
+        _progress = lambda message, job_id=job_id: results.put((job_id, rank, "progress", message))  # noqa: E731
         try:
             fn, args, kwargs = pickle.loads(payload)
             value = pickle.dumps(fn(*args, **kwargs))
         except BaseException as e:  # noqa: BLE001 - report anything, including SystemExit
-            results.put((job_id, rank, "error", f"{type(e).__name__}: {e}", traceback.format_exc()))
+            results.put((job_id, rank, "error", _failure(e)))
             continue
-        results.put((job_id, rank, "ok", value, ""))
+        results.put((job_id, rank, "ok", value))
     try:
         destroy_process_groups()
     except Exception:  # noqa: BLE001 - teardown problems after the last job are not the job's
         pass
+
+
+def _failure(error: BaseException) -> dict[str, Any]:
+    """What the launcher needs to report a job's exception (plain data: it crosses a queue)."""
+    from ..runtime.modelfile import ModelFileError
+
+    message = str(error) if isinstance(error, ModelFileError) else f"{type(error).__name__}: {error}"
+    diagnostic = getattr(error, "diagnostic", None)
+    try:
+        pickle.dumps(diagnostic)
+    except Exception:  # noqa: BLE001 - a diagnostic that does not pickle is left out
+        diagnostic = None
+    return {
+        "message": getattr(error, "summary", None) or message,
+        "details": "".join(traceback.format_exception(error)),
+        "user": tuple(where(f) for f in user_stack(error)),
+        "diagnostic": diagnostic,
+    }
 
 
 def destroy_process_groups() -> None:
@@ -159,6 +293,24 @@ def in_fresh_process(fn: Callable[..., Any], *args: Any, timeout_s: float = 600.
     return value
 
 
+def _error(rank: int, failure: dict[str, Any]) -> WorkerError:
+    return WorkerError(rank, failure["message"], failure["details"], failure["user"], failure["diagnostic"])
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored while workers are started: an ignored signal stays ignored across exec, and Python
+    then installs no KeyboardInterrupt handler, so the terminal's Ctrl-C reaches the launcher only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 class WorkerPool:
     """`world_size` processes, each rank of one process group (gloo on CPU, nccl with one GPU each)."""
 
@@ -167,27 +319,51 @@ class WorkerPool:
         world_size: int,
         backend: str = "gloo",
         timeout_s: float = 300.0,
-        start_timeout_s: float = 120.0,
+        start_timeout_s: float | None = None,
         on_progress: Callable[[int, str], None] | None = None,
+        log_dir: str | None = None,
     ):
+        """Start the workers and wait until every one has joined the process group: up to `start_timeout_s`
+        (default `timeout_s`, which also bounds each collective); on a loaded machine starting N Python
+        processes that import torch takes minutes. With `log_dir`, each rank's stderr goes to
+        `log_dir/rank<R>.log` (see `logs`) instead of this process's stderr."""
         self.world_size, self.backend, self.on_progress = world_size, backend, on_progress
+        self.start_timeout_s = timeout_s if start_timeout_s is None else start_timeout_s
+        self.log_dir = log_dir
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(world_size)]
+        self._doing = ["starting"] * world_size  # each rank's last progress message, for a rank that dies
         port = free_port()
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, port, backend, self._jobs[r], self._results, timeout_s),
+                args=(
+                    r,
+                    world_size,
+                    port,
+                    backend,
+                    self._jobs[r],
+                    self._results,
+                    timeout_s,
+                    os.getpid(),
+                    None if log_dir is None else str(Path(log_dir) / f"rank{r}.log"),
+                    threading.current_thread() is threading.main_thread(),
+                ),
                 daemon=True,
             )
             for r in range(world_size)
         ]
-        for proc in self._procs:
-            proc.start()
         self._next = 0
         self.broken = False
-        self._collect(None, start_timeout_s, "ready")
+        try:
+            with _sigint_ignored():  # inherited through exec: a worker never sees the terminal's Ctrl-C
+                for proc in self._procs:
+                    proc.start()
+            self._collect(None, self.start_timeout_s, "ready")
+        except BaseException:
+            self.kill()
+            raise
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 600.0, **kwargs: Any) -> list[Any]:
         """Run `fn(*args, **kwargs)` on every rank; the return values in rank order."""
@@ -195,36 +371,44 @@ class WorkerPool:
             raise WorkerError(-1, "the worker pool was stopped by an earlier failure")
         payload = pickle.dumps((fn, args, kwargs))  # fails here, not silently in a queue's feeder thread
         self._next += 1
-        for q in self._jobs:
-            q.put((self._next, payload))
-        return [pickle.loads(v) for v in self._collect(self._next, timeout_s, "ok")]
+        self._doing = ["running its job"] * self.world_size
+        try:
+            for q in self._jobs:
+                q.put((self._next, payload))
+            values = self._collect(self._next, timeout_s, "ok")
+        except WorkerError:
+            raise
+        except BaseException:  # Ctrl-C, a forwarded SIGTERM: stop every worker now, not after the job
+            self.kill()
+            raise
+        return [pickle.loads(v) for v in values]
 
     def _collect(self, job_id: int | None, timeout_s: float, expect: str) -> list[Any]:
         values: dict[int, Any] = {}
         deadline = time.monotonic() + timeout_s
         while len(values) < self.world_size:
             try:
-                got_id, rank, status, value, details = self._results.get(timeout=0.2)
+                got_id, rank, status, value = self._results.get(timeout=0.2)
             except queue.Empty:
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
                 if dead:
+                    self._drain(job_id)
                     self.stop()
                     raise self._died(dead[0]) from None
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(self.world_size)) - set(values))
-                    self.stop()
-                    raise WorkerError(
-                        missing[0], f"no result within {timeout_s:.0f} s (ranks {missing} still running)"
-                    ) from None
+                    self.kill()  # stuck workers read no polite stop
+                    raise self._late(job_id, timeout_s, missing) from None
                 continue
             if got_id != job_id:
                 continue  # a late result of an earlier, failed job
             if status == "progress":
+                self._doing[rank] = value
                 if self.on_progress is not None:
                     self.on_progress(rank, value)
                 continue
             if status == "error":
-                raise self._root_cause(WorkerError(rank, value, details))
+                raise self._root_cause(_error(rank, value))
             values[rank] = value
         return [values[r] for r in range(self.world_size)]
 
@@ -249,19 +433,66 @@ class WorkerPool:
                 errors.insert(0, self._died(dead[0]))
                 break
             try:
-                _, rank, status, value, details = self._results.get(timeout=0.1)
+                _, rank, status, value = self._results.get(timeout=0.1)
             except queue.Empty:
                 continue
             if status == "error":
-                errors.append(WorkerError(rank, value, details))
+                errors.append(_error(rank, value))
         self.stop()
         causes = [e for e in errors if not any(s in e.message for s in self._SYMPTOMS)]
         return (causes or errors)[0]
 
+    def _drain(self, job_id: int | None) -> None:
+        """Take in the progress messages still queued (what a rank that died was doing)."""
+        with contextlib.suppress(queue.Empty, OSError, EOFError):
+            while True:
+                got_id, rank, status, value = self._results.get_nowait()
+                if got_id == job_id and status == "progress":
+                    self._doing[rank] = value
+
     def _died(self, rank: int) -> WorkerError:
         code = self._procs[rank].exitcode
         how = f" (killed by signal {-code})" if code is not None and code < 0 else ""
-        return WorkerError(rank, f"worker exited with code {code}{how}")
+        return WorkerError(rank, f"worker exited with code {code}{how} (last reported: {self._doing[rank]})", died=True)
+
+    def _late(self, job_id: int | None, timeout_s: float, missing: list[int]) -> WorkerError:
+        ranks = ", ".join(map(str, missing))
+        if job_id is None:
+            return WorkerError(
+                missing[0],
+                f"start-up timed out: rank{'s' if len(missing) > 1 else ''} {ranks} of {self.world_size} did not "
+                f"report ready within {timeout_s:g} s",
+                summary=f"start-up timed out after {timeout_s:g} s: rank{'s' if len(missing) > 1 else ''} {ranks} "
+                f"of {self.world_size} never reported (a loaded machine may need a longer --timeout)",
+            )
+        doing = "; ".join(f"rank {r}: {self._doing[r]}" for r in missing[:4])
+        return WorkerError(
+            missing[0],
+            f"no result within {timeout_s:g} s (ranks {missing} still running)",
+            summary=f"timed out after {timeout_s:g} s: rank{'s' if len(missing) > 1 else ''} {ranks} still "
+            f"running ({doing})",
+        )
+
+    def logs(self) -> dict[int, str]:
+        """Each rank's stderr so far, where the pool was given a `log_dir` (rank -> text; empty ones left out)."""
+        found = {}
+        for r in range(self.world_size if self.log_dir else 0):
+            path = Path(self.log_dir) / f"rank{r}.log"
+            text = path.read_text(errors="replace") if path.exists() else ""
+            if text.strip():
+                found[r] = text
+        return found
+
+    def kill(self) -> None:
+        """Stop every worker at once (an interrupt, or a failed start): SIGKILL, so none prints anything."""
+        self.broken = True
+        for proc in self._procs:
+            if proc.pid is not None and proc.is_alive():
+                with contextlib.suppress(OSError):
+                    proc.kill()
+        for proc in self._procs:
+            if proc.pid is not None:
+                proc.join(5)
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Stop every worker: politely when idle, by force when not done within `grace_s`."""

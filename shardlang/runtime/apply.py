@@ -75,7 +75,8 @@ def apply_plan(plan: ir.Plan, model: nn.Module) -> Applied:
         )
     world_size = dist.get_world_size()
     imported = _import_uses(plan, sources)
-    linted = lint(plan, model, world_size, style_kinds(imported), fsdp_strided_shard())
+    # In a simulated world (explain) nothing runs: what torch cannot run shows as explain's failed step.
+    linted = lint(plan, model, world_size, style_kinds(imported), fsdp_strided_shard(), runs=not simulated())
     if not linted.ok:
         raise PlanError(linted.diagnostics, sources)
     problems = [] if simulated() else _check_devices(plan, model)
@@ -84,7 +85,7 @@ def apply_plan(plan: ir.Plan, model: nn.Module) -> Applied:
     program = lower(plan, linted.resolution, world_size)
     applied = Applied(model, {}, program, linted, imported)
     snapshot = Snapshot.take(model)
-    failure = None
+    failure, details = None, ""
     try:
         running = Running(model, applied.meshes, imported)
         for step in program.steps:
@@ -95,13 +96,14 @@ def apply_plan(plan: ir.Plan, model: nn.Module) -> Applied:
                 kind.run(step, running)
             except Exception as e:  # noqa: BLE001 - any failure of a torch call is reported as SL300
                 failure = _failure(plan, step, e)
+                details = "".join(traceback.format_exception(e))
                 break
     finally:
         failure = _agree(failure)
         if failure is not None:
             snapshot.restore()
     if failure is not None:
-        raise PlanError([failure], sources)
+        raise PlanError([failure], sources, details)  # details: the local traceback, for `--debug`
     return applied
 
 

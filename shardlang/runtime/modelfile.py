@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,48 @@ from attrs import frozen
 
 class ModelFileError(Exception):
     """The model file cannot be loaded or lacks build_model (a usage error: exit status 2)."""
+
+
+class _ExitCalled(BaseException):
+    """os._exit called by user code while `user_code(..., keep_alive=True)` guards it."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+@contextlib.contextmanager
+def user_code(what: str, keep_alive: bool = False) -> Iterator[None]:
+    """Run a model file's code: any exception, and `sys.exit`, become ModelFileError naming `what`.
+
+    With `keep_alive` (the launcher: lint, compile, explain and apply's own checks), `os._exit` is
+    intercepted too, so that a model file cannot end the command with its own exit status; a worker
+    does not need this (the launcher reports a worker that exits as a dead rank)."""
+    real_exit = os._exit
+
+    def refuse_exit(code: int = 0) -> None:
+        raise _ExitCalled(code)
+
+    if keep_alive:
+        os._exit = refuse_exit
+    try:
+        yield
+    except SystemExit as e:
+        raise ModelFileError(f"{what} called sys.exit({e.code!r})") from None
+    except _ExitCalled as e:
+        raise ModelFileError(f"{what} called os._exit({e.code!r})") from None
+    except ModelFileError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure of user code is reported, not raised
+        raise ModelFileError(f"{what} failed: {type(e).__name__}: {_first_line(e)}") from e
+    finally:
+        if keep_alive:
+            os._exit = real_exit
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error)
+    return text.splitlines()[0] if text.strip() else "(no message)"
 
 
 @frozen
@@ -39,22 +83,38 @@ class ModelFile:
             return (load_model_file, (self.path, self.entry, self.hf, self.seq))
         return (ModelFile, (self.origin, self.build_model, self.example_input, self.loss))
 
-    def build_on_meta(self) -> torch.nn.Module:
+    def build_on_meta(self, keep_alive: bool = False) -> torch.nn.Module:
         """The model on the meta device: no memory, no GPU; what lint, compile and explain look at."""
-        try:
-            with torch.device("meta"):
-                return self.build_model()
-        except Exception as e:  # noqa: BLE001 - any failure of user code is reported, not raised
-            raise ModelFileError(
-                f"build_model() from {self.origin} failed on the meta device: {type(e).__name__}: {e}"
-            ) from e
+        with user_code(f"build_model() from {self.origin} on the meta device", keep_alive), torch.device("meta"):
+            model = self.build_model()
+        return check_module(model, self.origin)
+
+
+def check_module(model: Any, origin: str) -> torch.nn.Module:
+    """What build_model() returned, if it is a module (ModelFileError otherwise)."""
+    if not isinstance(model, torch.nn.Module):
+        raise ModelFileError(f"build_model() from {origin} returned {describe(model)}, not a torch.nn.Module")
+    return model
+
+
+def describe(value: Any) -> str:
+    """`a str`, `None`: what a value is, for a message."""
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
 def load_model_file(
-    path: str | None = None, entry: str | None = None, hf: str | None = None, seq: int | None = None
+    path: str | None = None,
+    entry: str | None = None,
+    hf: str | None = None,
+    seq: int | None = None,
+    keep_alive: bool = False,
 ) -> ModelFile:
     """Load `path` (a .py file), `entry` (`package.module:function`, the function being build_model) or
-    `hf` (a Hugging Face config: runtime.hf)."""
+    `hf` (a Hugging Face config: runtime.hf). Whatever a file's import does (raise, sys.exit; with
+    `keep_alive`, os._exit) is a ModelFileError."""
     if sum(x is not None for x in (path, entry, hf)) != 1:
         raise ModelFileError("give a model file, --entry package.module:function or --hf PATH (one of them)")
     if hf is not None:
@@ -70,10 +130,8 @@ def load_model_file(
         if not sep or not module_name or not function:
             raise ModelFileError(f"--entry expects package.module:function, got {entry!r}")
         _add_to_path(Path.cwd())
-        try:
+        with user_code(f"importing {module_name}", keep_alive):
             module = importlib.import_module(module_name)
-        except Exception as e:  # noqa: BLE001
-            raise ModelFileError(f"cannot import {module_name}: {type(e).__name__}: {e}") from e
         build = getattr(module, function, None)
         if not callable(build):
             raise ModelFileError(f"{module_name} has no function {function}")
@@ -84,10 +142,10 @@ def load_model_file(
             getattr(module, "loss", None),
             entry=entry,
         )
-    return _from_path(Path(path))
+    return _from_path(Path(path), keep_alive)
 
 
-def _from_path(path: Path) -> ModelFile:
+def _from_path(path: Path, keep_alive: bool = False) -> ModelFile:
     if not path.is_file():
         raise ModelFileError(f"cannot read model file {path}: no such file")
     resolved = path.resolve()
@@ -101,10 +159,11 @@ def _from_path(path: Path) -> ModelFile:
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         try:
-            spec.loader.exec_module(module)
-        except Exception as e:  # noqa: BLE001
+            with user_code(f"loading {path}", keep_alive):
+                spec.loader.exec_module(module)
+        except BaseException:
             del sys.modules[name]
-            raise ModelFileError(f"{path} failed to load: {type(e).__name__}: {e}") from e
+            raise
     build = getattr(module, "build_model", None)
     if not callable(build):
         raise ModelFileError(f"{path} defines no build_model() (docs/language.md §6)")

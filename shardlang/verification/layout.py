@@ -16,6 +16,7 @@ from attrs import frozen
 from torch.distributed.tensor import DTensor, Shard
 
 from ..frontend import ir
+from ..runtime.modelfile import ModelFileError, describe, user_code
 
 
 @frozen
@@ -68,8 +69,13 @@ def _ravel(index: list[int], shape: list[int]) -> int:
 def replica_inputs(ctx, step: int, replica: int, batch: int) -> tuple:
     """The full inputs of one data-parallel replica at one step, from the model file's example_input."""
     generator = torch.Generator().manual_seed(7919 * (step + 1) + replica)
-    inputs = ctx.model_file.example_input(batch, generator)
+    what = f"example_input({batch}, generator) from {ctx.model_file.origin}"
+    with user_code(what):
+        inputs = ctx.model_file.example_input(batch, generator)
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
+    if not any(isinstance(x, torch.Tensor) for x in inputs):
+        got = describe(inputs[0]) if len(inputs) == 1 else "a tuple without a tensor"
+        raise ModelFileError(f"{what} returned {got}: the model's inputs must be a tensor or a tuple of them")
     return tuple(x.to(ctx.device) if isinstance(x, torch.Tensor) else x for x in inputs)
 
 
@@ -108,9 +114,15 @@ def loss_context(plan: ir.Plan):
 def loss(ctx, output: Any, inputs: tuple) -> torch.Tensor:
     """The model file's loss(output, inputs), or the default: the sum of the whole output."""
     given = ctx.model_file.loss
-    if given is not None:
-        return given(output, inputs if len(inputs) > 1 else inputs[0])
-    return output.float().sum()
+    if given is None:
+        return output.float().sum()
+    what = f"loss(output, inputs) from {ctx.model_file.origin}"
+    with user_code(what):
+        value = given(output, inputs if len(inputs) > 1 else inputs[0])
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        got = f"a tensor of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else describe(value)
+        raise ModelFileError(f"{what} returned {got}, not a scalar tensor")
+    return value
 
 
 def value(loss_tensor: torch.Tensor) -> float:

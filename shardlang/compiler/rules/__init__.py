@@ -1,10 +1,10 @@
-"""The lint rules (SL201-SL210), one module per family; each rule is (plan, resolution, predictions, mesh shapes) -> diagnostics."""
+"""The lint rules (SL201-SL211), one module per family; each rule is (plan, resolution, predictions, mesh shapes) -> diagnostics."""
 
 from .activations import partial_gradients
 from .coverage import unsynchronised_gradients
 from .devices import mixed_device_meshes, uninitialised_on_meta
 from .matches import duplicate_matches, unit_conflicts
-from .shards import tied_parameters, uneven_shards
+from .shards import tied_parameters, uneven_shards, unrunnable_shards
 from .styles import loss_parallel_output, style_module_types
 
 #: Every rule, in the order lint runs them.
@@ -13,6 +13,7 @@ RULES = (
     unit_conflicts,
     style_module_types,
     uneven_shards,
+    unrunnable_shards,
     tied_parameters,
     unsynchronised_gradients,
     loss_parallel_output,

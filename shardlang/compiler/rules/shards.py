@@ -1,13 +1,18 @@
-"""How tensors split (SL203, SL204): uneven shards, and tied parameters placed or sharded apart."""
+"""How tensors split (SL203, SL204, SL211): uneven shards, those torch cannot run, and tied parameters placed
+or sharded apart."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 
+import torch
+import torch.nn as nn
+
 from ...frontend import ir
-from ...frontend.diagnostics import SL203, SL204, Diagnostic, few
+from ...frontend.diagnostics import SL203, SL204, SL211, Diagnostic, few
 from ...frontend.source import Span
-from ..predict import enclosing, owned, rules_by_module, units_by_module
+from ..predict import enclosing, owned, rules_by_module, style_kind, units_by_module
+from ..torchlimits import ROWWISE_UNEVEN_LOCAL_INPUT, cannot
 from .common import dim_sizes, unit_span
 
 
@@ -21,10 +26,16 @@ def uneven_shards(plan, resolution, predictions, shapes) -> list[Diagnostic]:
     for fqn, placed in predictions.items():
         if not placed.known or placed.mesh is None:
             continue
-        shape = list(tensors[fqn].shape)
+        full = list(tensors[fqn].shape)
+        shape = list(full)
         owner = fqn.rpartition(".")[0]
-        # Walk mesh dims in order, as DTensor does: each shard splits what earlier dims left.
-        for dim, placement in zip(placed.dims, placed.placements):
+        split_by: dict[int, list[str]] = defaultdict(list)
+        # Walk the mesh dims in the order the shards are taken: DTensor's order, except that a
+        # _StridedShard (FSDP over a TP-sharded dim) splits what the later dims' shards left, so it comes
+        # after them: FSDP's 16 rows of a 32-row colwise weight at tp=2 over dp=3, not 32 over dp=3.
+        order = sorted(range(len(placed.dims)), key=lambda i: isinstance(placed.placements[i], ir.StridedShard))
+        for i in order:
+            dim, placement = placed.dims[i], placed.placements[i]
             if not isinstance(placement, (ir.Shard, ir.StridedShard)):
                 continue
             n = sizes[(placed.mesh, dim)]
@@ -32,8 +43,10 @@ def uneven_shards(plan, resolution, predictions, shapes) -> list[Diagnostic]:
             if shape[d] % n:
                 origin = _origin(plan, rules, units, owner, placed.mesh, dim)
                 if origin is not None:
-                    by_origin[origin].append(f"{fqn} dim {d}: {shape[d]} over {dim}={n}")
+                    of = f" ({full[d]} split by {', '.join(split_by[d])})" if split_by[d] else ""
+                    by_origin[origin].append(f"{fqn} dim {d}: {shape[d]}{of} over {dim}={n}")
             shape[d] = -(-shape[d] // n)
+            split_by[d].append(f"{dim}={n}")
     return [
         Diagnostic(
             SL203,
@@ -42,6 +55,52 @@ def uneven_shards(plan, resolution, predictions, shapes) -> list[Diagnostic]:
             (few(items), "DTensor and FSDP pad uneven shards; pick sizes that divide to avoid the padding"),
         )
         for (span, _), items in by_origin.items()
+    ]
+
+
+def unrunnable_shards(plan, resolution, predictions, shapes) -> list[Diagnostic]:
+    """SL211: uneven TP shards that the installed torch cannot run (torchlimits.py): a rowwise nn.Linear
+    whose in_features do not divide by the TP size while its input comes as a local `shard(-1)` tensor.
+    A block where some colwise layer keeps a DTensor output (`local_output=false`) is left to SL203:
+    a DTensor input carries its uneven shape, and torch runs it."""
+    if not cannot(ROWWISE_UNEVEN_LOCAL_INPUT):
+        return []
+    sizes = dim_sizes(plan, shapes)
+    keeps_dtensor = {
+        match.block
+        for match in resolution.rules
+        if style_kind(match.rule.style) == "colwise" and match.rule.style.get("local_output") is False
+    }
+    found: dict[ir.Rule, list[str]] = defaultdict(list)
+    sized: dict[ir.Rule, int] = {}
+    for match in resolution.rules:
+        style, module = match.rule.style, resolution.modules[match.fqn]
+        if style.use is not None or style.name != "rowwise" or not isinstance(module, nn.Linear):
+            continue
+        if match.block in keeps_dtensor or style.get("input", ir.Shard(-1)) != ir.Shard(-1):
+            continue
+        mesh = plan.parallelize[match.block].mesh
+        n = 1
+        for dim in mesh.dims:
+            n *= sizes[(mesh.mesh, dim)]
+        if n > 1 and module.in_features % n:
+            found[match.rule].append(f"'{match.fqn}' has {module.in_features}")
+            sized[match.rule] = n
+    version = torch.__version__.split("+")[0]
+    return [
+        Diagnostic(
+            SL211,
+            f"torch {version} cannot run this rowwise layer at tp={sized[rule]}: in_features not divisible "
+            f"by {sized[rule]} ({few(items)})",
+            rule.span,
+            (
+                "RowwiseParallel rebuilds its shard(-1) input from each rank's local tensor assuming equal "
+                'chunks, so the matmul fails ("a and b must have same reduction dim")',
+                "use a TP size that divides in_features, or give the layer `input=replicate`, or keep the "
+                "previous colwise layer's output a DTensor (`local_output=false`)",
+            ),
+        )
+        for rule, items in found.items()
     ]
 
 
