@@ -8,6 +8,7 @@ report = shardlang.verify(plan, build_model, example_input)
 print(plan.to_python())
 shardlang.save_checkpoint(model, "ckpt", optimizer)    # DCP; loads under any plan and world size
 shardlang.load_checkpoint(model, "ckpt", optimizer)
+print(shardlang.init_plan(model, tp=2))               # a starter plan for a model (built on meta is enough)
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "load_checkpoint",
     "read_checkpoint",
     "convert_checkpoint",
+    "init_plan",
 ]
 
 #: Names imported on first use: the checkpoint functions need torch.distributed.checkpoint, which
@@ -41,6 +43,7 @@ _LAZY = {
     "load_checkpoint": "checkpoints.dcp",
     "read_checkpoint": "checkpoints.dcp",
     "convert_checkpoint": "checkpoints.dcp",
+    "init_plan": "compiler.starter",
 }
 
 

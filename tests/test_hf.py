@@ -69,3 +69,29 @@ def test_starter_plan_of_a_model_without_tp_plan_is_fsdp_only():
     assert "parallelize" not in text and "each layers.*" in text
     assert not [d for d in shardlang.loads(text).lint(model, world_size=4) if d.is_error]
     assert (ROOT / "examples" / "llama.py").exists()
+
+
+def test_init_and_lint_and_apply_with_hf(qwen3_dir, tmp_path, capsys, monkeypatch, pools):
+    """The three commands a user runs: init a plan from the config, lint it, apply it (on the pool)."""
+    import shardlang
+    from shardlang.cli.main import main
+    from shardlang.launch.job import Job, run
+    from shardlang.runtime.modelfile import load_model_file
+
+    monkeypatch.chdir(ROOT)
+    plan = tmp_path / "qwen3.sl"
+    assert main(["init", "--hf", str(qwen3_dir), "--tp", "2", "-o", str(plan)]) == 0
+    assert "linted at world 4: clean" in capsys.readouterr().out
+    assert main(["lint", str(plan), "--hf", str(qwen3_dir), "--world", "4"]) == 0
+    model_file = load_model_file(hf=str(qwen3_dir), seq=16)
+    checks = shardlang.load(plan).checks
+    report = pools(4).run(run, Job(str(plan), {}, None, None, checks, model_file=model_file, explicit=True))[0]
+    assert report.ok, [(c.check, c.status, c.message) for c in report.checks]
+    assert all(c.status == "pass" or (c.check, c.status) == ("comms", "reported") for c in report.checks)
+
+
+def test_hf_without_config_is_a_usage_error(tmp_path, capsys):
+    from shardlang.cli.main import main
+
+    assert main(["lint", "plans/hf/qwen3.sl", "--hf", str(tmp_path), "--world", "2"]) == 2
+    assert "no config.json" in capsys.readouterr().err

@@ -191,6 +191,17 @@ def _parser() -> argparse.ArgumentParser:
     compile_.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
     compile_.set_defaults(run=run_compile)
 
+    init = commands.add_parser(
+        "init", help="write a starter plan for a model: FSDP2 on its repeated blocks, its own TP plan (transformers)"
+    )
+    _add_model(init, required=False)
+    init.add_argument("--tp", type=_positive, default=1, metavar="N", help="tensor-parallel size (default 1: none)")
+    init.add_argument(
+        "--dp", type=_positive, metavar="N", help="data-parallel size (default: auto, what the world leaves)"
+    )
+    init.add_argument("-o", "--output", metavar="PLAN", help="write the plan to PLAN instead of stdout")
+    init.set_defaults(run=run_init, plan=None, params=[], world=None)
+
     convert = commands.add_parser("convert", help="a checkpoint directory to a torch state dict file, or back")
     convert.add_argument("source", metavar="SOURCE", help="a checkpoint directory, or a .pt file of a state dict")
     convert.add_argument("target", metavar="TARGET", help="the .pt file to write, or the checkpoint directory")
@@ -211,16 +222,32 @@ def _add_model(parser: argparse.ArgumentParser, required: bool) -> None:
     parser.add_argument(
         "--entry", metavar="PKG.MODULE:FUNCTION", help="build_model as an importable function instead of MODEL"
     )
+    parser.add_argument(
+        "--hf",
+        metavar="PATH",
+        help="a Hugging Face transformers model instead of MODEL: a directory with config.json, or the file "
+        "(built from the config; random token ids; the causal-LM loss; needs pip install 'shardlang[hf]')",
+    )
+    parser.add_argument(
+        "--seq", type=_positive, metavar="N", help="with --hf: tokens per sequence of the example inputs (128)"
+    )
 
 
 def _model_file(args: argparse.Namespace) -> ModelFile | None:
-    if args.model is None and args.entry is None:
+    if args.model is None and args.entry is None and args.hf is None:
         return None
-    with time_limit(getattr(args, "timeout", None), f"loading {args.model or args.entry}"):
+    with time_limit(getattr(args, "timeout", None), f"loading {_model_arg(args).strip()}"):
         try:
-            return load_model_file(args.model, args.entry, keep_alive=True)
+            return load_model_file(args.model, args.entry, hf=args.hf, seq=args.seq, keep_alive=True)
         except ModelFileError as e:
             raise UsageError(str(e)) from None
+
+
+def _model_arg(args: argparse.Namespace) -> str:
+    """The model as the command line named it: ` MODEL`, ` --entry E` or ` --hf PATH`, or ""."""
+    if args.model:
+        return f" {args.model}"
+    return f" --entry {args.entry}" if args.entry else f" --hf {args.hf}" if args.hf else ""
 
 
 class _TimedOut(BaseException):
@@ -340,6 +367,34 @@ def run_lint(args: argparse.Namespace) -> int:
     return FOUND if any(d.is_error for d in found) else OK
 
 
+def run_init(args: argparse.Namespace) -> int:
+    """A starter plan on stdout (or -o), linted against the model at tp x dp (dp 2 where it is auto):
+    exit 0 when it lints clean, 1 when lint found errors (the plan is written all the same, to edit)."""
+    from ..compiler.starter import init_plan
+    from ..frontend.read import read_source
+
+    _check_output(args.output)
+    model_file = _model_file(args)
+    if model_file is None:
+        raise UsageError(
+            "init needs a model: MODEL (a file defining build_model), --entry package.module:function or --hf PATH"
+        )
+    model = _meta_model(model_file)
+    text = init_plan(model, tp=args.tp, dp=args.dp, name=_model_arg(args).strip())
+    world = args.tp * (args.dp or 2)
+    source = Source(args.output or "<init>", text)
+    plan, found = read_source(source, None, world)
+    if plan is not None:
+        found = sorted([*found, *lint(plan, model, world).diagnostics], key=sort_key)
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+        print(f"wrote {args.output} (linted at world {world}: {'clean' if not found else f'{len(found)} diagnostics'})")
+    else:
+        sys.stdout.write(text)
+    emit_diagnostics(found, {source.name: source}, "text", stream=sys.stderr)
+    return FOUND if any(d.is_error for d in found) else OK
+
+
 def run_compile(args: argparse.Namespace) -> int:
     """The program as Python on stdout (or -o); diagnostics on stderr. A plan that does not compile: 2."""
     from ..emit.python import compile_python
@@ -350,7 +405,7 @@ def run_compile(args: argparse.Namespace) -> int:
     code = None
     if plan is not None:
         model = _meta_model(model_file) if model_file is not None else None
-        model_arg = f" {args.model}" if args.model else f" --entry {args.entry}" if args.entry else ""
+        model_arg = _model_arg(args)
         world_arg = f" --world {args.world}" if args.world else ""
         command = f"shardlang compile {args.plan}{model_arg}{world_arg} --emit python"
         try:
@@ -383,7 +438,9 @@ def run_apply(args: argparse.Namespace) -> int:
         world = _default_nproc(plan, device)
     model_file = _model_file(args)
     if model_file is None:
-        raise UsageError("apply needs a model: MODEL (a file defining build_model) or --entry package.module:function")
+        raise UsageError(
+            "apply needs a model: MODEL (a file defining build_model), --entry package.module:function or --hf PATH"
+        )
     checks = _checks(plan, args)
     explicit = args.verify is not None or any(c.span is not None for c in plan.checks)
     needs_input = [c.name for c in checks if c.name in ("gradients", "comms")]
@@ -413,6 +470,7 @@ def run_apply(args: argparse.Namespace) -> int:
         args.entry,
         checks,
         args.seed,
+        model_file=model_file if args.hf else None,  # crosses to the workers by its config's path
         load=args.load,
         save=args.save,
         explicit=explicit,
@@ -496,7 +554,7 @@ def run_explain(args: argparse.Namespace) -> int:
     model_file = _model_file(args)
     if model_file is None:
         raise UsageError(
-            "explain needs a model: MODEL (a file defining build_model) or --entry package.module:function"
+            "explain needs a model: MODEL (a file defining build_model), --entry package.module:function or --hf PATH"
         )
     if not 0 <= args.rank < args.world:
         raise UsageError(f"--rank {args.rank} is not in a world of {args.world}")

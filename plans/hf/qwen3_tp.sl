@@ -1,0 +1,35 @@
+# plans/hf/qwen3_tp.sl — written by `shardlang init examples/hf_qwen3.py --tp 2`, then reviewed: the
+# model's own tp_plan translated rule by rule (its per-head q/k norms as replicated weights whose
+# gradients DTensor sums over tp), FSDP2 over the decoder layers, bf16 compute, built on meta.
+# Model: examples/hf_qwen3.py (needs pip install -e '.[hf]').
+# Run: shardlang apply plans/hf/qwen3_tp.sl examples/hf_qwen3.py --nproc 4
+shardlang 1
+
+mesh world = auto[dp=auto, tp=2]
+
+# Tensor parallelism, from the model's own tp_plan (transformers).
+parallelize on world.tp {
+    model.layers.*.self_attn.q_proj : colwise
+    model.layers.*.self_attn.k_proj : colwise
+    model.layers.*.self_attn.v_proj : colwise
+    model.layers.*.self_attn.q_norm : distribute(input=shard(2), output=local)
+    model.layers.*.self_attn.k_norm : distribute(input=shard(2), output=local)
+    model.layers.*.self_attn.o_proj : rowwise
+    model.layers.*.mlp.gate_proj    : colwise
+    model.layers.*.mlp.up_proj      : colwise
+    model.layers.*.mlp.down_proj    : rowwise
+    lm_head                         : colwise(output=replicate)
+    model.embed_tokens              : rowwise(input=replicate)
+}
+
+# FSDP2: one unit per repeated block, and the root (the rest).
+fully_shard on world.dp {
+    each model.layers.*
+    mixed_precision(param=bf16, reduce=fp32)
+}
+
+# Parameters on the meta device, each shard initialised on its own rank by the model's own
+# initialisers; buffers computed at construction are kept.
+init meta
+
+# No verify statement: apply runs all six checks.
