@@ -264,7 +264,7 @@ def test_explain_of_a_forward_that_hangs_is_bounded_by_its_timeout(capsys):
     assert time.perf_counter() - start < 30
 
 
-# --- uneven shards: SL203 names the right statement and sizes; SL211 where torch cannot run one ---------
+# --- uneven shards: SL203 names the right statement and sizes; SL301 where torch cannot run one ---------
 
 
 def test_sl203_blames_fsdp_with_the_real_sizes(capsys):
@@ -279,9 +279,9 @@ def test_sl203_blames_fsdp_with_the_real_sizes(capsys):
 def test_uneven_rowwise_is_an_error_where_torch_cannot_run_it(capsys):
     status, text = call(["lint", "plans/mlp_tp.sl", "examples/mlp.py", "--world", "3"], capsys)
     assert status == 1
-    assert "plans/mlp_tp.sl:10:5: error[SL211]" in text and "'net2' has 32" in text
+    assert "plans/mlp_tp.sl:10:5: error[SL301]" in text and "'net2' has 32" in text
     status, text = call(["apply", "plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "3"], capsys)
-    assert status == 2 and "error[SL211]" in text and "Traceback" not in text
+    assert status == 2 and "error[SL301]" in text and "Traceback" not in text
 
 
 def test_torch_limits_match_the_installed_torch(pools):

@@ -12,7 +12,7 @@ import torch.nn as nn
 from attrs import frozen
 
 from ..frontend import ir
-from ..frontend.diagnostics import SL211, Diagnostic
+from ..frontend.diagnostics import SL301, Diagnostic
 from ..frontend.static_checks import check_world
 from .predict import Placed, mesh_shapes, predict
 from .resolve import Resolution, resolve
@@ -42,7 +42,7 @@ def lint(
 ) -> Linted:
     """Resolve `plan` on `model`, predict placements at `world_size` and run every SL2xx check.
     `user_kinds` and `strided_shard` are what apply knows of the installed torch (see predict).
-    `runs` False leaves out SL211 (what the installed torch cannot run): explain lays out a plan in a
+    `runs` False leaves out SL301 (what the installed torch cannot run): explain lays out a plan in a
     simulated world without running it, and says in a note when its step fails."""
     found = list(check_world(plan, world_size))
     if found:
@@ -53,5 +53,5 @@ def lint(
     for rule in RULES:
         found += rule(plan, resolution, predictions, shapes)
     if not runs:
-        found = [d for d in found if d.code != SL211.name]
+        found = [d for d in found if d.code != SL301.name]
     return Linted(resolution, predictions, tuple(found))

@@ -46,11 +46,11 @@ class Code(enum.Enum):
         Severity.WARNING,
         "a parameter replicated over a TP dim sits where that dim's activations are sharded: partial gradients",
     )
-    SL211 = (
-        Severity.ERROR,
-        "an uneven tensor-parallel shard that the installed torch cannot run (a rowwise Linear's local input)",
-    )
     SL300 = (Severity.ERROR, "apply failed (the model is left exactly as it was)")
+    SL301 = (
+        Severity.ERROR,
+        "a step the installed torch cannot run, found before apply: an uneven tensor-parallel shard (a rowwise Linear's local input)",
+    )
     SL400 = (Severity.ERROR, "a verification check failed")
     SL500 = (
         Severity.ERROR,
@@ -95,8 +95,8 @@ class Code(enum.Enum):
     SL208,
     SL209,
     SL210,
-    SL211,
     SL300,
+    SL301,
     SL400,
     SL500,
     SL501,

@@ -1,4 +1,4 @@
-"""The lint rules (SL201-SL211), one module per family; each rule is (plan, resolution, predictions, mesh shapes) -> diagnostics."""
+"""The lint rules (SL201-SL210, SL301), one module per family; each rule is (plan, resolution, predictions, mesh shapes) -> diagnostics."""
 
 from .activations import partial_gradients
 from .coverage import unsynchronised_gradients

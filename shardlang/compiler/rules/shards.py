@@ -1,4 +1,4 @@
-"""How tensors split (SL203, SL204, SL211): uneven shards, those torch cannot run, and tied parameters placed
+"""How tensors split (SL203, SL204, SL301): uneven shards, those torch cannot run, and tied parameters placed
 or sharded apart."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from ...frontend import ir
-from ...frontend.diagnostics import SL203, SL204, SL211, Diagnostic, few
+from ...frontend.diagnostics import SL203, SL204, SL301, Diagnostic, few
 from ...frontend.source import Span
 from ..predict import enclosing, owned, rules_by_module, style_kind, units_by_module
 from ..torchlimits import ROWWISE_UNEVEN_LOCAL_INPUT, cannot
@@ -59,7 +59,7 @@ def uneven_shards(plan, resolution, predictions, shapes) -> list[Diagnostic]:
 
 
 def unrunnable_shards(plan, resolution, predictions, shapes) -> list[Diagnostic]:
-    """SL211: uneven TP shards that the installed torch cannot run (torchlimits.py): a rowwise nn.Linear
+    """SL301: uneven TP shards that the installed torch cannot run (torchlimits.py): a rowwise nn.Linear
     whose in_features do not divide by the TP size while its input comes as a local `shard(-1)` tensor.
     A block where some colwise layer keeps a DTensor output (`local_output=false`) is left to SL203:
     a DTensor input carries its uneven shape, and torch runs it."""
@@ -89,7 +89,7 @@ def unrunnable_shards(plan, resolution, predictions, shapes) -> list[Diagnostic]
     version = torch.__version__.split("+")[0]
     return [
         Diagnostic(
-            SL211,
+            SL301,
             f"torch {version} cannot run this rowwise layer at tp={sized[rule]}: in_features not divisible "
             f"by {sized[rule]} ({few(items)})",
             rule.span,
