@@ -51,8 +51,9 @@ def localise(ctx, references, inputs: tuple, where, args: dict, failing_params: 
         records = sorted(getattr(sharded, kind), key=lambda record: (order.get(record[0], len(order)), record[0]))
         if not _same_everywhere(len(records)):
             return None  # the ranks ran different modules: no record-by-record comparison is possible
+        readings = _all_readings([got for _, got in records], group)
         ratios = _largest_anywhere(
-            [_ratio(_readings(got, group), want.get(key), rounding.get(key), K) for key, got in records]
+            [_ratio(read, want.get(key), rounding.get(key), K) for (key, _), read in zip(records, readings)]
         )
         first = next((i for i, ratio in enumerate(ratios) if ratio is not None and ratio > CLEAR), None)
         if first is not None:
@@ -167,24 +168,52 @@ def _tp_group(ctx, where):
     return mesh.get_group() if mesh.ndim == 1 else None
 
 
-def _readings(tensor: torch.Tensor, group) -> list[torch.Tensor]:
-    """The ways the sharded module's output can be read as a whole tensor."""
-    if isinstance(tensor, DTensor):
-        return [tensor.full_tensor()]
+def _all_readings(tensors: list[torch.Tensor], group) -> list[list[torch.Tensor]]:
+    """For each of the sharded model's recorded tensors, the ways it can be read as a whole tensor. One
+    all_gather_object over the TP group for all of them: every rank makes the same single call, whatever
+    kind of tensor each record holds on it."""
+    mine = [_portable(t) for t in tensors]
     if group is None or dist.get_world_size(group) == 1:
-        return [tensor]
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, tensor.cpu(), group=group)
-    pieces = [t.to(tensor.device) for t in everyone]
-    readings = [tensor]
-    if all(p.shape == tensor.shape for p in pieces):
-        readings.append(torch.stack(pieces).sum(0))
-    for dim in range(tensor.ndim):
-        if all(p.ndim == tensor.ndim for p in pieces):
-            try:
-                readings.append(torch.cat(pieces, dim=dim))
-            except RuntimeError:
-                continue
+        everyone = [mine]
+    else:
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+    return [_readings(t, [theirs[i] for theirs in everyone]) for i, t in enumerate(tensors)]
+
+
+def _portable(tensor: torch.Tensor) -> tuple:
+    """A recorded tensor as plain data: its local values on the CPU, and a DTensor's placements."""
+    if isinstance(tensor, DTensor):
+        placements = tuple((type(p).__name__, getattr(p, "dim", None)) for p in tensor.placements)
+        return tensor.to_local().detach().cpu(), placements
+    return tensor.detach().cpu(), None
+
+
+def _readings(tensor: torch.Tensor, pieces: list[tuple]) -> list[torch.Tensor]:
+    """A DTensor on the TP mesh is assembled as its placement says; a local tensor is read as it is,
+    summed over the TP group (a partial result), or concatenated along each dim."""
+    device = tensor.device
+    locals_ = [local.to(device) for local, _ in pieces]
+    placements = pieces[0][1] if pieces else None
+    if isinstance(tensor, DTensor):
+        if placements is None or len(placements) != 1 or len(pieces) != tensor.device_mesh.size():
+            return []  # a DTensor over several mesh dims: not read here
+        kind, dim = placements[0]
+        if kind == "Replicate":
+            return [locals_[0]]
+        if kind == "Partial":
+            return [torch.stack(locals_).sum(0)]
+        return [torch.cat(locals_, dim=dim)] if dim is not None else []
+    readings = [tensor.detach()]
+    if len(locals_) > 1:
+        if all(p.shape == tensor.shape for p in locals_):
+            readings.append(torch.stack(locals_).sum(0))
+        if all(p.ndim == tensor.ndim for p in locals_):
+            for dim in range(tensor.ndim):
+                try:
+                    readings.append(torch.cat(locals_, dim=dim))
+                except RuntimeError:
+                    continue
     return readings
 
 
