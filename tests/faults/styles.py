@@ -89,18 +89,18 @@ def colwise_heads_swapped(module, mesh, head_dim: int = 8):
 
 def colwise_head0_frozen(module, mesh, head_dim: int = 4):
     """Fault: column-wise, but on TP rank 0 the first head's rows get no gradient (their output is
-    computed from a detached copy of them): one head of eight silently never trains."""
+    computed from a detached copy of them): one head of eight silently never trains. Every rank runs the
+    same operations (only rank 0 detaches), so the collectives of backward stay the same on every rank."""
     from torch.distributed.tensor import DTensor
 
     parallelize_module(module, mesh, ColwiseParallel())
-    if mesh.get_local_rank() != 0:
-        return
+    frozen = mesh.get_local_rank() == 0
 
     def hook(mod, args, out):
         x = args[0].to_local() if isinstance(args[0], DTensor) else args[0]
         w = mod.weight.to_local() if isinstance(mod.weight, DTensor) else mod.weight
-        head = torch.nn.functional.linear(x, w[:head_dim].detach())
-        return torch.cat([head, out[..., head_dim:]], dim=-1)
+        rows = w[:head_dim].detach() if frozen else w[:head_dim]
+        return torch.cat([torch.nn.functional.linear(x, rows), out[..., head_dim:]], dim=-1)
 
     module.register_forward_hook(hook)
 
