@@ -31,7 +31,7 @@ from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _Update
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 #: The categories explain reports, from the trackers' reference types (their `.value`s).
 CATEGORIES = {
@@ -55,6 +55,24 @@ ORDER = ("parameters", "gathered", "gradients", "optimizer", "activations", "tem
 
 #: Ops that only name their input anew (no kernel, no bytes moved).
 _FREE = frozenset({"detach", "view", "_unsafe_view", "t", "transpose", "permute", "expand", "alias", "slice", "select"})
+#: Allocations that run no kernel.
+_UNWRITTEN = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
+
+
+def _cpu_attention(query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_flop_count(query.shape, key.shape, value.shape)
+
+
+def _cpu_attention_backward(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+
+
+#: The fake step runs on CPU, where SDPA is the CPU flash kernel, which torch's FLOP formulas do not
+#: list: counted as the CUDA flash kernel it stands for (torch's formulas, no causal halving).
+_CPU_ATTENTION = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_attention,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_attention_backward,
+}
 _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
 
 
@@ -65,8 +83,10 @@ class Extension:
         self._propagating = 0
         self._act_by_module: Counter[str] = Counter()
         self.peak_by_module: dict[str, int] = {}
-        #: (flops, bytes, low precision, recomputed) -> how many ops had exactly that cost.
-        self.costs: Counter[tuple[int, int, bool, bool]] = Counter()
+        #: (kind, FLOPs, bytes, low precision, recomputed) -> how many ops had exactly that cost. Kinds:
+        #: "kernel" (a local op: one launch), "part" (one tensor of a foreach or fused op, whose launch is
+        #: its own "kernel" entry), "dtensor" (a DTensor op, dispatched on the CPU to local ops).
+        self.costs: Counter[tuple[str, int, int, bool, bool]] = Counter()
         self._root_name: str | None = None
 
     @contextlib.contextmanager
@@ -143,16 +163,23 @@ class Extension:
                 return NotImplemented
             return func(*args, **(kwargs or {}))
         result = super().__torch_dispatch__(func, types, args, kwargs)
-        if result is not NotImplemented and active_fake_mode() is self._fake_mode_on_entry:
+        if result is NotImplemented:  # a DTensor op, on its way to its local ops
+            self.costs[("dtensor", 0, 0, False, self._recomputing())] += 1
+        elif active_fake_mode() is self._fake_mode_on_entry:
             self._cost(func, args, kwargs or {}, result)
         return result
+
+    def _recomputing(self) -> bool:
+        # Recomputing a checkpointed forward: an op in backward with grad mode on (the engine runs
+        # backward ops with it off).
+        return self._mod_tracker.is_bw and torch.is_grad_enabled()
 
     def _cost(self, func, args, kwargs, result) -> None:
         packet = func.overloadpacket
         namespace = str(packet).partition(".")[0]
         if namespace in _COLLECTIVE_NAMESPACES or func.is_view or packet.__name__ in _FREE:
             return
-        recomputed = bool(self._in_ac)
+        recomputed = self._recomputing()
         lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
         if lists:
             # A foreach or fused op (optimizers) over many tensors: one op per tensor, so that the tally
@@ -168,14 +195,17 @@ class Extension:
                 moved = sum(_nbytes(a[i]) for a in lists if i < len(a)) + sum(
                     _nbytes(a[i]) for a in mutated if i < len(a)
                 )
-                self.costs[(0, moved, _low([a[i] for a in lists if i < len(a)]), recomputed)] += 1
+                self.costs[("part", 0, moved, _low([a[i] for a in lists if i < len(a)]), recomputed)] += 1
+            self.costs[("kernel", 0, 0, False, recomputed)] += 1
             return
-        counter = flop_registry.get(packet)
+        outputs = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
+        if not outputs or packet.__name__ in _UNWRITTEN:  # metadata queries; allocations with no kernel
+            return
+        counter = _CPU_ATTENTION.get(packet) or flop_registry.get(packet)
         flops = int(counter(*args, **kwargs, out_val=result)) if counter is not None else 0
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        outputs = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
         moved = sum(map(_nbytes, inputs)) + sum(map(_nbytes, outputs))
-        self.costs[(flops, moved, _low(inputs), recomputed)] += 1
+        self.costs[("kernel", flops, moved, _low(inputs), recomputed)] += 1
 
     # --- the result ---
 
@@ -225,3 +255,51 @@ def tracker(model, optimizer) -> Extension:
     from torch.distributed.fsdp import FSDPModule
 
     return FSDPTracker(model, optimizer) if isinstance(model, FSDPModule) else Tracker(model, optimizer)
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """RMSNorm as CUDA runs it (`_fused_rms_norm`: one kernel that saves its input and the inverse
+    RMS), where the fake step on CPU would run torch's composite, which saves a float32 copy of the
+    input and three intermediates: 5 times the input's bytes instead of 1. Forward: the composite
+    under no_grad (same values, same ops, nothing kept); backward: the composite again, differentiated
+    (the same collectives as the composite's own backward, with transient memory only)."""
+
+    @staticmethod
+    def forward(ctx, x, normalized_shape, weight, eps, composite):
+        ctx.normalized_shape, ctx.eps, ctx.composite = normalized_shape, eps, composite
+        ctx.save_for_backward(x, weight)
+        with torch.no_grad():
+            return composite(x, normalized_shape, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [x.detach().requires_grad_()]
+            if weight is not None:
+                inputs.append(weight.detach().requires_grad_(weight.requires_grad))
+            y = ctx.composite(inputs[0], ctx.normalized_shape, inputs[1] if weight is not None else None, ctx.eps)
+            wanted = [t for t in inputs if t.requires_grad]
+            found = iter(torch.autograd.grad(y, wanted, grad))
+        grads = [next(found) if t.requires_grad else None for t in inputs]
+        return grads[0], None, grads[1] if weight is not None else None, None, None
+
+
+@contextlib.contextmanager
+def cuda_like_rms_norm():
+    """`torch.nn.functional.rms_norm` as CUDA's fused kernel keeps memory, for the length of the block."""
+    import torch.nn.functional as F
+
+    composite = F.rms_norm
+
+    @wraps(composite)
+    def fused(input, normalized_shape, weight=None, eps=None):
+        if not input.requires_grad and (weight is None or not weight.requires_grad):
+            return composite(input, normalized_shape, weight, eps)
+        return _FusedRMSNorm.apply(input, tuple(normalized_shape), weight, eps, composite)
+
+    F.rms_norm = fused
+    try:
+        yield
+    finally:
+        F.rms_norm = composite

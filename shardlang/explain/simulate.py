@@ -667,7 +667,7 @@ def _training_step(
     from ..verification import Context
     from ..verification import layout as lay
     from ..verification.comms import Calls
-    from .memory import tracker
+    from .memory import cuda_like_rms_norm, tracker
 
     recorder = Calls()
     plain = (FakeTensor, torch.Tensor, nn.Parameter)  # the types FakeTensorMode runs itself
@@ -701,10 +701,16 @@ def _training_step(
             optimizer = torch.optim.AdamW(trained, lr=1e-4, fused=True)
         except (RuntimeError, ValueError):  # a dtype or device fused AdamW does not take
             optimizer = torch.optim.AdamW(trained, lr=1e-4, foreach=False)
+        # The step after warm-up, as a training loop runs it: AdamW's states exist from the start (the
+        # first step creates them at its optimizer step), the gradients do not (zero_grad(set_to_none)).
+        for p in trained:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         memory = tracker(model, optimizer)
         memory.track_inputs(inputs)
         recorder.calls.clear()
-        with memory:
+        with memory, cuda_like_rms_norm():
             output = model(*inputs)
             with recorder.paused():
                 whole = lay.full_output(ctx, where, output, output_layout)

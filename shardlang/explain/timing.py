@@ -15,7 +15,10 @@ row-major over the ranks, the last dim fastest); such dims use NVLink, the other
 
 Overlap: FSDP's all-gathers and reduce-scatters (c10d ops on their own streams, prefetched) hide
 behind compute; the rest (tensor parallelism's functional collectives, which the next op waits for) do
-not. Step time = compute + exposed communication + max(0, FSDP communication - compute).
+not. GPU time = compute + exposed communication + max(0, FSDP communication - compute).
+
+Host: eager PyTorch launches every kernel from Python and dispatches every DTensor op on the CPU
+(`LAUNCH_S`, `DTENSOR_S` each). The step takes the longer of the GPU's time and the host's.
 """
 
 from __future__ import annotations
@@ -52,6 +55,14 @@ NVLINK_LATENCY = 10e-6
 IB_BANDWIDTH, IB_LATENCY = 45e9, 20e-6
 
 
+#: Eager PyTorch on the host: seconds per kernel launched (Python, dispatcher, CUDA launch) and per
+#: DTensor op dispatched (sharding propagation, redistribution, wrapping), on top of its local kernels.
+#: Rough priors, to be calibrated (benchmarks/explain_calibration.py): a step whose GPU work is shorter
+#: than its host work runs at the host's pace.
+LAUNCH_S = 5e-6
+DTENSOR_S = 40e-6
+
+
 @frozen
 class Link:
     bandwidth: float  # bytes per second
@@ -71,6 +82,9 @@ class Hardware:
     inter: Link = Link(IB_BANDWIDTH, IB_LATENCY)
     #: Given links, by dim name (`dp`, or `mesh.dp`).
     links: tuple[tuple[str, Link], ...] = ()
+    #: The host's time per kernel launched and per DTensor op dispatched (eager mode).
+    launch: float = 0.0
+    dtensor: float = 0.0
 
 
 def hardware(
@@ -97,6 +111,8 @@ def hardware(
         Link(card.nvlink, NVLINK_LATENCY),
         Link(IB_BANDWIDTH, IB_LATENCY),
         parse_links(links) if links else (),
+        LAUNCH_S,
+        DTENSOR_S,
     )
 
 
@@ -138,8 +154,8 @@ def parse_links(text: str) -> tuple[tuple[str, Link], ...]:
     return tuple(links)
 
 
-#: What a simulated step's ops cost: ((FLOPs, bytes, low precision, recomputed), how many ops), sorted.
-Tally = tuple[tuple[tuple[int, int, bool, bool], int], ...]
+#: What a simulated step's ops cost: ((kind, FLOPs, bytes, low precision, recomputed), how many), sorted.
+Tally = tuple[tuple[tuple[str, int, int, bool, bool], int], ...]
 
 
 @frozen
@@ -155,7 +171,10 @@ class DimTime:
 @frozen
 class StepTime:
     gpu: str
-    seconds: float  # the step: compute + exposed communication + FSDP's beyond compute
+    seconds: float  # the step: compute + exposed communication, or the host's time if longer
+    host: float  # the CPU's time to launch the step's kernels and dispatch its DTensor ops
+    kernels: int
+    dtensor_ops: int
     compute: float
     recompute: float  # the part of compute that recomputes checkpointed activations
     communication: float  # all collectives, overlapped or not
@@ -201,7 +220,12 @@ def dim_layout(meshes, world_size: int, gpus_per_node: int) -> dict[str, tuple[i
 def step_time(tally: Tally, collectives, meshes, world_size: int, hw: Hardware, tokens: int, replicas: int) -> StepTime:
     compute = recompute = 0.0
     flops = model_flops = 0
-    for (op_flops, moved, low, recomputed), count in tally:
+    kernels = dtensor_ops = 0
+    for (kind, op_flops, moved, low, recomputed), count in tally:
+        if kind == "dtensor":
+            dtensor_ops += count
+            continue
+        kernels += count if kind == "kernel" else 0
         seconds = max(op_flops / (hw.bf16 if low else hw.fp32), moved / hw.hbm) * count
         compute += seconds
         flops += op_flops * count
@@ -233,10 +257,14 @@ def step_time(tally: Tally, collectives, meshes, world_size: int, hw: Hardware, 
     overlapped = sum(d.seconds for d in dims if d.overlapped)
     exposed_tp = sum(d.seconds for d in dims if not d.overlapped)
     exposed = exposed_tp + max(0.0, overlapped - compute)
-    seconds = compute + exposed
+    host = kernels * hw.launch + dtensor_ops * hw.dtensor
+    seconds = max(compute + exposed, host)
     return StepTime(
         hw.gpu,
         seconds,
+        host,
+        kernels,
+        dtensor_ops,
         compute,
         recompute,
         overlapped + exposed_tp,
