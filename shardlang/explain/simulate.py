@@ -505,7 +505,10 @@ class _Stepper:
 
 
 def _peak(m: _Measure) -> Peak:
-    modules = sorted(((name or "(top level)", n) for name, n in m.modules.items() if n), key=lambda x: (-x[1], x[0]))
+    modules = sorted(
+        ((name or "(top level)", n) for name, n in m.modules.items() if n),
+        key=lambda x: (-x[1], [int(p) if p.isdigit() else p for p in x[0].split(".")]),
+    )
     return Peak(m.peak, tuple(m.categories.items()), tuple(modules[:TOP_MODULES]), m.batch, m.tokens, m.replicas)
 
 
