@@ -482,8 +482,11 @@ class _Stepper:
         return _collectives(measured.calls), (note,) if note else (), _peak(measured), _tally(measured.tally)
 
     def fit(self, limit: int, first: Peak) -> Fit:
-        """The largest batch whose peak is at most `limit`: doubling from 1, then bisection (the peak
-        grows with the batch)."""
+        """The largest batch whose peak is at most `limit`, found by a bracketed search on the simulated
+        step: the peak grows with the batch (about linearly), so each guess is where the line through the
+        two nearest known points meets the limit, and its neighbour is simulated too; a guess that does
+        not close the bracket is followed by a bisection step. It ends with batch b fitting and b + 1
+        not, both simulated."""
         tried = {first.batch: first.bytes}
 
         def peak(batch: int) -> int:
@@ -491,17 +494,35 @@ class _Stepper:
                 tried[batch] = self.measure(batch)[0].peak
             return tried[batch]
 
+        def result(batch: int) -> Fit:
+            return Fit(limit, batch, tried[batch] if batch else tried[1], tuple(sorted(tried.items())))
+
         if peak(1) > limit:
-            return Fit(limit, 0, tried[1], tuple(sorted(tried.items())))
-        low, high = 1, 2
-        while peak(high) <= limit:
-            low, high = high, high * 2
-            if high > 1 << 20:
-                break
-        while high - low > 1:
-            middle = (low + high) // 2
-            low, high = (middle, high) if peak(middle) <= limit else (low, middle)
-        return Fit(limit, low, tried[low], tuple(sorted(tried.items())))
+            return result(0)
+        bisect = False
+        while True:
+            fits = sorted(b for b, n in tried.items() if n <= limit)
+            over = sorted(b for b, n in tried.items() if n > limit)
+            low, high = fits[-1], (over[0] if over else None)
+            if high is not None and high - low <= 1:
+                return result(low)
+            if high is not None and bisect:
+                peak((low + high) // 2)
+                bisect = False
+                continue
+            near = fits[-2] if high is None and len(fits) > 1 else high
+            if near is None or tried[near] == tried[low]:
+                guess = low * 2 if high is None else (low + high) // 2
+            else:
+                slope = (tried[near] - tried[low]) / (near - low)
+                guess = low + math.floor((limit - tried[low]) / slope) if slope > 0 else low * 2
+            guess = max(guess, low + 1) if high is None else min(max(guess, low + 1), high - 1)
+            guess = min(guess, 1 << 24)
+            peak(guess)
+            peak(guess + 1 if tried[guess] <= limit else guess - 1)
+            bisect = high is not None
+            if guess >= 1 << 24:
+                return result(max(b for b, n in tried.items() if n <= limit))
 
 
 def _peak(m: _Measure) -> Peak:
