@@ -117,7 +117,7 @@ def render_text(e: Explanation, console: Console, pattern: str | None = None) ->
 
 
 def seconds_text(s: float) -> str:
-    return f"{s * 1000:.1f} ms" if s < 1 else f"{s:.2f} s"
+    return f"{s * 1e6:.0f} us" if s < 1e-3 else f"{s * 1000:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
 def render_peak(e: Explanation, console: Console) -> None:

@@ -460,18 +460,26 @@ class _Stepper:
     def measure(self, batch: int | None) -> tuple[_Measure, str | None]:
         if self.stack is not None:
             path, keys = self.stack
+            steps: dict[int, _Measure] = {}
+            whole = None
             try:
-                steps = [self._step(self._cut(depth), batch) for depth in STEP_DEPTHS]
+                for depth in STEP_DEPTHS:
+                    steps[depth] = self._step(self._cut(depth), batch)
+                whole = _extrapolate(steps, STEP_DEPTHS[0], path, keys)
+                if whole is None and len(keys) > STEP_DEPTHS[-1] + 1:
+                    # The smallest cut may peak at another moment of the step than longer ones do (a
+                    # unit gathered at its peak, say): one block more, and the three longest decide.
+                    steps[STEP_DEPTHS[-1] + 1] = self._step(self._cut(STEP_DEPTHS[-1] + 1), batch)
+                    whole = _extrapolate(steps, STEP_DEPTHS[1], path, keys)
             except Exception:  # noqa: BLE001 - a model that cannot run cut short runs whole
-                steps = None
-            whole = _extrapolate(steps, path, keys) if steps is not None else None
+                whole = None
             if whole is not None:
-                *fewer, most = map(str, STEP_DEPTHS)
+                *fewer, most = map(str, sorted(steps))
                 n = len(keys)
                 note = (
                     f"the step was simulated on {', '.join(fewer)} and {most} of the {n} blocks of `{path}`: each block past "
-                    f"the second added the same collectives, memory and ops, so they are extrapolated to all {n} "
-                    f"(--full-step simulates every block)"
+                    f"the {'second' if len(steps) == 3 else 'third'} added the same collectives, memory and ops, so they are "
+                    f"extrapolated to all {n} (--full-step simulates every block)"
                 )
                 return whole, note
             self.stack = None  # not linear here: no other batch will be either
@@ -537,19 +545,19 @@ def _tally(tally: Counter) -> Tally:
     return tuple(sorted(tally.items()))
 
 
-def _extrapolate(steps: list[_Measure], path: str, keys: list[str]) -> _Measure | None:
-    """The step of all len(keys) blocks from those of 2, 3 and 4 (`_Stepper`), or None if they do not
-    grow by exactly the same amounts."""
-    first, second, third = steps
-    n = len(keys)
+def _extrapolate(steps: dict[int, _Measure], k: int, path: str, keys: list[str]) -> _Measure | None:
+    """The step of all len(keys) blocks from those of k, k + 1 and k + 2 blocks (`_Stepper`), or None if
+    they do not grow by exactly the same amounts."""
+    first, second, third = steps[k], steps[k + 1], steps[k + 2]
+    more = len(keys) - k
     block = _minus(second.calls, first.calls)
     if block is None or block != _minus(third.calls, second.calls):
         return None
     calls = {}
     zero = (0, 0)
     for key in first.calls.keys() | block.keys():
-        (count, nbytes), (more, more_bytes) = first.calls.get(key, zero), block.get(key, zero)
-        calls[key] = (count + (n - 2) * more, nbytes + (n - 2) * more_bytes)
+        (count, nbytes), (extra, extra_bytes) = first.calls.get(key, zero), block.get(key, zero)
+        calls[key] = (count + more * extra, nbytes + more * extra_bytes)
     if second.peak - first.peak != third.peak - second.peak:
         return None
     categories = {}
@@ -557,17 +565,17 @@ def _extrapolate(steps: list[_Measure], path: str, keys: list[str]) -> _Measure 
         step = second.categories[key] - first.categories[key]
         if third.categories[key] - second.categories[key] != step:
             return None
-        categories[key] = first.categories[key] + (n - 2) * step
+        categories[key] = first.categories[key] + more * step
     tally_block = _grown(third.tally, second.tally)
     if tally_block is None or tally_block != _grown(second.tally, first.tally):
         return None
     tally = Counter(first.tally)
     for key, count in tally_block.items():
-        tally[key] += (n - 2) * count
-    modules = _modules_extrapolated(second.modules, third.modules, path, keys, categories, third.categories)
+        tally[key] += more * count
+    modules = _modules_extrapolated(second.modules, third.modules, k + 2, path, keys, categories, third.categories)
     if modules is None:
         return None
-    peak = first.peak + (n - 2) * (second.peak - first.peak)
+    peak = first.peak + more * (second.peak - first.peak)
     return _Measure(calls, peak, categories, modules, tally, first.batch, first.tokens, first.replicas)
 
 
@@ -577,36 +585,44 @@ def _grown(more: Counter, fewer: Counter) -> Counter | None:
     return Counter({k: count - fewer[k] for k, count in more.items() if count != fewer[k]})
 
 
-def _modules_extrapolated(three: dict, four: dict, path: str, keys: list[str], whole: dict, at_four: dict):
-    """Activations by module at the peak of all the blocks, from the 4-block step's: its first and
-    last block as they are, each middle block as its 2nd (which must equal its 3rd), the rest as the
-    3-block step had it. None unless that adds up to the extrapolated activations."""
+def _modules_extrapolated(
+    shorter: dict, longest: dict, depth: int, path: str, keys: list[str], whole: dict, at_longest: dict
+):
+    """Activations by module at the peak of all the blocks, from the `depth`-block step's: its first
+    block and its last ones that differ from the middle as they are, each middle block as its 2nd (all
+    its middle blocks must be equal), the rest as the step one block shorter had it. None unless that
+    adds up to the extrapolated activations."""
     prefix = f"{path}." if path else ""
-    blocks: list[dict] = [{} for _ in range(STEP_DEPTHS[-1])]
-    outside = {}
-    for name, n in four.items():
-        for i, key in enumerate(keys[: STEP_DEPTHS[-1]]):
-            head = f"{prefix}{key}"
-            if name == head or name.startswith(head + "."):
-                blocks[i][name[len(head) :]] = n
-                break
-        else:
-            outside[name] = n
-    three_outside = {
-        k: v
-        for k, v in three.items()
-        if not any(k == f"{prefix}{key}" or k.startswith(f"{prefix}{key}.") for key in keys[:3])
-    }
-    if blocks[1] != blocks[2] or outside != three_outside:
+
+    def split(modules: dict, count: int) -> tuple[list[dict], dict]:
+        blocks: list[dict] = [{} for _ in range(count)]
+        outside = {}
+        for name, n in modules.items():
+            for i, key in enumerate(keys[:count]):
+                head = f"{prefix}{key}"
+                if name == head or name.startswith(head + "."):
+                    blocks[i][name[len(head) :]] = n
+                    break
+            else:
+                outside[name] = n
+        return blocks, outside
+
+    blocks, outside = split(longest, depth)
+    # The last blocks may differ from the middle ones (at a peak in backward: the last freed, the one
+    # before half-way); the middle blocks, 1 to depth - 1 - tail, must be equal.
+    tail = 1
+    while tail < depth - 2 and blocks[depth - 1 - tail] != blocks[1]:
+        tail += 1
+    if any(b != blocks[1] for b in blocks[1 : depth - tail]) or outside != split(shorter, depth - 1)[1]:
         return None
     n = len(keys)
     modules = dict(outside)
     for i, key in enumerate(keys):
-        source = blocks[0] if i == 0 else blocks[-1] if i == n - 1 else blocks[1]
+        source = blocks[0] if i == 0 else blocks[depth - (n - i)] if i >= n - tail else blocks[1]
         for rest, count in source.items():
             modules[f"{prefix}{key}{rest}"] = count
-    # The middle blocks' activations must be what the extrapolated step adds over the 4-block one.
-    if sum(modules.values()) - sum(four.values()) != whole["activations"] - at_four["activations"]:
+    # The middle blocks' activations must be what the extrapolated step adds over the longest cut.
+    if sum(modules.values()) - sum(longest.values()) != whole["activations"] - at_longest["activations"]:
         return None
     return modules
 
@@ -750,9 +766,17 @@ def _training_step(
         key = (op, groups.get(group, f"group {group}"))
         by_key[key] = (by_key[key][0] + 1, by_key[key][1] + nbytes)
     peak, categories = memory.peak()
-    first = next((x for x in full if isinstance(x, torch.Tensor)), None)
-    tokens = math.prod(first.shape[:2]) if first is not None and first.ndim else batch
+    tokens = _tokens(full, batch)
     return _Measure(dict(by_key), peak, categories, memory.peak_by_module, memory.costs, batch, tokens, where.replicas)
+
+
+def _tokens(inputs: tuple, batch: int) -> int:
+    """Tokens per replica and step, from the first input tensor: batch x sequence for token ids
+    (integers, (batch, sequence, ...)) or embeddings ((batch, sequence, features)); else the batch."""
+    first = next((x for x in inputs if isinstance(x, torch.Tensor)), None)
+    if first is None or first.ndim < 2 or (first.is_floating_point() and first.ndim < 3):
+        return batch
+    return int(first.shape[0] * first.shape[1])
 
 
 @contextlib.contextmanager
