@@ -345,7 +345,11 @@ def test_hardware_arguments():
 
     assert parse_size("80GiB") == 80 * 2**30 and parse_size("80GB") == 80 * 10**9
     hw = hardware("a100", flops=100e12, links="dp=50GB/s:20us,tp=450GB/s")
-    assert hw.bf16 == 100e12 and dict(hw.links)["dp"].latency == 20e-6 and dict(hw.links)["tp"].bandwidth == 450e9
+    assert (
+        hw.bf16 == 100e12
+        and dict(hw.links)["dp"].latency == pytest.approx(20e-6)
+        and dict(hw.links)["tp"].bandwidth == 450e9
+    )
     # dp x tp = 64 x 8 on 8 GPUs a node: tp inside a node, dp across nodes.
     layout = dim_layout((("world", (("dp", 64), ("tp", 8))),), 512, 8)
     assert layout["world.tp"] == (8, True) and layout["world.dp"] == (64, False)
