@@ -2,7 +2,8 @@
 for the collectives, and FSDP's prefetch hiding its own collectives behind compute.
 
 Compute: every op of the simulated step (forward, loss, backward with any recomputation, optimizer
-step) costs max(FLOPs / peak FLOP/s, bytes read and written / HBM bandwidth): FLOPs from torch's own
+step) costs max(FLOPs / achieved FLOP/s, bytes read and written / achieved HBM bandwidth) (the
+data-sheet peaks times `FLOP_EFFICIENCY`, `HBM_EFFICIENCY`): FLOPs from torch's own
 formulas (torch.utils.flop_counter), at the bf16 peak where an input is bf16 or fp16 and at the fp32
 peak otherwise. torch's RuntimeEstimator does the same roofline but asks the CUDA device for its
 peaks (it refuses to run without one), so explain keeps its own table of them (`GPUS`).
@@ -61,6 +62,10 @@ IB_BANDWIDTH, IB_LATENCY = 45e9, 20e-6
 #: than its host work runs at the host's pace.
 LAUNCH_S = 5e-6
 DTENSOR_S = 40e-6
+#: What kernels reach of the data-sheet peaks: cuBLAS GEMMs of transformer sizes some 70% of the dense
+#: bf16 peak, elementwise and reduction kernels some 80% of HBM bandwidth. Priors, not fitted.
+FLOP_EFFICIENCY = 0.7
+HBM_EFFICIENCY = 0.8
 
 
 @frozen
@@ -85,6 +90,9 @@ class Hardware:
     #: The host's time per kernel launched and per DTensor op dispatched (eager mode).
     launch: float = 0.0
     dtensor: float = 0.0
+    #: The fractions of the peaks kernels reach (`FLOP_EFFICIENCY`, `HBM_EFFICIENCY`).
+    flop_efficiency: float = 1.0
+    hbm_efficiency: float = 1.0
 
 
 def hardware(
@@ -113,6 +121,8 @@ def hardware(
         parse_links(links) if links else (),
         LAUNCH_S,
         DTENSOR_S,
+        FLOP_EFFICIENCY,
+        HBM_EFFICIENCY,
     )
 
 
@@ -226,7 +236,10 @@ def step_time(tally: Tally, collectives, meshes, world_size: int, hw: Hardware, 
             dtensor_ops += count
             continue
         kernels += count if kind == "kernel" else 0
-        seconds = max(op_flops / (hw.bf16 if low else hw.fp32), moved / hw.hbm) * count
+        seconds = max(
+            op_flops / ((hw.bf16 if low else hw.fp32) * hw.flop_efficiency), moved / (hw.hbm * hw.hbm_efficiency)
+        )
+        seconds *= count
         compute += seconds
         flops += op_flops * count
         if recomputed:
