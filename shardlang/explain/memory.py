@@ -87,7 +87,6 @@ class Extension:
         #: "kernel" (a local op: one launch), "part" (one tensor of a foreach or fused op, whose launch is
         #: its own "kernel" entry), "dtensor" (a DTensor op, dispatched on the CPU to local ops).
         self.costs: Counter[tuple[str, int, int, bool, bool]] = Counter()
-        self._root_name: str | None = None
 
     @contextlib.contextmanager
     def _skip_propagation(self):
