@@ -62,19 +62,34 @@ class Plan(ir.Plan):
         example_input: Any = None,
         loss: Any = None,
         full_step: bool = False,
+        batch: int | None = None,
+        gpu: str = "h100",
+        fit: int | None = None,
     ) -> Any:
         """What every rank of a `world_size` world holds (and, given `example_input`, sends in one
-        training step), in a simulated world in one process; `model` on the meta device is enough.
-        `full_step`: run the step on every block of a repeated stack, not on 2, 3 and 4 of them."""
+        training step, its peak memory with `batch` per replica and its time on `gpu`), in a simulated
+        world in one process; `model` on the meta device is enough. `full_step`: run the step on every
+        block of a repeated stack, not on 2, 3 and 4 of them; `fit` (bytes): the largest batch that fits."""
         import copy
         import functools
 
         from .explain.simulate import explain
+        from .explain.timing import hardware
         from .runtime.modelfile import ModelFile
 
         build = functools.partial(copy.deepcopy, model)  # picklable, for a simulation in a fresh process
         model_file = ModelFile("library", build, example_input, loss) if example_input is not None else None
-        return explain(self, model, world_size, rank, model_file, full_step=full_step)
+        return explain(
+            self,
+            model,
+            world_size,
+            rank,
+            model_file,
+            full_step=full_step,
+            batch=batch,
+            hardware=hardware(gpu),
+            fit=fit,
+        )
 
     def to_python(self, model: Any = None, world_size: int | None = None) -> str:
         """The program as plain torch code; resolved against `model` (any device, meta is enough) if given."""

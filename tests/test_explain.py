@@ -80,18 +80,22 @@ def alternating_input(batch: int, generator) -> torch.Tensor:
     return torch.randn(batch, 16, generator=generator)
 
 
+def long_input(batch: int, generator) -> torch.Tensor:
+    return torch.randint(0, 64, (batch, 64), generator=generator)
+
+
 def test_a_long_stack_is_stepped_on_four_blocks_and_extrapolated_exactly():
-    """10 Llama blocks: the step on 2, 3 and 4 of them, extrapolated, equals the step on all 10, for
-    every collective's count and bytes; blocks that act differently by index run whole."""
-    from examples.llama import Transformer, example_input, loss
+    """10 Llama blocks: the step on a few of them, extrapolated, equals the step on all 10, for every
+    collective's count and bytes; blocks that act differently by index run whole."""
+    from examples.llama import Transformer, loss
 
     plan = shardlang.load(ROOT / "plans" / "llama_2d.sl")
     with torch.device("meta"):
-        model = Transformer(layers=10)
-    fast = plan.explain(model, world_size=8, example_input=example_input, loss=loss)
-    full = plan.explain(model, world_size=8, example_input=example_input, loss=loss, full_step=True)
+        model = Transformer(layers=10, seq=64)
+    fast = plan.explain(model, world_size=8, example_input=long_input, loss=loss)
+    full = plan.explain(model, world_size=8, example_input=long_input, loss=loss, full_step=True)
     assert fast.collectives == full.collectives and {c.mesh_dim for c in full.collectives} == {"world.dp", "world.tp"}
-    assert len(fast.notes) == 1 and "on 2, 3 and 4 of the 10 blocks of `layers`" in fast.notes[0]
+    assert len(fast.notes) == 1 and "of the 10 blocks of `layers`" in fast.notes[0]
     assert not full.notes
 
     plan = shardlang.loads(
@@ -235,3 +239,119 @@ def test_library_explain_and_json_data():
     assert {c.op for c in e.collectives} == {"all_reduce"}
     assert next(t for t in e.tensors if t.name == "net1.weight").local_shape == (8, 16)
     assert all(p.device.type == "meta" for p in model.parameters())  # the model was copied, not changed
+
+
+#: explain's predictions for the 1B benchmark model at world 2, batch 4 per replica, on an H100 (peak
+#: bytes on rank 0, estimated step seconds), pinned so that a change shows. benchmarks/RESULTS.md has
+#: them against what the GPUs measured (benchmarks/explain_calibration.py).
+PINNED_1B = {
+    "fsdp": (19935515220, 0.1486432015622525),
+    "fsdp_ac": (10263450196, 0.18148868845786675),
+    "tp_fsdp": (15220474452, 0.13444),
+    "tp_fsdp_ac": (9847571028, 0.18780000000000002),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PINNED_1B))
+def test_peak_and_step_time_of_the_1b_plans_are_pinned(name):
+    """The 1B benchmark plans (FSDP 2 and TP 2, each with and without activation checkpointing) at
+    world 2: the peak and the time estimate, exactly; the peak's AdamW states are the two fp32 states
+    the static count gives plus fused AdamW's step counters (4 bytes per parameter tensor)."""
+    from shardlang.explain.timing import hardware
+
+    model_file = load_model_file(None, entry="benchmarks.llama_1b:build_model")
+    plan = shardlang.load(ROOT / "benchmarks" / "plans" / f"llama_1b_{name}.sl")
+    e = explain(plan, model_file.build_on_meta(), 2, 0, model_file, batch=4, hardware=hardware("h100"))
+    assert "extrapolated" in e.notes[0]
+    assert (e.peak.bytes, e.time.seconds) == pytest.approx(PINNED_1B[name], rel=1e-12, abs=0)
+    assert e.peak.bytes == sum(n for _, n in e.peak.categories)
+    tensors = sum(1 for t in e.tensors if t.kind == "parameter")
+    assert e.peak.category("optimizer") == e.this_rank.optimizer + 4 * tensors
+    assert e.peak.batch == 4 and e.peak.tokens == 4 * 2048
+    if name.endswith("_ac"):
+        assert e.time.recompute > 0 and e.time.flops > e.time.model_flops
+        assert e.peak.bytes < PINNED_1B[name.removesuffix("_ac")][0]
+
+
+def test_memory_and_time_extrapolate_exactly():
+    """10 Llama blocks under TP + FSDP + checkpointing: the peak (by category and by module) and the
+    time from a few blocks equal those of the step on all 10. Its 2-block step peaks with another unit
+    gathered than longer ones, so 2, 3 and 4 blocks do not grow alike and 3, 4 and 5 decide."""
+    from examples.llama import Transformer, loss
+
+    plan = shardlang.load(ROOT / "plans" / "llama_2d.sl")
+    with torch.device("meta"):
+        model = Transformer(layers=10, seq=64)
+    fast = plan.explain(model, world_size=8, example_input=long_input, loss=loss, batch=3)
+    full = plan.explain(model, world_size=8, example_input=long_input, loss=loss, batch=3, full_step=True)
+    assert "on 2, 3, 4 and 5 of the 10 blocks" in fast.notes[0] and not full.notes
+    assert fast.peak == full.peak and fast.peak.batch == 3
+    assert fast.time == full.time
+
+
+def test_fit_finds_the_largest_batch_that_fits():
+    from examples.llama import Transformer, example_input, loss
+
+    plan = shardlang.load(ROOT / "plans" / "llama_2d.sl")
+    with torch.device("meta"):
+        model = Transformer(layers=2)
+    one = plan.explain(model, world_size=4, example_input=example_input, loss=loss, batch=1)
+    limit = one.peak.bytes + 100_000
+    e = plan.explain(model, world_size=4, example_input=example_input, loss=loss, fit=limit)
+    tried = dict(e.fit.tried)
+    assert e.fit.batch > 1 and tried[e.fit.batch] <= limit < tried[e.fit.batch + 1]
+    assert e.fit.peak == tried[e.fit.batch]
+    assert all(n > limit for b, n in tried.items() if b > e.fit.batch)
+
+
+def test_compare_and_json_carry_the_peak_and_the_time():
+    import json
+
+    base = ["explain", "plans/llama_2d.sl", "examples/llama.py", "--world", "4", "--batch", "2", "--gpu", "h200"]
+    done = subprocess.run(
+        [sys.executable, "-m", "shardlang", *base, "--compare", "plans/hsdp.sl", "--link", "dp=25GB/s:30us"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "plans/llama_2d.sl against plans/hsdp.sl" in done.stdout and "peak memory" in done.stdout
+    assert "step time" in done.stdout and "bytes on world.dp" in done.stdout
+    done = subprocess.run(
+        [sys.executable, "-m", "shardlang", *base, "--format", "json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    data = json.loads(done.stdout)
+    peak, time = data["peak"], data["time"]
+    assert peak["bytes"] == sum(n for _, n in peak["categories"]) and peak["batch"] == 2
+    assert [c for c, _ in peak["categories"]] == [
+        "parameters",
+        "gathered",
+        "gradients",
+        "optimizer",
+        "activations",
+        "temporary",
+    ]
+    assert time["gpu"] == "H200 SXM" and time["seconds"] >= time["compute"] > 0
+    assert {d["mesh_dim"] for d in time["dims"]} == {"world.dp", "world.tp"}
+
+
+def test_hardware_arguments():
+    from shardlang.explain.timing import dim_layout, hardware, parse_size
+
+    assert parse_size("80GiB") == 80 * 2**30 and parse_size("80GB") == 80 * 10**9
+    hw = hardware("a100", flops=100e12, links="dp=50GB/s:20us,tp=450GB/s")
+    assert (
+        hw.bf16 == 100e12
+        and dict(hw.links)["dp"].latency == pytest.approx(20e-6)
+        and dict(hw.links)["tp"].bandwidth == 450e9
+    )
+    # dp x tp = 64 x 8 on 8 GPUs a node: tp inside a node, dp across nodes.
+    layout = dim_layout((("world", (("dp", 64), ("tp", 8))),), 512, 8)
+    assert layout["world.tp"] == (8, True) and layout["world.dp"] == (64, False)
+    with pytest.raises(ValueError):
+        hardware("v100")

@@ -172,6 +172,26 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="simulate every block of a repeated stack (default: 2, 3 and 4 blocks, extrapolated when each block adds the same)",
     )
+    explain.add_argument(
+        "--batch", type=_positive, metavar="N", help="the per-replica batch handed to example_input (default 2 x TP)"
+    )
+    explain.add_argument(
+        "--fit", metavar="MEMORY", help="also find the largest batch whose predicted peak fits MEMORY (e.g. 80GiB)"
+    )
+    explain.add_argument("--compare", metavar="PLAN", help="a second plan for the same model and world, side by side")
+    explain.add_argument(
+        "--gpu", default="h100", choices=("h100", "h200", "a100", "b200"), help="the accelerator of the time estimate"
+    )
+    explain.add_argument("--flops", metavar="FLOP/S", help="peak bf16 FLOP/s instead of the GPU's (e.g. 989e12)")
+    explain.add_argument("--hbm", metavar="BYTES/S", help="HBM bandwidth instead of the GPU's (e.g. 3.35TB/s)")
+    explain.add_argument(
+        "--link",
+        metavar="DIM=BW[:LAT],...",
+        help="bandwidth (and latency) per mesh dim, e.g. dp=50GB/s:20us,tp=450GB/s",
+    )
+    explain.add_argument(
+        "--gpus-per-node", type=_positive, default=8, metavar="N", help="which mesh dims stay inside a node (default 8)"
+    )
     explain.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
     explain.add_argument(
         "--timeout",
@@ -545,12 +565,13 @@ def run_convert(args: argparse.Namespace) -> int:
 
 
 def run_explain(args: argparse.Namespace) -> int:
-    """Per-parameter layouts, per-rank memory and one step's collectives at `--world N` (docs/language.md §8)."""
-    from ..explain.pictures import render_svg, render_text
+    """Per-parameter layouts, per-rank memory, one step's collectives, peak memory and time at `--world N`
+    (docs/language.md §8); `--compare` a second plan, `--fit` the largest batch."""
+    from ..explain.pictures import render_compare, render_svg, render_text
     from ..explain.simulate import explain
+    from ..explain.timing import hardware, parse_number, parse_size
 
     _check_output(args.output)
-    plan, found, sources = compile_plan(args.plan, args.params, args.world)
     model_file = _model_file(args)
     if model_file is None:
         raise UsageError(
@@ -558,33 +579,59 @@ def run_explain(args: argparse.Namespace) -> int:
         )
     if not 0 <= args.rank < args.world:
         raise UsageError(f"--rank {args.rank} is not in a world of {args.world}")
-    if plan is None:
-        emit_diagnostics(found, sources, "text", stream=sys.stderr)
-        return UNUSABLE
     try:
-        with time_limit(args.timeout, "explain (building the model and simulating the step)"):
-            explanation = explain(
-                plan,
-                _meta_model(model_file),
-                args.world,
-                args.rank,
-                model_file,
-                blocks_for=args.param,
-                step=args.step,
-                full_step=args.full_step,
-            )
-    except PlanError as e:
-        emit_diagnostics(sorted([*found, *e.diagnostics], key=sort_key), sources, "text", stream=sys.stderr)
-        return UNUSABLE
-    emit_diagnostics(found, sources, "text", stream=sys.stderr)
+        machine = hardware(
+            args.gpu,
+            parse_number(args.flops, "FLOP/s") if args.flops else None,
+            parse_number(args.hbm) if args.hbm else None,
+            args.link,
+            args.gpus_per_node,
+        )
+        fit = parse_size(args.fit) if args.fit else None
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    explanations = []
+    for path in (args.plan, args.compare) if args.compare else (args.plan,):
+        plan, found, sources = compile_plan(path, args.params, args.world)
+        if plan is None:
+            emit_diagnostics(found, sources, "text", stream=sys.stderr)
+            return UNUSABLE
+        try:
+            with time_limit(args.timeout, "explain (building the model and simulating the step)"):
+                explanations.append(
+                    explain(
+                        plan,
+                        _meta_model(model_file),
+                        args.world,
+                        args.rank,
+                        model_file,
+                        blocks_for=args.param,
+                        step=args.step,
+                        full_step=args.full_step,
+                        batch=args.batch,
+                        hardware=machine,
+                        fit=fit,
+                    )
+                )
+        except PlanError as e:
+            emit_diagnostics(sorted([*found, *e.diagnostics], key=sort_key), sources, "text", stream=sys.stderr)
+            return UNUSABLE
+        emit_diagnostics(found, sources, "text", stream=sys.stderr)
+    explanation = explanations[0]
     if args.format == "svg":
         text = render_svg(explanation, args.param)
     elif args.format == "json":
-        text = json.dumps(explanation_data(explanation, args.param), indent=2) + "\n"
+        data = explanation_data(explanation, args.param)
+        if args.compare:
+            data = {"plans": [data, explanation_data(explanations[1], args.param)]}
+        text = json.dumps(data, indent=2) + "\n"
     else:
         stream = io.StringIO()
         console = Console(file=stream if args.output else sys.stdout, highlight=False, soft_wrap=False, width=160)
-        render_text(explanation, console, args.param)
+        for one in explanations:
+            render_text(one, console, args.param)
+        if args.compare:
+            render_compare(*explanations, console)
         text = stream.getvalue() if args.output else None
     if text is not None and args.output:
         _write(args.output, text)

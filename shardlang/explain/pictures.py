@@ -108,11 +108,104 @@ def render_text(e: Explanation, console: Console, pattern: str | None = None) ->
         for c in e.collectives:
             table.add_row(c.op, c.mesh_dim, str(c.count), size(c.bytes))
         console.print(table)
+    render_peak(e, console)
     for note in e.notes:
         console.print(f"note: {note}")
     for t in tensors:
         if t.blocks:
             console.print("\n" + grid(t), highlight=False, markup=False)
+
+
+def seconds_text(s: float) -> str:
+    return f"{s * 1e6:.0f} us" if s < 1e-3 else f"{s * 1000:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def render_peak(e: Explanation, console: Console) -> None:
+    """The step's peak memory with what is live at it, its estimated time, and --fit's answer."""
+    p, t = e.peak, e.time
+    if p is None:
+        return
+    console.print(
+        f"\npeak memory of one training step on rank {e.rank}: [bold]{size(p.bytes)}[/bold] "
+        f"(batch {p.batch} per replica, {p.tokens} tokens; forward, loss, backward, AdamW step, its states "
+        "already there as after the first step)"
+    )
+    table = Table(header_style="bold")
+    table.add_column("live at the peak", justify="left")
+    table.add_column("bytes", justify="right")
+    table.add_column("share", justify="right")
+    for name, n in p.categories:
+        table.add_row(name, size(n), f"{n / max(p.bytes, 1):.0%}")
+    console.print(table)
+    if p.modules:
+        table = Table(header_style="bold")
+        table.add_column(f"activations at the peak, top {len(p.modules)} modules", justify="left")
+        table.add_column("bytes", justify="right")
+        for name, n in p.modules:
+            table.add_row(name, size(n))
+        console.print(table)
+    if t is not None:
+        console.print(
+            f"\nestimated step time on {t.gpu}: [bold]{seconds_text(t.seconds)}[/bold], "
+            f"{t.tokens_per_s:,.0f} tokens/s over {p.replicas} replica{'s' if p.replicas != 1 else ''}, MFU {t.mfu:.1%}"
+        )
+        table = Table(header_style="bold")
+        table.add_column("", justify="left")
+        table.add_column("time", justify="right")
+        table.add_column("detail", justify="left")
+        table.add_row(
+            "compute",
+            seconds_text(t.compute),
+            f"{t.flops / 1e12:.1f} TFLOP ({t.model_flops / 1e12:.1f} without recomputation), roofline per op",
+        )
+        if t.recompute:
+            table.add_row("  of it recomputation", seconds_text(t.recompute), "activation checkpointing")
+        for d in t.dims:
+            table.add_row(
+                f"{d.mesh_dim} collectives",
+                seconds_text(d.seconds),
+                f"{size(d.bytes)} over {d.group} ranks by {d.link}, {'overlapped (FSDP)' if d.overlapped else 'exposed'}",
+            )
+        table.add_row("exposed communication", seconds_text(t.exposed), "")
+        table.add_row(
+            "host", seconds_text(t.host), f"{t.kernels} kernel launches, {t.dtensor_ops} DTensor ops dispatched"
+        )
+        console.print(table)
+    if e.fit is not None:
+        f = e.fit
+        tried = ", ".join(f"{b}: {size(n)}" for b, n in f.tried)
+        answer = (
+            f"batch {f.batch} per replica (peak {size(f.peak)})"
+            if f.batch
+            else f"nothing: batch 1 already needs {size(f.peak)}"
+        )
+        console.print(f"\nlargest batch that fits {size(f.limit)}: [bold]{answer}[/bold] (tried {tried})")
+
+
+def render_compare(a: Explanation, b: Explanation, console: Console) -> None:
+    """Two plans for the same model and world, side by side: peak, bytes per mesh dim, step time."""
+    console.print(f"\n[bold]{a.plan}[/bold] against [bold]{b.plan}[/bold] at world {a.world_size}, rank {a.rank}")
+    table = Table(header_style="bold")
+    for column, justify in (("", "left"), (a.plan, "right"), (b.plan, "right"), ("difference", "right")):
+        table.add_column(column, justify=justify)
+
+    def row(label: str, x, y, text) -> None:
+        if x is None and y is None:
+            return
+        difference = "" if x is None or y is None else ("+" if y >= x else "-") + text(abs(y - x))
+        table.add_row(label, "-" if x is None else text(x), "-" if y is None else text(y), difference)
+
+    row("peak memory", a.peak and a.peak.bytes, b.peak and b.peak.bytes, size)
+    for category in ("parameters", "gathered", "gradients", "optimizer", "activations", "temporary"):
+        row(f"  {category}", a.peak and a.peak.category(category), b.peak and b.peak.category(category), size)
+    dims = sorted({c.mesh_dim for c in (*a.collectives, *b.collectives)})
+    for dim in dims:
+        x = sum(c.bytes for c in a.collectives if c.mesh_dim == dim)
+        y = sum(c.bytes for c in b.collectives if c.mesh_dim == dim)
+        row(f"bytes on {dim}", x, y, size)
+    row("step time", a.time and a.time.seconds, b.time and b.time.seconds, seconds_text)
+    row("tokens/s", a.time and a.time.tokens_per_s, b.time and b.time.tokens_per_s, lambda v: f"{v:,.0f}")
+    console.print(table)
 
 
 def _plane(t: TensorInfo) -> tuple[int, int]:

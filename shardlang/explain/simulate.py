@@ -15,7 +15,7 @@ import copy
 import logging
 import math
 import warnings
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterator
 
 import attrs
@@ -33,6 +33,10 @@ from ..runtime.apply import apply_plan
 from ..runtime.modelfile import ModelFile
 from ..runtime.torchcompat import local_shape_and_offset
 from ..verification.placements import actual
+from .timing import Fit, Hardware, StepTime, Tally, step_time
+
+#: Activations by module: how many of the largest the report keeps.
+TOP_MODULES = 10
 
 #: Bytes per element of the optimizer states AdamW keeps for each parameter element (two fp32 states).
 ADAMW_STATE_BYTES = 8
@@ -89,6 +93,23 @@ class Collective:
 
 
 @frozen
+class Peak:
+    """The most memory rank R holds at once over the simulated step (forward, loss, backward, optimizer
+    step), as torch's memory trackers see it: `bytes`, and what is live then by category and, for
+    activations, by the module that allocated them (the largest, at most `TOP_MODULES`)."""
+
+    bytes: int
+    categories: tuple[tuple[str, int], ...]
+    modules: tuple[tuple[str, int], ...]
+    batch: int  # the per-replica batch handed to example_input
+    tokens: int  # per replica and step: batch x sequence (the first input's first two dims)
+    replicas: int  # data-parallel replicas, each with its own batch
+
+    def category(self, name: str) -> int:
+        return dict(self.categories).get(name, 0)
+
+
+@frozen
 class Explanation:
     plan: str
     world_size: int
@@ -98,6 +119,9 @@ class Explanation:
     ranks: tuple[RankBytes, ...]
     collectives: tuple[Collective, ...]
     notes: tuple[str, ...] = ()
+    peak: Peak | None = None
+    time: StepTime | None = None
+    fit: Fit | None = None
 
     @property
     def this_rank(self) -> RankBytes:
@@ -152,29 +176,37 @@ def explain(
     blocks_for: str | None = None,
     step: bool = True,
     full_step: bool = False,
+    batch: int | None = None,
+    hardware: Hardware | None = None,
+    fit: int | None = None,
 ) -> Explanation:
     """What `plan` gives every rank of a `world_size` world, seen from `rank`. `model` should be on the
-    meta device (it is copied, not changed). With a model file's `example_input`, also the collectives
-    of one training step (unless `step` is False; with `full_step`, never extrapolated from a few
-    repeated blocks: see `_step_collectives`); for the tensors a `blocks_for` pattern picks, every
-    block and who holds it.
+    meta device (it is copied, not changed). With a model file's `example_input`, also one training
+    step (unless `step` is False): its collectives, its peak memory with `batch` (per data-parallel
+    replica; default twice the TP size) and, on `hardware` (default an H100), its estimated time; with
+    `full_step`, never extrapolated from a few repeated blocks (see `_step`); with `fit` (bytes), the
+    largest batch whose peak fits. For the tensors a `blocks_for` pattern picks, every block and who
+    holds it.
     PlanError if the plan does not fit the model at that world size.
 
     The first call in a process simulates here; later ones (and any call inside a process group) in a
     fresh process, since torch's DTensor caches remember the meshes of a world that is gone."""
+    arguments = (world_size, rank, model_file, blocks_for, step, full_step, batch, hardware, fit)
     if _simulated_before or (dist.is_available() and dist.is_initialized()):
         from ..launch.workers import in_fresh_process
 
         # A model from a model file loaded by path cannot be unpickled elsewhere: rebuild it there.
         rebuild = model_file is not None and (model_file.path or model_file.entry)
-        return in_fresh_process(
-            _explain_here, plan, None if rebuild else model, world_size, rank, model_file, blocks_for, step, full_step
-        )
-    return _explain_here(plan, model, world_size, rank, model_file, blocks_for, step, full_step)
+        return in_fresh_process(_explain_here, plan, None if rebuild else model, *arguments)
+    return _explain_here(plan, model, *arguments)
 
 
-def _explain_here(plan, model, world_size, rank, model_file, blocks_for, step, full_step) -> Explanation:
+def _explain_here(
+    plan, model, world_size, rank, model_file, blocks_for, step, full_step, batch, hardware, fit
+) -> Explanation:
     global _simulated_before
+    from .timing import hardware as default_hardware
+
     if model is None:
         model = model_file.build_on_meta()
     if not 0 <= rank < world_size:
@@ -184,24 +216,31 @@ def _explain_here(plan, model, world_size, rank, model_file, blocks_for, step, f
         raise PlanError(linted.diagnostics, {plan.source.name: plan.source})
     simulated = on_cpu(plan)
     original, model = model, copy.deepcopy(model)
+    hardware = hardware if hardware is not None else default_hardware()
     _simulated_before = True
     with simulated_world(world_size, rank), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         applied = apply_plan(simulated, model)
         tensors, ranks = _tensors_and_ranks(simulated, applied, world_size, blocks_for)
-        collectives, notes = (), ()
+        meshes = tuple((m.name, tuple(zip(m.dim_names, m.shape(world_size)))) for m in plan.meshes)
+        collectives, notes, peak, timed, fitted = (), (), None, None, None
         if not step:
             notes = ("no collectives: the training step was not simulated (--no-step)",)
         elif model_file is not None and model_file.example_input is not None:
+            stepper = _Stepper(simulated, original, applied, model_file, full_step)
             try:
-                collectives, notes = _step_collectives(simulated, original, applied, model_file, full_step)
+                collectives, notes, peak, tally = stepper.run(batch)
+                timed = step_time(tally, collectives, meshes, world_size, hardware, peak.tokens, peak.replicas)
+                if fit is not None:
+                    fitted = stepper.fit(fit, peak)
             except Exception as e:  # noqa: BLE001 - the layouts stand; the step is what fails
                 first = str(e).strip().splitlines()[0] if str(e).strip() else ""
                 notes = (f"no collectives: a training step fails at this world size ({type(e).__name__}: {first})",)
         else:
             notes = ("no collectives: the model file defines no example_input",)
-        meshes = tuple((m.name, tuple(zip(m.dim_names, m.shape(world_size)))) for m in plan.meshes)
-    return Explanation(plan.source.name, world_size, rank, meshes, tensors, ranks, collectives, notes)
+    return Explanation(
+        plan.source.name, world_size, rank, meshes, tensors, ranks, collectives, notes, peak, timed, fitted
+    )
 
 
 # --- memory --------------------------------------------------------------------------------------
@@ -372,48 +411,220 @@ STEP_DEPTHS = (2, 3, 4)
 EXTRAPOLATE_FROM = 8
 
 
-def _step_collectives(plan: ir.Plan, model: nn.Module, applied, model_file: ModelFile, full_step: bool):
-    """The collectives of one training step, and a note saying how they were found.
+@attrs.define
+class _Measure:
+    """One simulated step: its collectives ((op, mesh dim) -> (count, bytes)), its peak and what was
+    live at it (by category, and activations by module), and its ops' costs."""
 
-    A step on fake tensors costs ~70 us per op in torch's FakeTensorMode, so an 80-layer model takes
-    seconds. When the model's largest stack of blocks (a ModuleList, ModuleDict or Sequential) holds
-    identical blocks that the plan treats identically, the step runs on copies cut to 2, 3 and 4 blocks
-    instead; if the 3rd and the 4th block each add exactly the same collectives (count and bytes per op
-    and mesh dim), every middle block does, and the step of N blocks is the 2-block step plus N - 2
-    times that. Any difference, any failure, or `full_step`: the whole model runs.
+    calls: dict
+    peak: int
+    categories: dict
+    modules: dict
+    tally: Counter
+    batch: int
+    tokens: int
+    replicas: int
+
+
+class _Stepper:
+    """One training step on fake tensors, at any batch, on the whole model or extrapolated exactly.
+
+    A step on fake tensors costs ~70 us per op in torch's FakeTensorMode (more with the memory
+    trackers), so an 80-layer model takes seconds. When the model's largest stack of blocks (a
+    ModuleList, ModuleDict or Sequential) holds identical blocks that the plan treats identically, the
+    step runs on copies cut to 2, 3 and 4 blocks instead; if the 3rd and the 4th block each add exactly
+    the same collectives (count and bytes per op and mesh dim), the same peak bytes in every category,
+    the same ops' costs, and the 4-block step's middle blocks hold the same activations at its peak,
+    every middle block does, and the step of N blocks is the 2-block step plus N - 2 times that. Any
+    difference, any failure, or `full_step`: the whole model runs.
     """
-    # DTensor's caches hand back the meshes of an earlier apply where a later one's are equal, so a
-    # step may run on any of them: groups are named from every apply in this world.
-    groups = _group_names(applied)
 
-    def step(applied) -> dict[tuple[str, str], tuple[int, int]]:
-        groups.update(_group_names(applied))
-        return _training_step(plan, applied, model_file, groups)
+    def __init__(self, plan: ir.Plan, model: nn.Module, applied, model_file: ModelFile, full_step: bool):
+        self.plan, self.model, self.applied, self.model_file = plan, model, applied, model_file
+        # DTensor's caches hand back the meshes of an earlier apply where a later one's are equal, so a
+        # step may run on any of them: groups are named from every apply in this world.
+        self.groups = _group_names(applied)
+        self.stack = None if full_step else _repeated_stack(model, applied.linted.resolution)
+        self._cuts: dict[int, object] = {}
 
-    stack = None if full_step else _repeated_stack(model, applied.linted.resolution)
-    if stack is not None:
-        path, keys = stack
-        try:
-            steps = [step(apply_plan(plan, _cut(model, path, keys[:depth]))) for depth in STEP_DEPTHS]
-        except Exception:  # noqa: BLE001 - a model that cannot run cut short runs whole
-            steps = None
-        if steps is not None:
-            first, second, third = steps
-            block = _minus(second, first)
-            if block is not None and block == _minus(third, second):
-                n, zero = len(keys), (0, 0)
-                whole = {}
-                for key in first.keys() | block.keys():
-                    (count, nbytes), (more, more_bytes) = first.get(key, zero), block.get(key, zero)
-                    whole[key] = (count + (n - 2) * more, nbytes + (n - 2) * more_bytes)
-                *fewer, most = map(str, STEP_DEPTHS)
+    def _step(self, applied, batch: int | None) -> _Measure:
+        self.groups.update(_group_names(applied))
+        return _training_step(self.plan, applied, self.model_file, self.groups, batch)
+
+    def _cut(self, depth: int):
+        if depth not in self._cuts:
+            path, keys = self.stack
+            self._cuts[depth] = apply_plan(self.plan, _cut(self.model, path, keys[:depth]))
+        return self._cuts[depth]
+
+    def measure(self, batch: int | None) -> tuple[_Measure, str | None]:
+        if self.stack is not None:
+            path, keys = self.stack
+            steps: dict[int, _Measure] = {}
+            whole = None
+            try:
+                for depth in STEP_DEPTHS:
+                    steps[depth] = self._step(self._cut(depth), batch)
+                whole = _extrapolate(steps, STEP_DEPTHS[0], path, keys)
+                if whole is None and len(keys) > STEP_DEPTHS[-1] + 1:
+                    # The smallest cut may peak at another moment of the step than longer ones do (a
+                    # unit gathered at its peak, say): one block more, and the three longest decide.
+                    steps[STEP_DEPTHS[-1] + 1] = self._step(self._cut(STEP_DEPTHS[-1] + 1), batch)
+                    whole = _extrapolate(steps, STEP_DEPTHS[1], path, keys)
+            except Exception:  # noqa: BLE001 - a model that cannot run cut short runs whole
+                whole = None
+            if whole is not None:
+                *fewer, most = map(str, sorted(steps))
+                n = len(keys)
                 note = (
                     f"the step was simulated on {', '.join(fewer)} and {most} of the {n} blocks of `{path}`: each block past "
-                    f"the second added the same collectives, so the counts are extrapolated to all {n} "
-                    f"(--full-step simulates every block)"
+                    f"the {'second' if len(steps) == 3 else 'third'} added the same collectives, memory and ops, so they are "
+                    f"extrapolated to all {n} (--full-step simulates every block)"
                 )
-                return _collectives(whole), (note,)
-    return _collectives(step(applied)), ()
+                return whole, note
+            self.stack = None  # not linear here: no other batch will be either
+        return self._step(self.applied, batch), None
+
+    def run(self, batch: int | None):
+        measured, note = self.measure(batch)
+        return _collectives(measured.calls), (note,) if note else (), _peak(measured), _tally(measured.tally)
+
+    def fit(self, limit: int, first: Peak) -> Fit:
+        """The largest batch whose peak is at most `limit`, found by a bracketed search on the simulated
+        step: the peak grows with the batch (about linearly), so each guess is where the line through the
+        two nearest known points meets the limit, and its neighbour is simulated too; a guess that does
+        not close the bracket is followed by a bisection step. It ends with batch b fitting and b + 1
+        not, both simulated."""
+        tried = {first.batch: first.bytes}
+
+        def peak(batch: int) -> int:
+            if batch not in tried:
+                tried[batch] = self.measure(batch)[0].peak
+            return tried[batch]
+
+        def result(batch: int) -> Fit:
+            return Fit(limit, batch, tried[batch] if batch else tried[1], tuple(sorted(tried.items())))
+
+        if peak(1) > limit:
+            return result(0)
+        bisect = False
+        while True:
+            fits = sorted(b for b, n in tried.items() if n <= limit)
+            over = sorted(b for b, n in tried.items() if n > limit)
+            low, high = fits[-1], (over[0] if over else None)
+            if high is not None and high - low <= 1:
+                return result(low)
+            if high is not None and bisect:
+                peak((low + high) // 2)
+                bisect = False
+                continue
+            near = fits[-2] if high is None and len(fits) > 1 else high
+            if near is None or tried[near] == tried[low]:
+                guess = low * 2 if high is None else (low + high) // 2
+            else:
+                slope = (tried[near] - tried[low]) / (near - low)
+                guess = low + math.floor((limit - tried[low]) / slope) if slope > 0 else low * 2
+            guess = max(guess, low + 1) if high is None else min(max(guess, low + 1), high - 1)
+            guess = min(guess, 1 << 24)
+            peak(guess)
+            peak(guess + 1 if tried[guess] <= limit else guess - 1)
+            bisect = high is not None
+            if guess >= 1 << 24:
+                return result(max(b for b, n in tried.items() if n <= limit))
+
+
+def _peak(m: _Measure) -> Peak:
+    modules = sorted(
+        ((name or "(top level)", n) for name, n in m.modules.items() if n),
+        key=lambda x: (-x[1], [int(p) if p.isdigit() else p for p in x[0].split(".")]),
+    )
+    return Peak(m.peak, tuple(m.categories.items()), tuple(modules[:TOP_MODULES]), m.batch, m.tokens, m.replicas)
+
+
+def _tally(tally: Counter) -> Tally:
+    return tuple(sorted(tally.items()))
+
+
+def _extrapolate(steps: dict[int, _Measure], k: int, path: str, keys: list[str]) -> _Measure | None:
+    """The step of all len(keys) blocks from those of k, k + 1 and k + 2 blocks (`_Stepper`), or None if
+    they do not grow by exactly the same amounts."""
+    first, second, third = steps[k], steps[k + 1], steps[k + 2]
+    more = len(keys) - k
+    block = _minus(second.calls, first.calls)
+    if block is None or block != _minus(third.calls, second.calls):
+        return None
+    calls = {}
+    zero = (0, 0)
+    for key in first.calls.keys() | block.keys():
+        (count, nbytes), (extra, extra_bytes) = first.calls.get(key, zero), block.get(key, zero)
+        calls[key] = (count + more * extra, nbytes + more * extra_bytes)
+    if second.peak - first.peak != third.peak - second.peak:
+        return None
+    categories = {}
+    for key in first.categories:
+        step = second.categories[key] - first.categories[key]
+        if third.categories[key] - second.categories[key] != step:
+            return None
+        categories[key] = first.categories[key] + more * step
+    tally_block = _grown(third.tally, second.tally)
+    if tally_block is None or tally_block != _grown(second.tally, first.tally):
+        return None
+    tally = Counter(first.tally)
+    for key, count in tally_block.items():
+        tally[key] += more * count
+    modules = _modules_extrapolated(second.modules, third.modules, k + 2, path, keys, categories, third.categories)
+    if modules is None:
+        return None
+    peak = first.peak + more * (second.peak - first.peak)
+    return _Measure(calls, peak, categories, modules, tally, first.batch, first.tokens, first.replicas)
+
+
+def _grown(more: Counter, fewer: Counter) -> Counter | None:
+    if any(more[k] < count for k, count in fewer.items()):
+        return None
+    return Counter({k: count - fewer[k] for k, count in more.items() if count != fewer[k]})
+
+
+def _modules_extrapolated(
+    shorter: dict, longest: dict, depth: int, path: str, keys: list[str], whole: dict, at_longest: dict
+):
+    """Activations by module at the peak of all the blocks, from the `depth`-block step's: its first
+    block and its last ones that differ from the middle as they are, each middle block as its 2nd (all
+    its middle blocks must be equal), the rest as the step one block shorter had it. None unless that
+    adds up to the extrapolated activations."""
+    prefix = f"{path}." if path else ""
+
+    def split(modules: dict, count: int) -> tuple[list[dict], dict]:
+        blocks: list[dict] = [{} for _ in range(count)]
+        outside = {}
+        for name, n in modules.items():
+            for i, key in enumerate(keys[:count]):
+                head = f"{prefix}{key}"
+                if name == head or name.startswith(head + "."):
+                    blocks[i][name[len(head) :]] = n
+                    break
+            else:
+                outside[name] = n
+        return blocks, outside
+
+    blocks, outside = split(longest, depth)
+    # The last blocks may differ from the middle ones (at a peak in backward: the last freed, the one
+    # before half-way); the middle blocks, 1 to depth - 1 - tail, must be equal.
+    tail = 1
+    while tail < depth - 2 and blocks[depth - 1 - tail] != blocks[1]:
+        tail += 1
+    if any(b != blocks[1] for b in blocks[1 : depth - tail]) or outside != split(shorter, depth - 1)[1]:
+        return None
+    n = len(keys)
+    modules = dict(outside)
+    for i, key in enumerate(keys):
+        source = blocks[0] if i == 0 else blocks[depth - (n - i)] if i >= n - tail else blocks[1]
+        for rest, count in source.items():
+            modules[f"{prefix}{key}{rest}"] = count
+    # The middle blocks' activations must be what the extrapolated step adds over the longest cut.
+    if sum(modules.values()) - sum(longest.values()) != whole["activations"] - at_longest["activations"]:
+        return None
+    return modules
 
 
 def _repeated_stack(model: nn.Module, resolution) -> tuple[str, list[str]] | None:
@@ -485,14 +696,18 @@ def _collectives(tally: dict[tuple[str, str], tuple[int, int]]) -> tuple[Collect
 
 
 def _training_step(
-    plan: ir.Plan, applied, model_file: ModelFile, groups: dict[str, str]
-) -> dict[tuple[str, str], tuple[int, int]]:
-    """One forward, loss and backward on fake tensors: (op, mesh dim) -> (count, bytes) of the
-    collectives, each group named as `groups` names it (process group name -> `mesh.dim`)."""
+    plan: ir.Plan, applied, model_file: ModelFile, groups: dict[str, str], batch: int | None
+) -> _Measure:
+    """One forward, loss, backward and AdamW step on fake tensors, under torch's memory trackers
+    (`memory`): the collectives of the forward, loss and backward, each group named as `groups` names
+    it (process group name -> `mesh.dim`), the peak memory, and the ops' costs. The inputs and loss
+    are those of the checks (SPEC §7); `batch` per data-parallel replica (default: twice the TP size)."""
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
     from ..verification import Context
-    from ..verification.comms import Calls, count_collectives
+    from ..verification import layout as lay
+    from ..verification.comms import Calls
+    from .memory import cuda_like_rms_norm, tracker
 
     recorder = Calls()
     plain = (FakeTensor, torch.Tensor, nn.Parameter)  # the types FakeTensorMode runs itself
@@ -509,16 +724,59 @@ def _training_step(
             recorder.note(func, args)
             return super().__torch_dispatch__(func, types, args, kwargs)
 
+    ctx = Context(plan, applied, model_file)
+    gradients = next((c for c in plan.checks if c.name == "gradients"), None)
+    input_layout = gradients.get("input") if gradients is not None else None
+    output_layout = gradients.get("output") if gradients is not None else None
     # A step that fails is reported in a note; fake tensors' own error log would repeat it at length.
     with _quiet("torch._subclasses.fake_tensor"), RecordingFakeMode(allow_non_fake_inputs=True):
-        applied.model.to_empty(device="cpu")
+        model = applied.model
+        model.to_empty(device="cpu")
+        where = lay.layout(ctx)
+        batch = batch if batch is not None else 2 * max(where.tp_size, 1)
+        full = lay.replica_inputs(ctx, -1, where.replica, batch)
+        inputs = lay.local_inputs(full, where, input_layout)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        try:
+            optimizer = torch.optim.AdamW(trained, lr=1e-4, fused=True)
+        except (RuntimeError, ValueError):  # a dtype or device fused AdamW does not take
+            optimizer = torch.optim.AdamW(trained, lr=1e-4, foreach=False)
+        # The step after warm-up, as a training loop runs it: AdamW's states exist from the start (the
+        # first step creates them at its optimizer step), the gradients do not (zero_grad(set_to_none)).
+        for p in trained:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        memory = tracker(model, optimizer)
+        memory.track_inputs(inputs)
         recorder.calls.clear()
-        count_collectives(Context(plan, applied, model_file), applied.model, recorder)
+        with memory, cuda_like_rms_norm():
+            output = model(*inputs)
+            with recorder.paused():
+                whole = lay.full_output(ctx, where, output, output_layout)
+            with lay.loss_context(plan):
+                lay.loss(ctx, whole, full).backward()
+            del output, whole
+            with recorder.paused():
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        del optimizer
     by_key: dict[tuple[str, str], tuple[int, int]] = defaultdict(lambda: (0, 0))
     for op, group, nbytes in recorder.calls:
         key = (op, groups.get(group, f"group {group}"))
         by_key[key] = (by_key[key][0] + 1, by_key[key][1] + nbytes)
-    return dict(by_key)
+    peak, categories = memory.peak()
+    tokens = _tokens(full, batch)
+    return _Measure(dict(by_key), peak, categories, memory.peak_by_module, memory.costs, batch, tokens, where.replicas)
+
+
+def _tokens(inputs: tuple, batch: int) -> int:
+    """Tokens per replica and step, from the first input tensor: batch x sequence for token ids
+    (integers, (batch, sequence, ...)) or embeddings ((batch, sequence, features)); else the batch."""
+    first = next((x for x in inputs if isinstance(x, torch.Tensor)), None)
+    if first is None or first.ndim < 2 or (first.is_floating_point() and first.ndim < 3):
+        return batch
+    return int(first.shape[0] * first.shape[1])
 
 
 @contextlib.contextmanager
