@@ -107,14 +107,17 @@ class Extension:
             ShardingPropagator._propagate_tensor_meta_non_cached = original
 
     def __enter__(self):
-        if self._depth == 0:
+        if getattr(self, "_depth", 0) == 0:
             self._skipping = self._skip_propagation()
             self._skipping.__enter__()
+            # torch 2.13's trackers note the fake mode they were entered under (to tell DTensor's
+            # propagation ops from real ones); torch 2.11's do not: note it here for both.
+            self._fake_mode_on_entry = active_fake_mode()
         return super().__enter__()
 
     def __exit__(self, *args):
         super().__exit__(*args)
-        if self._depth == 0:
+        if getattr(self, "_depth", 0) == 0:
             self._skipping.__exit__(*args)
 
     # --- which module allocated an activation ---
