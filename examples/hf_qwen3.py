@@ -6,11 +6,10 @@ float32. Its rotary table (`model.rotary_emb.inv_freq`) is a non-persistent buff
 __init__: the case `init meta` must keep real.
 """
 
-import torch
-import torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-VOCAB, SEQ = 128, 16
+# The same inputs and loss as the Llama example: random token ids, next-token cross-entropy.
+from examples.hf_llama import SEQ, VOCAB, example_input, loss  # noqa: F401
 
 
 def build_model() -> Qwen3ForCausalLM:
@@ -27,12 +26,3 @@ def build_model() -> Qwen3ForCausalLM:
         attn_implementation="sdpa",
     )
     return Qwen3ForCausalLM(config)
-
-
-def example_input(batch_size: int, generator: torch.Generator) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (batch_size, SEQ), generator=generator)
-
-
-def loss(output, inputs: torch.Tensor) -> torch.Tensor:
-    logits = output.logits[:, :-1].float()
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), inputs[:, 1:].reshape(-1))
