@@ -17,6 +17,15 @@ from shardlang.runtime.modelfile import load_model_file
 from . import dist_jobs
 from .conftest import FIXTURES, ROOT
 
+#: The torch release explain's pinned numbers and text were taken on (CI's). A newer torch dispatches a
+#: different number of DTensor ops, which moves the host-time estimate of TP plans by about 1%: those
+#: pins are skipped there, not loosened (the rest of explain's tests run on every release).
+PINNED_TORCH = "2.13."
+pinned_to_torch = pytest.mark.skipif(
+    not torch.__version__.startswith(PINNED_TORCH),
+    reason=f"numbers pinned on torch {PINNED_TORCH}x; this is torch {torch.__version__}",
+)
+
 CASES = [
     ("plans/llama_2d.sl", "examples/llama.py"),  # TP + SP + FSDP + checkpointing + bf16 + init meta
     ("plans/hsdp.sl", "examples/llama.py"),  # HSDP
@@ -218,6 +227,7 @@ def test_svg_has_one_block_per_shard():
         ),
     ],
 )
+@pinned_to_torch
 def test_text_rendering_is_pinned(name, args, golden):
     done = subprocess.run(
         [sys.executable, "-m", "shardlang", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
@@ -252,6 +262,7 @@ PINNED_1B = {
 }
 
 
+@pinned_to_torch
 @pytest.mark.parametrize("name", sorted(PINNED_1B))
 def test_peak_and_step_time_of_the_1b_plans_are_pinned(name):
     """The 1B benchmark plans (FSDP 2 and TP 2, each with and without activation checkpointing) at
