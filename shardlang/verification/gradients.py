@@ -32,7 +32,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
@@ -220,12 +219,7 @@ class Tally:
 
 def _anywhere(flag: bool) -> bool:
     """True on every rank if it is true on any (every rank must take the same path: the next steps talk)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return flag
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    value = torch.tensor([1 if flag else 0], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+    return lay.largest_everywhere([float(flag)])[0] > 0
 
 
 def _resume(ctx, optim, reference, ref_optim) -> str:

@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from attrs import frozen
 from torch.distributed.tensor import DTensor, Shard
 
@@ -127,3 +128,14 @@ def loss(ctx, output: Any, inputs: tuple) -> torch.Tensor:
 
 def value(loss_tensor: torch.Tensor) -> float:
     return float((loss_tensor.full_tensor() if isinstance(loss_tensor, DTensor) else loss_tensor).detach())
+
+
+def largest_everywhere(values: list[float]) -> list[float]:
+    """Each value as the largest over every rank (one all_reduce): what lets every rank take the same
+    path when the next steps talk to the others."""
+    if not values or not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(values)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()

@@ -68,27 +68,16 @@ def localise(ctx, references, inputs: tuple, where, args: dict, failing_params: 
     return None
 
 
-def _tensor(values: list[float]) -> torch.Tensor:
-    device = "cuda" if dist.is_initialized() and dist.get_backend() == "nccl" else "cpu"
-    return torch.tensor(values, dtype=torch.float64, device=device)
-
-
 def _same_everywhere(count: int) -> bool:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return True
-    bounds = _tensor([count, -count])
-    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
-    return int(bounds[0]) == -int(bounds[1])
+    largest, negated = lay.largest_everywhere([count, -count])
+    return int(largest) == -int(negated)
 
 
 def _largest_anywhere(ratios: list[float | None]) -> list[float | None]:
     """Each record's ratio as the largest over every rank, so that every rank names the same module (a
     rank that returned early while another went on reading would leave it waiting forever)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1 or not ratios:
-        return ratios
-    values = _tensor([-1.0 if r is None else min(r, 1e300) for r in ratios])
-    dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return [None if v < 0 else v for v in values.tolist()]
+    values = lay.largest_everywhere([-1.0 if r is None else min(r, 1e300) for r in ratios])
+    return [None if v < 0 else v for v in values]
 
 
 class _Recording:
