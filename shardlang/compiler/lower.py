@@ -31,6 +31,8 @@ def lower(plan: ir.Plan, resolution: Resolution | None, world_size: int | None) 
     ]
     if plan.init.mode == "rank0":
         steps.append(p.TakeRank0Values(plan.init.span))
+    if plan.pipeline is not None:
+        steps.append(_split(plan, resolution, world_size))
     steps += _parallelize(plan, resolution)
     if plan.parallelize:
         ties = _ties(resolution) if resolution is not None else None
@@ -55,6 +57,18 @@ def lower(plan: ir.Plan, resolution: Resolution | None, world_size: int | None) 
     if plan.init.mode == "cpu" and device != "cpu":
         steps.append(p.MoveToDevice(device, plan.init.span))
     return p.Program(plan, world_size, tuple(steps))
+
+
+def _split(plan: ir.Plan, resolution: Resolution | None, world_size: int | None) -> p.Step:
+    """The pipeline's split. It needs the module tree: a program lowered without a model cannot print one."""
+    pipeline = plan.pipeline
+    stages = resolution.stages if resolution is not None else None
+    if stages is None or world_size is None:
+        raise ValueError("a pipelined plan is lowered for a model and a world size")
+    (dim,) = pipeline.mesh.dims
+    pp = dict(zip(plan.mesh(pipeline.mesh.mesh).dim_names, plan.mesh(pipeline.mesh.mesh).shape(world_size)))[dim]
+    dropped = tuple(stages.dropped(s) for s in range(stages.count))
+    return p.SplitStages(pipeline.mesh, stages.blocks, dropped, pipeline.stage_ranks(pp), pipeline.span)
 
 
 def _device(plan: ir.Plan) -> str:

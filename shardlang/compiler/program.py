@@ -39,6 +39,19 @@ class MakeMesh:
 
 
 @frozen
+class SplitStages:
+    """Cut the model into this rank's pipeline stages (`blocks[s]`: stage s's blocks; `dropped[s]`: the
+    (FQN, role) of the modules stage s replaces by pass-throughs; `ranks[s]`: its pp rank). Every later
+    step then runs once per stage, on the modules that stage holds."""
+
+    mesh: ir.MeshRef
+    blocks: tuple[tuple[str, ...], ...]
+    dropped: tuple[tuple[tuple[str, str], ...], ...]
+    ranks: tuple[int, ...]
+    origin: Span | None = None
+
+
+@frozen
 class Parallelize:
     """`parallelize_module(module, mesh, {relative fqn: style})`; the key "" is the module itself."""
 
@@ -139,6 +152,7 @@ class MoveToDevice:
 
 Step = (
     MakeMesh
+    | SplitStages
     | Parallelize
     | Distribute
     | UserStyle

@@ -17,6 +17,7 @@ from attrs import field, frozen
 from ..frontend import ir, patterns
 from ..frontend.diagnostics import SL200, Diagnostic, did_you_mean, few
 from ..frontend.syntax import ClassTarget, Pattern, Target
+from .stages import Stages, split
 
 
 @frozen
@@ -63,6 +64,7 @@ class Resolution:
     rules: tuple[RuleMatch, ...]
     units: tuple[UnitMatch, ...]  # children first, root last
     checkpoint: tuple[str, ...]
+    stages: Stages | None = None  # the pipeline's split, when the plan has one
 
 
 def resolve(plan: ir.Plan, model: nn.Module) -> tuple[Resolution, list[Diagnostic]]:
@@ -104,9 +106,14 @@ def resolve(plan: ir.Plan, model: nn.Module) -> tuple[Resolution, list[Diagnosti
             found.append(_no_match(target, modules, ""))
         checkpoint += [f for f in fqns if f not in checkpoint]
 
+    stages = None
+    if plan.pipeline is not None:
+        stages, problems = split(plan.pipeline, model, lambda target: _matches(target, modules, ""))
+        found += problems
+
     order = {fqn: i for i, (fqn, _) in enumerate(modules)}
     units.sort(key=lambda u: (-patterns.depth(u.fqn), order.get(u.fqn, 0)))
-    return Resolution(dict(modules), tuple(rules), tuple(units), tuple(checkpoint)), found
+    return Resolution(dict(modules), tuple(rules), tuple(units), tuple(checkpoint), stages), found
 
 
 def _named_units_win(plan: ir.Plan, units: list[UnitMatch]) -> list[UnitMatch]:

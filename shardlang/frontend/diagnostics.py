@@ -46,6 +46,12 @@ class Code(enum.Enum):
         Severity.WARNING,
         "a parameter replicated over a TP dim sits where that dim's activations are sharded: partial gradients",
     )
+    SL211 = (Severity.ERROR, "pipeline split point is not a block of the module stack, or points out of order")
+    SL212 = (Severity.ERROR, "pipeline stage would hold no block")
+    SL213 = (Severity.ERROR, "pipeline stage count is not the pp size times stages_per_rank")
+    SL214 = (Severity.ERROR, "parameters shared across pipeline stages (tied weights)")
+    SL215 = (Severity.ERROR, "pipeline schedule does not fit stages_per_rank or microbatches")
+    SL216 = (Severity.ERROR, "pipeline mesh dim used by another statement, or loss_parallel with a pipeline")
     SL300 = (Severity.ERROR, "apply failed (the model is left exactly as it was)")
     SL301 = (
         Severity.ERROR,
@@ -95,6 +101,12 @@ class Code(enum.Enum):
     SL208,
     SL209,
     SL210,
+    SL211,
+    SL212,
+    SL213,
+    SL214,
+    SL215,
+    SL216,
     SL300,
     SL301,
     SL400,

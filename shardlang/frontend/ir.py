@@ -230,6 +230,53 @@ class Check:
         return next((v for k, v in self.args if k == name), default)
 
 
+#: Pipeline schedules (docs/language.md §4.7): the torch class, and how many stages each rank holds
+#: (None: two or more). Stage s sits on pp rank s % pp, except for the V schedules (`zbv`,
+#: `dualpipe_v`), where rank r holds stages r and 2 pp - 1 - r.
+SCHEDULES: dict[str, tuple[str, int | None]] = {
+    "gpipe": ("ScheduleGPipe", 1),
+    "1f1b": ("Schedule1F1B", 1),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", None),
+    "zero_bubble": ("ScheduleInterleavedZeroBubble", None),
+    "zbv": ("ScheduleZBVZeroBubble", 2),
+    "dualpipe_v": ("ScheduleDualPipeV", 2),
+}
+V_SCHEDULES = ("zbv", "dualpipe_v")
+
+
+@frozen
+class Pipeline:
+    """`pipeline on MESH.DIM { split ...; schedule = ...; microbatches = N; stages_per_rank = N }`.
+
+    The split is either `split before A, B, ...` (`before`: the blocks that start stages 1, 2, ...) or
+    `split STACK.* into N` (`stack`, `count`)."""
+
+    mesh: MeshRef
+    before: tuple[Target, ...]
+    stack: Target | None
+    count: int | None
+    schedule: str
+    microbatches: int | None  # None: pp size x stages_per_rank
+    stages_per_rank: int
+    span: Span
+    split_span: Span | None = None
+
+    @property
+    def stages(self) -> int | None:
+        """The stage count the split says (None: `split before` with no points, which static checks refuse)."""
+        return self.count if self.stack is not None else len(self.before) + 1
+
+    def stage_ranks(self, pp: int) -> tuple[int, ...]:
+        """The pp rank of each stage."""
+        n = pp * self.stages_per_rank
+        if self.schedule in V_SCHEDULES:
+            return tuple(s if s < pp else n - 1 - s for s in range(n))
+        return tuple(s % pp for s in range(n))
+
+    def n_microbatches(self, pp: int) -> int:
+        return self.microbatches if self.microbatches is not None else pp * self.stages_per_rank
+
+
 @frozen
 class Plan:
     """A checked plan. Immutable: stages read it and return new values."""
@@ -244,6 +291,7 @@ class Plan:
     init: Init = Init("auto")
     syncs: tuple[Sync, ...] = ()
     loss_parallel: Span | None = None
+    pipeline: Pipeline | None = None
     checks: tuple[Check, ...] = ()
     #: Warnings found while checking (errors raise PlanError instead).
     diagnostics: tuple[Diagnostic, ...] = field(default=(), eq=False)

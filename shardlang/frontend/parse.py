@@ -31,13 +31,14 @@ STATEMENT_KEYWORDS = (
     "sync",
     "loss_parallel",
     "verify",
+    "pipeline",
 )
 
 #: After this many syntax errors the parser stops looking for more.
 MAX_SYNTAX_ERRORS = 10
 
 #: Words that are keywords where the grammar expects them; each is the terminal of its upper-case name.
-KEYWORDS = (*STATEMENT_KEYWORDS, "on", "as", "each", "with", "over", "root", "class")
+KEYWORDS = (*STATEMENT_KEYWORDS, "on", "as", "each", "with", "over", "root", "class", "split", "before", "into")
 _KEYWORD_TERMINALS = {word.upper(): word for word in KEYWORDS}
 
 _RESUME = re.compile(r"^[ \t]*(?:{})\b".format("|".join(STATEMENT_KEYWORDS)), re.MULTILINE)

@@ -199,6 +199,13 @@ UNIT_OPTIONS: dict[str, dict[str, Convert]] = {
 }
 BLOCK_OPTIONS: dict[str, Convert] = {"root": boolean}
 
+#: Options of a `pipeline` block.
+PIPELINE_OPTIONS: dict[str, Convert] = {
+    "schedule": choice(*ir.SCHEDULES, what="pipeline schedule"),
+    "microbatches": integer(minimum=1),
+    "stages_per_rank": integer(minimum=1),
+}
+
 
 def _model_io_layout(value: s.Value) -> ir.Layout:
     result = layout(value)

@@ -14,7 +14,21 @@ import attrs
 
 from . import ir
 from . import syntax as s
-from .diagnostics import SL100, SL101, SL102, SL103, SL104, SL105, SL106, SL107, Code, Diagnostic, did_you_mean
+from .diagnostics import (
+    SL100,
+    SL101,
+    SL102,
+    SL103,
+    SL104,
+    SL105,
+    SL106,
+    SL107,
+    SL215,
+    SL216,
+    Code,
+    Diagnostic,
+    did_you_mean,
+)
 from .parse import parse_value
 from .schema import (
     BLOCK_OPTIONS,
@@ -22,12 +36,14 @@ from .schema import (
     DEVICES,
     INIT_MODES,
     MIXED_PRECISION,
+    PIPELINE_OPTIONS,
     STYLES,
     UNIT_OPTIONS,
     Convert,
     Invalid,
     bare_word,
     choice,
+    integer,
     passthrough,
 )
 from .source import Source, Span
@@ -167,6 +183,10 @@ class _Checker:
         loss = statements(s.LossParallelStmt)
         checks = [c for v in statements(s.VerifyStmt) for c in self.verify(v)]
         self.unique_checks(checks)
+        self.unique(statements(s.PipelineStmt), "pipeline")
+        pipelines = [self.pipeline(x) for x in statements(s.PipelineStmt)]
+        if pipelines and pipelines[0] is not None:
+            self.check_pipeline_dim(pipelines[0], parallelize, units, syncs, loss, checks)
 
         if any(d.is_error for d in self.diagnostics):
             return None
@@ -181,6 +201,7 @@ class _Checker:
             init=inits[0] if inits else ir.Init("auto"),
             syncs=tuple(syncs),
             loss_parallel=loss[0].span if loss else None,
+            pipeline=pipelines[0] if pipelines else None,
             checks=tuple(checks) if statements(s.VerifyStmt) else tuple(ir.Check(name, ()) for name in CHECKS),
             diagnostics=tuple(self.diagnostics),
         )
@@ -406,6 +427,80 @@ class _Checker:
 
     def sync(self, sync: s.SyncStmt) -> ir.Sync:
         return ir.Sync(self.mesh_ref(sync.mesh), sync.span)
+
+    def pipeline(self, block: s.PipelineStmt) -> ir.Pipeline | None:
+        mesh = self.mesh_ref(block.mesh, (1,), SL216, "pipeline")
+        options = dict(self.options([i for i in block.items if isinstance(i, s.Option)], PIPELINE_OPTIONS, "pipeline"))
+        splits = [i for i in block.items if isinstance(i, (s.SplitBefore, s.SplitInto))]
+        for extra in splits[1:]:
+            self.error(
+                SL103, "the pipeline is split twice", extra.span, f"the first split is at line {splits[0].span.line}"
+            )
+        if not splits:
+            self.error(
+                SL102,
+                "the pipeline does not say where to split the model",
+                block.span,
+                "write `split before layers.4, layers.8` or `split layers.* into 4`",
+            )
+            return None
+        split = splits[0]
+        schedule = options.get("schedule", "1f1b")
+        per_rank = options.get("stages_per_rank")
+        _, fixed = ir.SCHEDULES[schedule]
+        if per_rank is None:
+            per_rank = fixed or 2
+        elif fixed is not None and per_rank != fixed:
+            self.error(
+                SL215,
+                f"schedule {schedule} runs {fixed} stage{'s' if fixed > 1 else ''} per rank, not {per_rank}",
+                block.span,
+                "interleaved_1f1b and zero_bubble run 2 or more stages per rank; zbv and dualpipe_v exactly 2",
+            )
+        elif fixed is None and per_rank < 2:
+            self.error(
+                SL215,
+                f"schedule {schedule} interleaves 2 or more stages per rank, not {per_rank}",
+                block.span,
+                "use gpipe or 1f1b for one stage per rank",
+            )
+        if isinstance(split, s.SplitBefore):
+            before, stack, count = tuple(self.target(t) for t in split.targets), None, None
+        else:
+            before, stack = (), self.target(split.target)
+            count = self.convert(integer(minimum=1), split.count) or 1
+        return ir.Pipeline(
+            mesh, before, stack, count, schedule, options.get("microbatches"), per_rank, block.span, split.span
+        )
+
+    def check_pipeline_dim(self, pipeline: ir.Pipeline, parallelize, units, syncs, loss, checks) -> None:
+        """The pp dim belongs to the pipeline: no other statement shards or syncs over it."""
+        (dim,) = pipeline.mesh.dims or ("",)
+        refs = [b.mesh for b in parallelize] + [u.mesh for u in units] + [x.mesh for x in syncs]
+        for ref in refs:
+            if ref.mesh == pipeline.mesh.mesh and dim in ref.dims:
+                self.error(
+                    SL216,
+                    f"{ref} includes the pipeline dim '{dim}'",
+                    ref.span,
+                    f"each stage is sharded over the other dims; the pipeline at line {pipeline.span.line} owns '{dim}'",
+                )
+        if loss:
+            self.error(
+                SL216,
+                "loss_parallel is not supported with a pipeline",
+                loss[0].span,
+                "the last stage computes the loss on its local logits; use colwise(output=replicate) for the output layer",
+            )
+        gradients = next((c for c in checks if c.name == "gradients"), None)
+        batch = gradients.get("batch") if gradients is not None else None
+        if batch is not None and pipeline.microbatches is not None and batch < pipeline.microbatches:
+            self.error(
+                SL215,
+                f"gradients(batch={batch}) cannot be split into {pipeline.microbatches} microbatches",
+                gradients.span,
+                f"give a batch of at least {pipeline.microbatches}",
+            )
 
     def verify(self, verify: s.VerifyStmt) -> list[ir.Check]:
         checks = []

@@ -215,6 +215,30 @@ class UnitsStmt:
 
 
 @frozen
+class SplitBefore:
+    """`split before A, B, ...`: a stage starts at each of these blocks."""
+
+    targets: tuple[Target, ...]
+    span: Span
+
+
+@frozen
+class SplitInto:
+    """`split STACK.* into N`: N stages of consecutive blocks of that stack, as equal as they can be."""
+
+    target: Target
+    count: Value
+    span: Span
+
+
+@frozen
+class PipelineStmt:
+    mesh: MeshRef
+    items: tuple[SplitBefore | SplitInto | Option, ...]
+    span: Span
+
+
+@frozen
 class CheckpointStmt:
     targets: tuple[Target, ...]
     span: Span
@@ -256,6 +280,7 @@ Statement = (
     | SyncStmt
     | LossParallelStmt
     | VerifyStmt
+    | PipelineStmt
 )
 
 

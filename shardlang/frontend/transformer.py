@@ -16,7 +16,7 @@ from .patterns import split_pattern
 from .source import Span
 
 #: Tokens that carry a value; all others (keywords, punctuation) only mark positions.
-_VALUE_TOKENS = frozenset({"NAME", "INT", "NUMBER", "STRING", "PATTERN"})
+_VALUE_TOKENS = frozenset({"NAME", "DIGIT_NAME", "INT", "NUMBER", "STRING", "PATTERN"})
 
 
 def _parts(children: list) -> list:
@@ -130,6 +130,17 @@ class Build(Transformer):
     def option_call(self, children):
         name, *args = _parts(children)
         return s.Option(self._name(name), None, tuple(args), self._cover(children))
+
+    def pipeline(self, children):
+        mesh, *items = _parts(children)
+        return s.PipelineStmt(mesh, tuple(items), self._cover(children))
+
+    def split_before(self, children):
+        return s.SplitBefore(tuple(_parts(children)), self._cover(children))
+
+    def split_into(self, children):
+        target, count = _parts(children)
+        return s.SplitInto(target, count, self._cover(children))
 
     def checkpoint(self, children):
         return s.CheckpointStmt(tuple(_parts(children)), self._cover(children))

@@ -26,7 +26,7 @@ from ..compiler.lower import lower
 from ..compiler.predict import Placed
 from ..frontend import ir
 from ..frontend.diagnostics import SL300, Diagnostic, PlanError, few
-from . import helpers
+from . import helpers, pipeline
 from .snapshot import Snapshot
 from .steps import STEPS, Running
 from .torchcompat import fsdp_strided_shard
@@ -42,6 +42,9 @@ class Applied:
     program: p.Program
     linted: Linted
     imported: dict[str, Any] = field(factory=dict)
+    #: This rank's pipeline stages {stage: module} (None without a pipeline); `model` is then a view of
+    #: them under the model's own names (the stage itself when the rank holds one).
+    parts: dict[int, nn.Module] | None = None
 
     @property
     def predictions(self) -> dict[str, Placed]:
@@ -93,17 +96,26 @@ def apply_plan(plan: ir.Plan, model: nn.Module) -> Applied:
             if simulated() and kind.moves_data:
                 continue
             try:
-                kind.run(step, running)
+                # After a pipeline's split, each step runs on every stage this rank holds that holds its module.
+                for part in running.parts.values() if running.parts is not None else (model,):
+                    running.model = part
+                    where = getattr(step, "module", "")
+                    if running.parts is None or not isinstance(where, str) or pipeline.holds(part, where):
+                        kind.run(step, running)
             except Exception as e:  # noqa: BLE001 - any failure of a torch call is reported as SL300
                 failure = _failure(plan, step, e)
                 details = "".join(traceback.format_exception(e))
                 break
+        applied.parts = running.parts
     finally:
         failure = _agree(failure)
         if failure is not None:
             snapshot.restore()
     if failure is not None:
         raise PlanError([failure], sources, details)  # details: the local traceback, for `--debug`
+    if applied.parts is not None:
+        stages = linted.resolution.stages
+        applied.model = pipeline.stages_view(applied.parts, {s: stages.held(s) for s in applied.parts})
     return applied
 
 

@@ -20,7 +20,7 @@ from ..compiler import initialisers
 from ..compiler import program as p
 from ..compiler.devices import mesh_device
 from ..frontend import ir
-from . import helpers
+from . import helpers, pipeline
 from .torchcompat import composable_checkpoint, composable_replicate
 from .values import build, names_used, source, to_torch, value_source
 
@@ -35,6 +35,9 @@ class Running:
     imported: dict[str, Any]
     full_state: dict = field(factory=dict)
     all_buffers: dict = field(factory=dict)
+    #: This rank's pipeline stages {stage: module}, once SplitStages has run; `model` is then the one a
+    #: step is running on.
+    parts: dict | None = None
 
     def mesh(self, ref: ir.MeshRef):
         return helpers.submesh(self.meshes[ref.mesh], ref.dims)
@@ -120,6 +123,23 @@ def write_make_mesh(step: p.MakeMesh, program: p.Program, module: str) -> list[s
     ]
 
 
+def run_split_stages(step: p.SplitStages, ctx: Running) -> None:
+    rank = ctx.mesh(step.mesh).get_local_rank()
+    mine = [s for s, r in enumerate(step.ranks) if r == rank]
+    ctx.parts = pipeline.split_stages(ctx.model, step.blocks, step.dropped, mine)
+
+
+def write_split_stages(step: p.SplitStages, program: p.Program, module: str) -> list[str]:
+    mesh = mesh_expr(step.mesh, program)
+    return [
+        f"stage_ranks = {step.ranks!r}  # the pp rank of each stage",
+        f"blocks = {step.blocks!r}",
+        f"dropped = {step.dropped!r}",
+        f"mine = [s for s, r in enumerate(stage_ranks) if r == {mesh}.get_local_rank()]",
+        "stages = split_stages(model, blocks, dropped, mine)",
+    ]
+
+
 def run_parallelize(step: p.Parallelize, ctx: Running) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -128,6 +148,8 @@ def run_parallelize(step: p.Parallelize, ctx: Running) -> None:
         if fqn == "":
             parallelize_module(module, mesh, build(ctor))
     children = {fqn: build(ctor) for fqn, ctor in step.plan if fqn}
+    if ctx.parts is not None:
+        children = pipeline.held_plan(module, children)
     if children:
         parallelize_module(module, mesh, children)
 
@@ -140,9 +162,10 @@ def write_parallelize(step: p.Parallelize, program: p.Program, module: str) -> l
     for ctor in own:
         lines.append(f"parallelize_module({module}, {mesh}, {source(ctor)})")
     if children:
-        lines.append(f"parallelize_module({module}, {mesh}, {{")
+        held = program.plan.pipeline is not None  # a stage holds some of these modules
+        lines.append(f"parallelize_module({module}, {mesh}, {'held_plan(' + module + ', ' if held else ''}{{")
         lines += [f"    {fqn!r}: {source(ctor)}," for fqn, ctor in children]
-        lines.append("})")
+        lines.append("})" + (")" if held else ""))
     return lines
 
 
@@ -172,11 +195,19 @@ def write_user_style(step: p.UserStyle, program: p.Program, module: str) -> list
 
 
 def run_retie(step: p.Retie, ctx: Running) -> None:
-    helpers.retie(ctx.model, step.groups)
+    groups = step.groups
+    if ctx.parts is not None and groups is not None:  # SL214 keeps every tie within one stage
+        groups = tuple(g for g in groups if all(pipeline.holds(ctx.model, n.rpartition(".")[0]) for n in g))
+    helpers.retie(ctx.model, groups)
 
 
 def write_retie(step: p.Retie, program: p.Program, module: str) -> list[str]:
-    return [f"retie(model, {step.groups!r})" if step.groups is not None else "retie(model, ties)"]
+    if step.groups is None:
+        return ["retie(model, ties)"]
+    if program.plan.pipeline is not None:
+        held = "[g for g in {!r} if all(holds(model, n.rpartition('.')[0]) for n in g)]".format(step.groups)
+        return [f"retie(model, {held})"]
+    return [f"retie(model, {step.groups!r})"]
 
 
 def run_checkpoint(step: p.Checkpoint, ctx: Running) -> None:
@@ -259,6 +290,22 @@ def write_move_to_device(step: p.MoveToDevice, program: p.Program, module: str) 
 #: Every step type, in the order lowering emits them (the printed program's helpers and imports follow it).
 STEPS: dict[type, StepType] = {
     p.MakeMesh: StepType(run_make_mesh, write_make_mesh),
+    p.SplitStages: StepType(
+        run_split_stages,
+        write_split_stages,
+        helpers=(
+            pipeline.PassThrough,
+            pipeline.split_stages,
+            pipeline._stage_inputs,
+            pipeline._take_received,
+            pipeline._keep_sent,
+            pipeline._stage_output,
+            pipeline.model_output,
+            pipeline.holds,
+            pipeline.held_plan,
+            pipeline.Pipeline,
+        ),
+    ),
     p.Parallelize: StepType(run_parallelize, write_parallelize, names=_parallelize_names),
     p.Distribute: StepType(
         run_distribute, write_distribute, helpers=(helpers.distribute_with_layouts,), names=_value_names

@@ -1,9 +1,10 @@
-"""The lint rules (SL201-SL210, SL301), one module per family; each rule is (plan, resolution, predictions, mesh shapes) -> diagnostics."""
+"""The lint rules (SL201-SL216, SL301), one module per family; each rule is (plan, resolution, predictions, mesh shapes) -> diagnostics."""
 
 from .activations import partial_gradients
 from .coverage import unsynchronised_gradients
 from .devices import mixed_device_meshes, uninitialised_on_meta
 from .matches import duplicate_matches, unit_conflicts
+from .pipelines import stage_count
 from .shards import tied_parameters, uneven_shards, unrunnable_shards
 from .styles import loss_parallel_output, style_module_types
 
@@ -20,4 +21,5 @@ RULES = (
     mixed_device_meshes,
     uninitialised_on_meta,
     partial_gradients,
+    stage_count,
 )

@@ -1,0 +1,212 @@
+"""Pipeline stages cut from a whole model, and the schedule that trains them: plain torch, pasted into the
+program `compile --emit python` prints, as runtime.helpers is.
+
+A stage is the whole model with the modules of other stages replaced by pass-throughs (docs/language.md
+§4.7). It runs the model's own forward, so whatever the model computes outside its blocks (rotary
+tables, masks, position ids) is computed on every stage as the model would. The first block it holds
+takes the activation the previous stage sent in place of its input, and the output of the last block it
+holds is what it sends. The model's inputs reach every stage as the keyword argument `shardlang_inputs`
+(torch's schedules hand keyword arguments to every stage), so only activations travel between ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+class PassThrough(nn.Module):
+    """A module another stage holds. As a block (or a module after the stack) it returns the activation it
+    is given; before the stack it returns the activation this stage received, so that shapes and dtypes
+    computed from it are right."""
+
+    def __init__(self, role, carry):
+        super().__init__()
+        self.role, self.carry = role, carry
+
+    def forward(self, *args, **kwargs):
+        if self.role == "before":
+            return self.carry["received"]
+        if args:
+            return args[0]
+        return kwargs.get("hidden_states", next(iter(kwargs.values()), None))
+
+    def extra_repr(self):
+        return f"{self.role} (held by another pipeline stage)"
+
+
+def split_stages(model, blocks, dropped, stages):
+    """This rank's stages of `model`, {stage: module}: for each stage index in `stages`, the model (for the
+    first; deep copies for the others) with the modules `dropped[stage]` lists replaced by pass-throughs.
+    `blocks[s]` are the FQNs of stage s's blocks, in order."""
+    import copy
+
+    copies = [model] + [copy.deepcopy(model) for _ in stages[1:]]
+    last = len(blocks) - 1
+    parts = {}
+    for part, stage in zip(copies, stages):
+        carry = {}
+        for fqn, role in dropped[stage]:
+            part.set_submodule(fqn, PassThrough(role, carry))
+        if stage > 0:
+            part.get_submodule(blocks[stage][0]).register_forward_pre_hook(_take_received(carry), with_kwargs=True)
+        if stage < last:
+            part.get_submodule(blocks[stage][-1]).register_forward_hook(_keep_sent(carry))
+        part.register_forward_pre_hook(_stage_inputs(carry, stage > 0), with_kwargs=True, prepend=True)
+        part.register_forward_hook(_stage_output(carry, stage == last), prepend=True)
+        part.shardlang_carry = carry
+        parts[stage] = part
+    return parts
+
+
+def _stage_inputs(carry, receives):
+    """The stage's forward takes the received activation (not the first stage) and the model's inputs as
+    `shardlang_inputs`; the model's forward is called with the model's inputs."""
+
+    def hook(module, args, kwargs):
+        kwargs = dict(kwargs)
+        inputs = kwargs.pop("shardlang_inputs", None)
+        if inputs is None:
+            raise RuntimeError("a pipeline stage runs through its schedule (Pipeline.step), not called directly")
+        if receives:
+            received = args[0] if len(args) == 1 else args
+            received.shardlang_received = True  # a recomputation (activation checkpointing) sees it again
+            carry["received"] = received
+            args = tuple(inputs)
+        return args, kwargs
+
+    return hook
+
+
+def _take_received(carry):
+    def hook(module, args, kwargs):
+        given = args[0] if args else kwargs.get("hidden_states")
+        if getattr(given, "shardlang_received", False):
+            return None  # already the received activation (or a recomputation of this microbatch)
+        if args:
+            return (carry["received"], *args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": carry["received"]}
+        raise RuntimeError("the stage's first block takes no activation as its first argument")
+
+    return hook
+
+
+def _keep_sent(carry):
+    def hook(module, args, output):
+        carry["sent"] = output
+
+    return hook
+
+
+def _stage_output(carry, last):
+    """What the stage returns: the last block's output, or (the last stage) the model's output as a tuple of
+    tensors, its structure kept in `carry` for the loss."""
+    from torch.utils._pytree import tree_flatten
+
+    def hook(module, args, output):
+        if not last:
+            return carry.pop("sent")
+        leaves, spec = tree_flatten(output)
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        carry["structure"] = (spec, [None if isinstance(x, torch.Tensor) else x for x in leaves])
+        return tensors[0] if len(tensors) == 1 else tuple(tensors)
+
+    return hook
+
+
+def model_output(carry, output):
+    """The last stage's output in the model's own structure (a tensor, a tuple, a Hugging Face output)."""
+    from torch.utils._pytree import tree_unflatten
+
+    spec, leaves = carry["structure"]
+    tensors = iter(output if isinstance(output, (tuple, list)) else (output,))
+    return tree_unflatten([next(tensors) if x is None else x for x in leaves], spec)
+
+
+class Pipeline:
+    """This rank's stages and the schedule that trains them. `step(*inputs)` runs one training step's
+    forward and backward on the whole batch, split into microbatches; on the ranks of the last stage it
+    returns the loss (the mean of the microbatches' losses, whose gradients the schedule averages), else None.
+
+    `loss(output, inputs)` is the model file's loss: `inputs` is the microbatch's input tensor (or tuple)."""
+
+    def __init__(self, parts, num_stages, schedule, microbatches, pp_group, device, loss, scale_grads=True):
+        from torch.distributed import pipelining
+
+        self.parts, self.inputs = parts, None
+        self.stages = [
+            pipelining.PipelineStage(part, stage, num_stages, device, group=pp_group) for stage, part in parts.items()
+        ]
+        self.last = self.stages[-1] if self.stages[-1].is_last else None
+        carry = parts[max(parts)].shardlang_carry
+
+        def stage_loss(output, rows):
+            inputs = tuple(x[rows] if isinstance(x, torch.Tensor) else x for x in self.inputs)
+            return loss(model_output(carry, output), inputs if len(inputs) > 1 else inputs[0])
+
+        kind = getattr(pipelining, schedule)
+        stages = self.stages[0] if len(self.stages) == 1 else self.stages
+        self.schedule = kind(stages, microbatches, loss_fn=stage_loss, scale_grads=scale_grads)
+
+    def step(self, *inputs):
+        self.inputs = inputs
+        batch = next(x for x in inputs if isinstance(x, torch.Tensor))
+        rows = torch.arange(batch.shape[0], device=batch.device)
+        losses = []
+        self.schedule.step(*inputs, target=rows, losses=losses, shardlang_inputs=inputs)
+        self.inputs = None
+        if not losses:
+            return None
+        return torch.stack([x.detach().float() for x in losses]).mean()
+
+
+def holds(model, fqn):
+    """Whether `model` (a stage) holds module `fqn`: it exists and no module on its path is a pass-through."""
+    module = model
+    for name in fqn.split(".") if fqn else ():
+        module = getattr(module, name, None)
+        if module is None or isinstance(module, PassThrough):
+            return False
+    return True
+
+
+def held_plan(model, plan):
+    """The entries of a parallelize_module plan ({relative FQN: style}) whose modules the stage holds."""
+    return {fqn: style for fqn, style in plan.items() if holds(model, fqn)}
+
+
+def stages_view(parts, held):
+    """One module tree holding every stage of `parts` ({stage: module}) under the model's own names, for
+    what reads a rank's parameters and buffers by name (the checks, checkpoints). `held[s]` are the
+    FQNs of the modules stage s holds. The modules are the stages' own (no tensor is copied); the tree
+    above them is a shallow copy without hooks. Training goes through the Pipeline, not this view."""
+    if len(parts) == 1:
+        return next(iter(parts.values()))
+    from collections import OrderedDict
+
+    def clone(module):
+        twin = object.__new__(type(module))
+        twin.__dict__ = dict(module.__dict__)
+        twin._modules = dict(module._modules)
+        for name, value in module.__dict__.items():
+            if name.endswith("_hooks") or name.endswith("_hooks_with_kwargs") or name.endswith("_always_called"):
+                twin.__dict__[name] = OrderedDict()
+        return twin
+
+    stages = sorted(parts)
+    view = clone(parts[stages[0]])
+    cloned = {id(view)}
+    for stage in stages:
+        for fqn in held[stage]:
+            *path, name = fqn.split(".")
+            parent = view
+            for step in path:
+                child = parent._modules[step]
+                if id(child) not in cloned:
+                    child = clone(child)
+                    cloned.add(id(child))
+                    parent._modules[step] = child
+                parent = child
+            parent._modules[name] = parts[stage].get_submodule(fqn)
+    return view
