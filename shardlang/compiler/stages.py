@@ -17,7 +17,6 @@ from attrs import frozen
 
 from ..frontend import ir
 from ..frontend.diagnostics import SL200, SL211, SL212, SL214, Diagnostic, few
-from ..frontend.syntax import Target
 
 STACKS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 

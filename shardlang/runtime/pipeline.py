@@ -189,7 +189,7 @@ def stages_view(parts, held):
         twin = object.__new__(type(module))
         twin.__dict__ = dict(module.__dict__)
         twin._modules = dict(module._modules)
-        for name, value in module.__dict__.items():
+        for name in module.__dict__:
             if name.endswith("_hooks") or name.endswith("_hooks_with_kwargs") or name.endswith("_always_called"):
                 twin.__dict__[name] = OrderedDict()
         return twin

@@ -205,7 +205,7 @@ def write_retie(step: p.Retie, program: p.Program, module: str) -> list[str]:
     if step.groups is None:
         return ["retie(model, ties)"]
     if program.plan.pipeline is not None:
-        held = "[g for g in {!r} if all(holds(model, n.rpartition('.')[0]) for n in g)]".format(step.groups)
+        held = f"[g for g in {step.groups!r} if all(holds(model, n.rpartition('.')[0]) for n in g)]"
         return [f"retie(model, {held})"]
     return [f"retie(model, {step.groups!r})"]
 
