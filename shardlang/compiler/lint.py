@@ -17,6 +17,7 @@ from ..frontend.static_checks import check_world
 from .predict import Placed, mesh_shapes, predict
 from .resolve import Resolution, resolve
 from .rules import RULES
+from .rules.common import pipeline_size
 
 
 @frozen
@@ -47,8 +48,8 @@ def lint(
     found = list(check_world(plan, world_size))
     if found:
         return Linted(None, None, tuple(found))
-    resolution, found = resolve(plan, model)
     shapes = mesh_shapes(plan, world_size)
+    resolution, found = resolve(plan, model, pipeline_size(plan, shapes))
     predictions = predict(plan, resolution, shapes, user_kinds, strided_shard)
     for rule in RULES:
         found += rule(plan, resolution, predictions, shapes)

@@ -67,8 +67,9 @@ class Resolution:
     stages: Stages | None = None  # the pipeline's split, when the plan has one
 
 
-def resolve(plan: ir.Plan, model: nn.Module) -> tuple[Resolution, list[Diagnostic]]:
-    """Match every target of `plan` against `model`. SL200 for a pattern that matches nothing."""
+def resolve(plan: ir.Plan, model: nn.Module, pp: int = 1) -> tuple[Resolution, list[Diagnostic]]:
+    """Match every target of `plan` against `model`. SL200 for a pattern that matches nothing. `pp` is the
+    size of a pipeline's dim (for `split STACK into auto`)."""
     modules = tuple(model.named_modules())
     found: list[Diagnostic] = []
     rules = []
@@ -108,7 +109,7 @@ def resolve(plan: ir.Plan, model: nn.Module) -> tuple[Resolution, list[Diagnosti
 
     stages = None
     if plan.pipeline is not None:
-        stages, problems = split(plan.pipeline, model, lambda target: _matches(target, modules, ""))
+        stages, problems = split(plan.pipeline, model, lambda target: _matches(target, modules, ""), pp)
         found += problems
 
     order = {fqn: i for i, (fqn, _) in enumerate(modules)}

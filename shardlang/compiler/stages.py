@@ -66,8 +66,9 @@ def _within(fqn: str, owner: str) -> bool:
     return fqn == owner or fqn.startswith(owner + ".")
 
 
-def split(pipeline: ir.Pipeline, model: nn.Module, matches) -> tuple[Stages | None, list[Diagnostic]]:
-    """Resolve the split on `model`. `matches(target)` lists the FQNs a target matches (resolve's matcher)."""
+def split(pipeline: ir.Pipeline, model: nn.Module, matches, pp: int) -> tuple[Stages | None, list[Diagnostic]]:
+    """Resolve the split on `model`. `matches(target)` lists the FQNs a target matches (resolve's matcher);
+    `pp` is the pipeline dim's size (`split STACK into auto` makes pp x stages_per_rank stages)."""
     modules = dict(model.named_modules())
     if pipeline.stack is not None:
         fqns = matches(pipeline.stack)
@@ -88,10 +89,10 @@ def split(pipeline: ir.Pipeline, model: nn.Module, matches) -> tuple[Stages | No
                     SL211,
                     f"'{pipeline.stack}' leaves out blocks of {stack}: {few(missing)}",
                     pipeline.stack.span,
-                    (f"write `split {stack}.* into {pipeline.count}` to cut the whole stack",),
+                    (f"write `split {stack}.* into {pipeline.count or 'auto'}` to cut the whole stack",),
                 )
             ]
-        n = pipeline.count
+        n = pipeline.count or pp * pipeline.stages_per_rank
         if n > len(blocks):
             return None, [
                 Diagnostic(

@@ -249,7 +249,7 @@ class Pipeline:
     """`pipeline on MESH.DIM { split ...; schedule = ...; microbatches = N; stages_per_rank = N }`.
 
     The split is either `split before A, B, ...` (`before`: the blocks that start stages 1, 2, ...) or
-    `split STACK.* into N` (`stack`, `count`)."""
+    `split STACK.* into N` (`stack`, `count`; None for `into auto`: pp x stages_per_rank stages)."""
 
     mesh: MeshRef
     before: tuple[Target, ...]
@@ -260,11 +260,6 @@ class Pipeline:
     stages_per_rank: int
     span: Span
     split_span: Span | None = None
-
-    @property
-    def stages(self) -> int | None:
-        """The stage count the split says (None: `split before` with no points, which static checks refuse)."""
-        return self.count if self.stack is not None else len(self.before) + 1
 
     def stage_ranks(self, pp: int) -> tuple[int, ...]:
         """The pp rank of each stage."""

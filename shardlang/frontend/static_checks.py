@@ -468,7 +468,8 @@ class _Checker:
             before, stack, count = tuple(self.target(t) for t in split.targets), None, None
         else:
             before, stack = (), self.target(split.target)
-            count = self.convert(integer(minimum=1), split.count) or 1
+            # `into auto`: one stage per pp rank and virtual stage (None until the world is known)
+            count = None if bare_word(split.count) == "auto" else self.convert(integer(minimum=1), split.count) or 1
         return ir.Pipeline(
             mesh, before, stack, count, schedule, options.get("microbatches"), per_rank, block.span, split.span
         )

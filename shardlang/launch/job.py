@@ -139,11 +139,9 @@ def _run(job: Job) -> Report:
     unrun = tuple(c for c in checks if c.status == SKIPPED) if job.explicit else ()
     warnings = tuple(d for d in applied.linted.diagnostics if not d.is_error) + plan.diagnostics
     where = layout(ctx)
-    shape = (
-        f"{where.replicas} replica{'s' if where.replicas > 1 else ''} x tp {where.tp_size}"
-        if where.tp_dims
-        else f"{where.replicas} replicas"
-    )
+    shape = f"{where.replicas} replica{'s' if where.replicas > 1 else ''}"
+    shape += f" x tp {where.tp_size}" if where.tp_dims else ""
+    shape += f" x pp {where.pp_size}" if where.pp_dim else ""
     checks_s = time.perf_counter() - checked
     notes: tuple[str, ...] = ()
     if job.save is not None and failures:

@@ -119,6 +119,19 @@ def apply_plan(plan: ir.Plan, model: nn.Module) -> Applied:
     return applied
 
 
+def build_pipeline(applied: Applied, loss, scale_grads: bool = True) -> pipeline.Pipeline:
+    """The schedule that trains this rank's stages of a pipelined plan, with `loss(output, inputs)` (the
+    model file's) on the last stage's microbatches."""
+    spec = applied.program.plan.pipeline
+    stages = applied.linted.resolution.stages
+    mesh = applied.mesh(spec.mesh)
+    kind = next((m.device for m in applied.program.plan.meshes if m.name == spec.mesh.mesh), "auto")
+    device = torch.device("cuda", torch.cuda.current_device()) if mesh_device(kind) == "cuda" else torch.device("cpu")
+    schedule, _ = ir.SCHEDULES[spec.schedule]
+    n = spec.n_microbatches(mesh.size())
+    return pipeline.Pipeline(applied.parts, stages.count, schedule, n, mesh.get_group(), device, loss, scale_grads)
+
+
 def _agree(failure: Diagnostic | None) -> Diagnostic | None:
     """Every rank learns whether any rank failed, so that all of them roll back together. (A simulated
     world, the fake process group, is one process: there is nobody to ask.)"""

@@ -134,7 +134,7 @@ class Pipeline:
     def __init__(self, parts, num_stages, schedule, microbatches, pp_group, device, loss, scale_grads=True):
         from torch.distributed import pipelining
 
-        self.parts, self.inputs = parts, None
+        self.parts, self.inputs, self.microbatches = parts, None, microbatches
         self.stages = [
             pipelining.PipelineStage(part, stage, num_stages, device, group=pp_group) for stage, part in parts.items()
         ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,20 @@ class Context:
     checkpoint: Checkpoint | None = None
     optimizer: torch.optim.Optimizer | None = None
     seed: int = 0  # the seed the model was built with (the init check builds an unsharded one with it)
+    _pipeline: Any = None
+
+    @property
+    def pipeline(self):
+        """The schedule that trains a pipelined plan's stages with the model file's loss (None without a
+        pipeline); one per run, shared by the checks."""
+        if self.applied.parts is None:
+            return None
+        if self._pipeline is None:
+            from ..runtime.apply import build_pipeline
+            from .layout import loss
+
+            self._pipeline = build_pipeline(self.applied, lambda output, inputs: loss(self, output, _tuple(inputs)))
+        return self._pipeline
 
     @property
     def model(self) -> torch.nn.Module:
@@ -83,6 +97,10 @@ class Context:
         if "cuda" in kinds:
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+
+
+def _tuple(inputs) -> tuple:
+    return inputs if isinstance(inputs, tuple) else (inputs,)
 
 
 def run_checks(

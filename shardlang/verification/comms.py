@@ -137,6 +137,26 @@ def _bytes(name: str, args) -> int:
     return largest
 
 
+@contextlib.contextmanager
+def _point_to_point(calls: Calls):
+    """Note a pipeline's sends and receives as `send` and `recv`: torch's schedules issue them as
+    dist.P2POp objects through the process group directly, unseen by a dispatch mode, so each P2POp
+    made while the step runs is noted."""
+    real = dist.P2POp.__init__
+
+    def noted(self, op, tensor, *args, **kwargs):
+        real(self, op, tensor, *args, **kwargs)
+        kind = "send" if op in (dist.isend, dist.send) else "recv"
+        group = getattr(self.group, "group_name", "?")
+        calls.calls.append((kind, group, tensor.numel() * tensor.element_size()))
+
+    dist.P2POp.__init__ = noted
+    try:
+        yield
+    finally:
+        dist.P2POp.__init__ = real
+
+
 def count_collectives(ctx, model, recorder: Calls | None = None) -> dict[str, int]:
     """Collectives of one forward, loss and backward of `model`, with the inputs and loss the checks
     use for this plan (the reassembly of a sliced output is not counted: only the checks do it).
@@ -149,6 +169,13 @@ def count_collectives(ctx, model, recorder: Calls | None = None) -> dict[str, in
     inputs = lay.local_inputs(full, where, input_layout)
     recorder = recorder if recorder is not None else Recorder()
     noting = recorder if isinstance(recorder, TorchDispatchMode) else contextlib.nullcontext()
+    if ctx.pipeline is not None:
+        full = lay.replica_inputs(ctx, -1, where.replica, 2 * ctx.pipeline.microbatches)
+        ctx.pipeline.step(*full)  # the first step also sends the stages' shapes: count a later one
+        with noting, _point_to_point(recorder):
+            ctx.pipeline.step(*full)
+        model.zero_grad(set_to_none=True)
+        return recorder.counts()
     with noting:
         output = model(*inputs)
     with recorder.paused():

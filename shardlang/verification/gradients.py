@@ -70,22 +70,31 @@ def run(ctx, check: ir.Check) -> Outcome:
     tally = Tally()
     localised = None
 
+    pipeline = ctx.pipeline
+    pp_group = ctx.applied.mesh(ir.MeshRef(where.mesh, (where.pp_dim,), None)).get_group() if pipeline else None
+    microbatches = pipeline.microbatches if pipeline else 1
     for step in range(args["steps"]):
         batches = [lay.replica_inputs(ctx, step, i, args["batch"]) for i in range(where.replicas)]
-        references.start_from(model)
+        references.start_from(model, pp_group)
         optim.zero_grad(set_to_none=True)
-        output = model(*lay.local_inputs(batches[where.replica], where, args.get("input")))
-        whole = lay.full_output(ctx, where, output, args.get("output"))
-        with lay.loss_context(ctx.plan):
-            sharded_loss = lay.loss(ctx, whole, batches[where.replica])
-            sharded_loss.backward()
-        losses = references.forward_backward(ctx, batches)
+        inputs = lay.local_inputs(batches[where.replica], where, args.get("input"))
+        if pipeline is not None:
+            # The schedule runs forward and backward on every microbatch; the last stage has the loss.
+            sharded_loss = pipeline.step(*inputs)
+        else:
+            output = model(*inputs)
+            whole = lay.full_output(ctx, where, output, args.get("output"))
+            with lay.loss_context(ctx.plan):
+                sharded_loss = lay.loss(ctx, whole, batches[where.replica])
+                sharded_loss.backward()
+        losses = references.forward_backward(ctx, batches, microbatches)
         grads = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
 
         failed_before = len(tally.failures)
-        mine = torch.tensor([lay.value(sharded_loss)], dtype=torch.float64)
         truth, same = (torch.tensor([float(x[where.replica])], dtype=torch.float64) for x in losses)
-        tally.compare(f"step {step}: loss", "loss", mine, truth, same, scale=abs(float(truth)), fixed=fixed)
+        if sharded_loss is not None:  # (a pipeline's other stages have no loss)
+            mine = torch.tensor([lay.value(sharded_loss)], dtype=torch.float64)
+            tally.compare(f"step {step}: loss", "loss", mine, truth, same, scale=abs(float(truth)), fixed=fixed)
         scale = references.gradient_scale()
         for name, p in model.named_parameters():
             t, s = references.truth.get_parameter(name), references.same.get_parameter(name)

@@ -30,11 +30,15 @@ class Layout:
     replicas: int
     tp_index: int
     tp_size: int
+    pp_dim: str | None = None  # a pipeline's dim: its ranks hold different stages, not replicas
+    pp_index: int = 0
+    pp_size: int = 1
 
 
 def main_mesh(plan: ir.Plan) -> str | None:
     """The mesh the plan shards over: that of its parallelize blocks, else of its units, else the first."""
-    for ref in [b.mesh for b in plan.parallelize] + [u.mesh for u in plan.units]:
+    pipeline = [plan.pipeline.mesh] if plan.pipeline is not None else []
+    for ref in [b.mesh for b in plan.parallelize] + [u.mesh for u in plan.units] + pipeline:
         return ref.mesh
     return plan.meshes[0].name if plan.meshes else None
 
@@ -49,7 +53,9 @@ def layout(ctx) -> Layout:
     coordinate = mesh.get_coordinate()
     sizes = dict(zip(dims, mesh.shape))
     at = dict(zip(dims, coordinate))
-    dp_dims = [d for d in dims if d not in tp_dims]
+    pipeline = plan.pipeline
+    pp = pipeline.mesh.dims[0] if pipeline is not None and pipeline.mesh.mesh == name else None
+    dp_dims = [d for d in dims if d not in tp_dims and d != pp]
     return Layout(
         name,
         tp_dims,
@@ -57,6 +63,9 @@ def layout(ctx) -> Layout:
         math.prod(sizes[d] for d in dp_dims),
         _ravel([at[d] for d in tp_dims], [sizes[d] for d in tp_dims]),
         math.prod(sizes[d] for d in tp_dims),
+        pp,
+        at[pp] if pp else 0,
+        sizes[pp] if pp else 1,
     )
 
 
@@ -78,6 +87,14 @@ def replica_inputs(ctx, step: int, replica: int, batch: int) -> tuple:
         got = describe(inputs[0]) if len(inputs) == 1 else "a tuple without a tensor"
         raise ModelFileError(f"{what} returned {got}: the model's inputs must be a tensor or a tuple of them")
     return tuple(x.to(ctx.device) if isinstance(x, torch.Tensor) else x for x in inputs)
+
+
+def microbatches(inputs: tuple, n: int) -> list[tuple]:
+    """A batch split into `n` microbatches along dim 0, as torch's pipeline schedules split it."""
+    if n == 1:
+        return [inputs]
+    pieces = [x.tensor_split(n) if isinstance(x, torch.Tensor) else (x,) * n for x in inputs]
+    return [tuple(p[i] for p in pieces) for i in range(n)]
 
 
 def local_inputs(full: tuple, where: Layout, input_layout: Any) -> tuple:

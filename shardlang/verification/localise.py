@@ -35,7 +35,11 @@ WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig
 
 
 def localise(ctx, references, inputs: tuple, where, args: dict, failing_params: list[str]) -> dict[str, Any] | None:
-    """Run one step again with hooks; where the sharded model first disagrees, or None if it cannot say."""
+    """Run one step again with hooks; where the sharded model first disagrees, or None if it cannot say.
+    A pipeline's stages run through their schedule, microbatch by microbatch, where module hooks cannot be
+    paired with the unsharded model's: each rank names the module of its first failing parameter."""
+    if ctx.pipeline is not None:
+        return _by_parameter(ctx, failing_params)
     try:
         sharded = _record(ctx.model, lambda m, stop: _sharded_step(ctx, m, inputs, where, args, stop))
         truth = _record(references.truth, lambda m, stop: _reference_step(ctx, m, inputs, stop))
@@ -58,14 +62,25 @@ def localise(ctx, references, inputs: tuple, where, args: dict, failing_params: 
         first = next((i for i, ratio in enumerate(ratios) if ratio is not None and ratio > CLEAR), None)
         if first is not None:
             return _found(ctx, records[first][0], label, ratios[first])
-    if failing_params:
-        name = failing_params[0]
-        what = (
-            f"gradient of its parameter {name.rpartition('.')[2]} (its output and the gradient reaching it "
-            "agree: a reduction of this parameter's gradient is missing or wrong)"
-        )
-        return _found(ctx, f"{name.rpartition('.')[0]}#1", what, None)
-    return None
+    return _by_parameter(
+        ctx,
+        failing_params,
+        "(its output and the gradient reaching it agree: a reduction of this parameter's gradient is missing or wrong)",
+    )
+
+
+def _by_parameter(ctx, failing_params: list[str], why: str = "") -> dict[str, Any] | None:
+    if not failing_params:
+        return None
+    name = failing_params[0]
+    found = _found(
+        ctx, f"{name.rpartition('.')[0]}#1", f"gradient of its parameter {name.rpartition('.')[2]} {why}".rstrip(), None
+    )
+    stages = ctx.applied.linted.resolution.stages
+    stage = stages.stage_of(name.rpartition(".")[0]) if stages is not None else None
+    if stage is not None:
+        found["what"] += f", in pipeline stage {stage}"
+    return found
 
 
 def _same_everywhere(count: int) -> bool:
@@ -272,4 +287,7 @@ def governing(ctx, fqn: str) -> list[dict[str, Any]]:
         add(unit.unit.span if unit.unit is not None else block.span, f"the {unit.kind(block)} unit holding it")
     if any(fqn == c or fqn.startswith(c + ".") for c in resolution.checkpoint) and plan.checkpoint:
         add(plan.checkpoint[0].span, "activation checkpointing")
+    stage = resolution.stages.stage_of(fqn) if resolution.stages is not None else None
+    if stage is not None:
+        add(plan.pipeline.split_span, f"the pipeline split that puts it in stage {stage}")
     return found

@@ -29,9 +29,12 @@ def run(ctx, check) -> Outcome:
             seen.add(id(t))
             tensors.append((name, t))
     compared, groups = 0, []
+    pipeline = ctx.plan.pipeline
     for mesh_name, mesh in ctx.applied.meshes.items():
         dims = tuple(mesh.mesh_dim_names)
         for dim in dims:
+            if pipeline is not None and (mesh_name, dim) == (pipeline.mesh.mesh, pipeline.mesh.dims[0]):
+                continue  # the ranks along a pipeline's dim hold different stages, not replicas
             group = mesh.get_group(dim)
             size = dist.get_world_size(group)
             if size == 1:

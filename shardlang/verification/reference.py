@@ -14,6 +14,7 @@ import copy
 import math
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
@@ -62,20 +63,35 @@ class References:
         precision = emulate_mixed_precision(ctx, same)
         return cls(truth, same, base, precision, "float64")
 
-    def start_from(self, model) -> None:
-        """Every reference's parameters := the sharded model's full parameters."""
+    def start_from(self, model, pp_group=None) -> None:
+        """Every reference's parameters := the sharded model's full parameters (a pipeline's stages are
+        gathered from the ranks of `pp_group` first: each rank holds its own stages' parameters)."""
         with torch.no_grad():
-            for name, p in model.named_parameters():
-                whole = full(p.detach())
+            whole = {name: full(p.detach()) for name, p in model.named_parameters()}
+            if pp_group is not None:
+                everyone = [None] * dist.get_world_size(pp_group)
+                dist.all_gather_object(everyone, {k: v.cpu() for k, v in whole.items()}, group=pp_group)
+                whole = {k: v for stage in everyone for k, v in stage.items()}
+            for name, value in whole.items():
                 for reference in (self.truth, self.same, self.optimizer):
-                    reference.get_parameter(name).copy_(whole)
+                    target = reference.get_parameter(name)
+                    target.copy_(value.to(target.device))
 
-    def forward_backward(self, ctx, full: list[tuple]) -> tuple[list[float], list[float]]:
-        """Both computing references on every replica's inputs; each replica's loss, truth's then same's."""
+    def forward_backward(self, ctx, full: list[tuple], microbatches: int = 1) -> tuple[list[float], list[float]]:
+        """Both computing references on every replica's inputs; each replica's loss, truth's then same's.
+        With `microbatches`, a replica's loss is the mean of its microbatches' losses, as a pipeline's."""
         losses = []
         for reference in (self.truth, self.same):
             reference.zero_grad(set_to_none=True)
-            per_replica = [lay.loss(ctx, reference(*inputs_for(reference, x)), x) for x in full]
+            per_replica = [
+                torch.stack(
+                    [
+                        lay.loss(ctx, reference(*inputs_for(reference, mb)), mb).to(torch.float64)
+                        for mb in lay.microbatches(x, microbatches)
+                    ]
+                ).mean()
+                for x in full
+            ]
             torch.stack([loss.to(torch.float64) for loss in per_replica]).mean().backward()
             losses.append([float(loss.detach()) for loss in per_replica])
         return losses[0], losses[1]

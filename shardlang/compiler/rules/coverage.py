@@ -11,6 +11,8 @@ def unsynchronised_gradients(plan, resolution, predictions, shapes) -> list[Diag
     """SL206: parameters no unit covers while some data-parallel dim (one no parallelize block uses) > 1."""
     sizes = dim_sizes(plan, shapes)
     tp_dims = {(b.mesh.mesh, d) for b in plan.parallelize for d in b.mesh.dims}
+    if plan.pipeline is not None:  # a pipeline's ranks hold different stages: not data parallelism
+        tp_dims.add((plan.pipeline.mesh.mesh, plan.pipeline.mesh.dims[0]))
     used = {b.mesh.mesh for b in plan.parallelize} | {u.mesh.mesh for u in plan.units}
     dp = [f"{m}.{d}={n}" for (m, d), n in sizes.items() if m in used and (m, d) not in tp_dims and n > 1]
     if not dp:
