@@ -21,7 +21,7 @@ from ..frontend.diagnostics import PlanError
 from ..frontend.source import Span
 from ..frontend.static_checks import check_world
 from ..runtime import helpers
-from ..runtime.steps import STEPS
+from ..runtime.steps import STEPS, mesh_var
 
 
 def compile_python(plan: ir.Plan, model: nn.Module | None, world_size: int | None, command: str = "") -> str:
@@ -142,11 +142,23 @@ def to_python(program: p.Program, command: str = "") -> str:
         if any(isinstance(s, p.Retie) and s.groups is None for s in program.steps)
         else []
     )
+    outer, staged = body, False
     for group in _groups(program.steps):
         step = group[0]
         units = _matching(step) and isinstance(step, (p.FullyShard, p.Replicate))
         if step.origin is not None and not units:
             body.append(f"# {plan.source.name}:{step.origin.line}: {_origin_text(plan, step.origin)}")
+        if staged and isinstance(getattr(step, "module", None), str) and step.module:
+            # A stage holds some of the modules: each call runs where its module is held.
+            if len(group) > 1:
+                names = ", ".join(repr(s.module) for s in group)
+                body.append(f"for name in ({names}):")
+                body.append("    if holds(model, name):")
+                body += ["        " + line for line in _write(step, program, "model.get_submodule(name)")]
+            else:
+                body.append(f"if holds(model, {step.module!r}):")
+                body += ["    " + line for line in _write(step, program, _module(step.module))]
+            continue
         if units:
             body.append("# fully_shard and replicate units, children before parents")
             body.append("wrap_children_first(model, [")
@@ -165,6 +177,14 @@ def to_python(program: p.Program, command: str = "") -> str:
             body += ["    " + line for line in _write(step, program, "model.get_submodule(name)")]
         else:
             body += _write(step, program, _module(getattr(step, "module", "")))
+        if isinstance(step, p.SplitStages):
+            # Every later step runs on each stage this rank holds, as `shardlang apply` runs them.
+            staged, body = True, []
+    if staged:
+        outer.append("for stage, model in stages.items():")
+        outer += ["    " + line for line in body]
+        outer.append(_make_pipeline(program))
+        body = outer
     pasted = [inspect.getsource(h).rstrip() for h in (helpers.build_for, helpers.parameters_on_meta, mesh_device)]
     pasted += _helpers(program)
     if any(_matching(s) for s in program.steps) or "tied_parameter_groups" in "\n".join(body):
@@ -180,9 +200,30 @@ def to_python(program: p.Program, command: str = "") -> str:
         )
         pasted += [inspect.getsource(h).rstrip() for h in matching]
     parts = ["\n".join(header), "\n".join(_imports(program)), *pasted, _build_function(plan)]
-    parts.append("def apply_plan(model):\n" + "\n".join("    " + line for line in body) + "\n    return model")
+    if staged:
+        signature = "def apply_plan(model, loss):\n"
+        doc = (
+            '    """This rank\'s pipeline stages of `model`, sharded, and the schedule that trains them with\n'
+            '    loss(output, inputs): pipeline.step(*inputs) runs one step and returns the loss on the last stage."""\n'
+        )
+        parts.append(signature + doc + "\n".join("    " + line for line in body) + "\n    return pipeline")
+    else:
+        parts.append("def apply_plan(model):\n" + "\n".join("    " + line for line in body) + "\n    return model")
     parts.append(_loss_context(plan))
     return "\n\n\n".join(parts) + "\n"
+
+
+def _make_pipeline(program: p.Program) -> str:
+    plan = program.plan
+    spec = plan.pipeline
+    mesh = next(m for m in program.meshes if m.name == spec.mesh.mesh)
+    pp = dict(zip(mesh.dims, mesh.shape))[spec.mesh.dims[0]]
+    split = next(s for s in program.steps if isinstance(s, p.SplitStages))
+    device = f"torch.device('cuda', torch.cuda.current_device()) if mesh_device({mesh.device!r}) == 'cuda' else torch.device('cpu')"
+    return (
+        f"pipeline = Pipeline(stages, {len(split.blocks)}, {ir.SCHEDULES[spec.schedule][0]!r}, {spec.n_microbatches(pp)}, "
+        f"{mesh_var(spec.mesh.mesh)}[{spec.mesh.dims[0]!r}].get_group(), {device}, loss)"
+    )
 
 
 def _loss_context(plan: ir.Plan) -> str:

@@ -470,6 +470,8 @@ class _Checker:
             before, stack = (), self.target(split.target)
             # `into auto`: one stage per pp rank and virtual stage (None until the world is known)
             count = None if bare_word(split.count) == "auto" else self.convert(integer(minimum=1), split.count) or 1
+        if len(mesh.dims) != 1:
+            return None  # (reported above)
         return ir.Pipeline(
             mesh, before, stack, count, schedule, options.get("microbatches"), per_rank, block.span, split.span
         )

@@ -12,10 +12,9 @@ holds is what it sends. The model's inputs reach every stage as the keyword argu
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
 
-class PassThrough(nn.Module):
+class PassThrough(torch.nn.Module):
     """A module another stage holds. As a block (or a module after the stack) it returns the activation it
     is given; before the stack it returns the activation this stage received, so that shapes and dtypes
     computed from it are right."""

@@ -75,7 +75,8 @@ def run(ctx, check: ir.Check) -> Outcome:
     microbatches = pipeline.microbatches if pipeline else 1
     for step in range(args["steps"]):
         batches = [lay.replica_inputs(ctx, step, i, args["batch"]) for i in range(where.replicas)]
-        references.start_from(model, pp_group)
+        unheld = references.start_from(model, pp_group)
+        tally.failures += [f"step {step}: {name} is held by no pipeline stage" for name in unheld]
         optim.zero_grad(set_to_none=True)
         inputs = lay.local_inputs(batches[where.replica], where, args.get("input"))
         if pipeline is not None:

@@ -63,9 +63,10 @@ class References:
         precision = emulate_mixed_precision(ctx, same)
         return cls(truth, same, base, precision, "float64")
 
-    def start_from(self, model, pp_group=None) -> None:
+    def start_from(self, model, pp_group=None) -> list[str]:
         """Every reference's parameters := the sharded model's full parameters (a pipeline's stages are
-        gathered from the ranks of `pp_group` first: each rank holds its own stages' parameters)."""
+        gathered from the ranks of `pp_group` first: each rank holds its own stages' parameters). The
+        unsharded model's parameters that no rank holds, if any (a split that lost a module)."""
         with torch.no_grad():
             whole = {name: full(p.detach()) for name, p in model.named_parameters()}
             if pp_group is not None:
@@ -76,6 +77,9 @@ class References:
                 for reference in (self.truth, self.same, self.optimizer):
                     target = reference.get_parameter(name)
                     target.copy_(value.to(target.device))
+        if pp_group is None:
+            return []
+        return [name for name, _ in self.truth.named_parameters() if name not in whole]
 
     def forward_backward(self, ctx, full: list[tuple], microbatches: int = 1) -> tuple[list[float], list[float]]:
         """Both computing references on every replica's inputs; each replica's loss, truth's then same's.

@@ -1,0 +1,240 @@
+"""Pipelines: the statement and its lint (SL211-SL216), every schedule at pp 2 x dp 2 and pp 2 x tp 2 passing
+every check on gloo, the printed program training as apply does, and planted faults the gradients check
+must catch: a stage fed the wrong microbatch, a split that drops a block, a loss not scaled by the
+microbatch count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import shardlang
+from shardlang.compiler.lint import lint
+from shardlang.frontend.read import read_file
+from shardlang.launch.job import Job, run
+
+from .conftest import ROOT
+
+MODEL = str(ROOT / "examples" / "llama_pipeline.py")
+SCHEDULES = {
+    "gpipe": {"schedule": "gpipe"},
+    "1f1b": {"schedule": "1f1b"},
+    "interleaved": {"schedule": "interleaved_1f1b", "per_rank": 2},
+}
+
+
+def _lint(tmp_path, text: str, world: int = 4, layers: int = 4):
+    from examples.llama import Transformer
+
+    path = tmp_path / "p.sl"
+    path.write_text(text)
+    plan, found, _ = read_file(str(path), {}, world)
+    if plan is None:
+        return [(d.code, d.message) for d in found], None
+    with torch.device("meta"):
+        model = Transformer(layers=layers)
+    linted = lint(plan, model, world)
+    return [(d.code, d.message) for d in linted.diagnostics], linted
+
+
+HEAD = "mesh world = cpu[pp=2, dp=auto]\n"
+
+
+@pytest.mark.parametrize(
+    "body, code, words",
+    [
+        ("pipeline on world.pp { split before norm }", "SL211", "not in a ModuleList"),
+        ("pipeline on world.pp { split before layers.2, layers.1 }", "SL211", "not after the one before"),
+        ("pipeline on world.pp { split before layers.0 }", "SL212", "stage 0 would hold no block"),
+        ("pipeline on world.pp { split layers.* into 8 }", "SL212", "4 stage(s) would hold no block"),
+        ("pipeline on world.pp { split layers.* into 4 }", "SL213", "makes 4 stages, but pp=2 runs 2"),
+        ("pipeline on world.pp { split layers.{0,1} into 2 }", "SL211", "leaves out blocks"),
+        ("pipeline on world.pp { split layers.* into auto; schedule = 1f1b; stages_per_rank = 2 }", "SL215", "1 stage"),
+        (
+            "pipeline on world.pp { split layers.* into auto; schedule = interleaved_1f1b; stages_per_rank = 1 }",
+            "SL215",
+            "2 or more",
+        ),
+        ("pipeline on world { split layers.* into auto }", "SL216", "1-D mesh"),
+        (
+            "pipeline on world.pp { split layers.* into auto }\nfully_shard on world[pp, dp] { }",
+            "SL216",
+            "pipeline dim",
+        ),
+        ("pipeline on world.pp { split layers.* into auto }\nloss_parallel", "SL216", "loss_parallel"),
+        ("pipeline on world.pp { schedule = gpipe }", "SL102", "where to split"),
+        (
+            "pipeline on world.pp { split layers.* into auto; microbatches = 8 }\nverify gradients(batch=4)",
+            "SL215",
+            "8 microbatches",
+        ),
+    ],
+)
+def test_pipeline_lint(tmp_path, body, code, words):
+    found, _ = _lint(tmp_path, HEAD + body + "\n")
+    assert any(c == code and words in m for c, m in found), found
+
+
+def test_tied_weights_across_stages_are_refused(tmp_path):
+    from examples.llama import Transformer
+
+    path = tmp_path / "p.sl"
+    path.write_text(HEAD + "pipeline on world.pp { split layers.* into auto }\n")
+    plan, _, _ = read_file(str(path), {}, 4)
+    with torch.device("meta"):
+        model = Transformer(layers=4)
+    model.output.weight = model.tok_embeddings.weight
+    codes = [(d.code, d.message) for d in lint(plan, model, 4).diagnostics]
+    assert any(c == "SL214" and "output.weight (stage 1)" in m for c, m in codes), codes
+
+
+def test_split_resolves_blocks_and_outside_modules(tmp_path):
+    found, linted = _lint(tmp_path, HEAD + "pipeline on world.pp { split before layers.3 }\n")
+    assert found == []
+    stages = linted.resolution.stages
+    assert stages.blocks == (("layers.0", "layers.1", "layers.2"), ("layers.3",))
+    assert (stages.first, stages.last) == (("tok_embeddings",), ("norm", "output"))
+    assert stages.stage_of("layers.3.attention.wq") == 1 and stages.stage_of("tok_embeddings") == 0
+    assert stages.stage_of("") is None  # the root (and its parameterless buffers) is on every stage
+    spec = shardlang.load(ROOT / "plans" / "llama_pipeline.sl", {"schedule": "zbv", "per_rank": 2}).pipeline
+    assert spec.stage_ranks(2) == (0, 1, 1, 0)  # V schedules fold the stages back
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("plan", ["llama_pipeline", "llama_pipeline_tp"])
+def test_every_schedule_passes_every_check(pools, plan, schedule):
+    """pp 2 x dp 2 (FSDP in each stage) and pp 2 x tp 2, for GPipe, 1F1B and interleaved 1F1B."""
+    path = ROOT / "plans" / f"{plan}.sl"
+    params = SCHEDULES[schedule]
+    job = Job(str(path), params, MODEL, None, shardlang.load(path, params).checks)
+    report = pools(4).run(run, job)[0]
+    assert report.ok, [(c.check, c.message) for c in report.checks] + [d.message for d in report.diagnostics]
+    statuses = {c.check: c.status for c in report.checks}
+    assert statuses == {
+        "init": "pass",
+        "gradients": "pass",
+        "module_states": "pass",
+        "init_device": "pass",
+        "placements": "pass",
+        "comms": "reported",
+    }
+    comms = next(c for c in report.checks if c.check == "comms").data["counts"]
+    # Rank 0 holds stage 0 (and stage 2, interleaved): per microbatch, one activation or gradient each way
+    # across each boundary of its stages with another rank's (0|1, and interleaved also 1|2 and 2|3).
+    boundaries = 1 if schedule != "interleaved" else 3
+    assert comms["send"] == comms["recv"] == 4 * boundaries, comms
+
+
+def _emitted_job(source: str, plan_path: str):
+    """The printed program and `shardlang apply`'s runtime train the same model on the same batch."""
+    import torch.distributed as dist
+
+    from examples.llama_pipeline import build_model, example_input, loss
+    from shardlang.runtime.apply import apply_plan, build_pipeline
+
+    namespace: dict = {}
+    exec(compile(source, "emitted.py", "exec"), namespace)  # noqa: S102 - the program compile printed
+    tokens = example_input(8, torch.Generator().manual_seed(3))
+    results = []
+    for kind in ("emitted", "apply"):
+        torch.manual_seed(0)
+        model = build_model()
+        if kind == "emitted":
+            pipeline = namespace["apply_plan"](model, loss)
+        else:
+            applied = apply_plan(shardlang.load(plan_path), model)
+            pipeline = build_pipeline(applied, loss)
+        value = pipeline.step(tokens)
+        grads = {
+            n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            for part in pipeline.parts.values()
+            for n, p in part.named_parameters()
+        }
+        results.append((None if value is None else float(value), grads))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert loss_a == loss_b
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+    dist.barrier()
+    return loss_a
+
+
+def test_printed_program_trains_as_apply_does(pools):
+    from shardlang.emit.python import compile_python
+    from examples.llama_pipeline import build_model
+
+    path = str(ROOT / "plans" / "llama_pipeline_tp.sl")
+    with torch.device("meta"):
+        model = build_model()
+    source = compile_python(shardlang.load(path), model, 4)
+    assert "for stage, model in stages.items():" in source and "def apply_plan(model, loss):" in source
+    losses = pools(4).run(_emitted_job, source, path)
+    assert [x is not None for x in losses] == [False, False, True, True]  # the last stage's ranks
+
+
+# --- planted faults -------------------------------------------------------------------------------
+
+
+def _faulty(fault: str, job: Job):
+    """Run `job` with a fault planted in the pipeline runtime (on every rank: the same ops everywhere)."""
+    from shardlang.compiler import stages as compiler_stages
+    from shardlang.runtime import apply as runtime_apply
+    from shardlang.runtime import pipeline as runtime_pipeline
+
+    if fault == "microbatch order":
+        real = runtime_pipeline._stage_inputs
+
+        def shuffled(carry, receives):
+            hook = real(carry, receives)
+            seen = []
+
+            def wrong(module, args, kwargs):
+                # The stage is fed the activation of the microbatch before (the first gets the last's).
+                seen.append(args[0].detach())
+                if receives and len(seen) > 1:
+                    args = (seen[-2].clone().requires_grad_(), *args[1:])
+                return hook(module, args, kwargs)
+
+            return wrong
+
+        runtime_pipeline._stage_inputs = shuffled
+    elif fault == "dropped block":
+        real = compiler_stages.Stages.dropped
+
+        def dropping(self, stage):
+            # The split forgets layers.1: no stage runs it.
+            extra = (("layers.1", "block"),) if stage == 0 else ()
+            return real(self, stage) + extra
+
+        compiler_stages.Stages.dropped = dropping
+    elif fault == "unscaled loss":
+        real = runtime_apply.build_pipeline
+        runtime_apply.build_pipeline = lambda applied, loss, scale_grads=True: real(applied, loss, False)
+    try:
+        return run(job)
+    finally:
+        if fault == "microbatch order":
+            runtime_pipeline._stage_inputs = real
+        elif fault == "dropped block":
+            compiler_stages.Stages.dropped = real
+        else:
+            runtime_apply.build_pipeline = real
+
+
+@pytest.mark.parametrize(
+    "fault, words",
+    [
+        ("microbatch order", ["step 0: gradient of tok_embeddings.weight"]),
+        ("dropped block", ["layers.1.attention.wq.weight is held by no pipeline stage"]),
+        ("unscaled loss", ["step 0: gradient of"]),
+    ],
+)
+def test_planted_pipeline_faults_fail_the_gradients_check(pools, fault, words):
+    path = ROOT / "plans" / "llama_pipeline.sl"
+    checks = tuple(c for c in shardlang.load(path).checks if c.name == "gradients")
+    job = Job(str(path), {}, MODEL, None, checks)
+    report = pools(4).run(_faulty, fault, job)[0]
+    (gradients,) = report.checks
+    assert gradients.status == "fail", gradients.message
+    said = gradients.message + "; ".join(gradients.data["failures"])
+    assert all(w in said for w in words), said
