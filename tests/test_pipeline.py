@@ -160,8 +160,8 @@ def _emitted_job(source: str, plan_path: str):
 
 
 def test_printed_program_trains_as_apply_does(pools):
-    from shardlang.emit.python import compile_python
     from examples.llama_pipeline import build_model
+    from shardlang.emit.python import compile_python
 
     path = str(ROOT / "plans" / "llama_pipeline_tp.sl")
     with torch.device("meta"):
