@@ -238,3 +238,80 @@ def test_planted_pipeline_faults_fail_the_gradients_check(pools, fault, words):
     assert gradients.status == "fail", gradients.message
     said = gradients.message + "; ".join(gradients.data["failures"])
     assert all(w in said for w in words), said
+
+
+# --- checkpoints ----------------------------------------------------------------------------------
+
+
+def _pipelined(plan_path: str, params: dict):
+    import torch.distributed as dist
+
+    from examples.llama_pipeline import build_model, loss
+    from shardlang.runtime.apply import apply_plan, build_pipeline
+
+    plan = shardlang.load(plan_path, params, world_size=dist.get_world_size())
+    torch.manual_seed(0)
+    applied = apply_plan(plan, plan.build(build_model))
+    return applied, build_pipeline(applied, loss)
+
+
+def _train_pipelined_and_save(plan_path: str, params: dict, directory: str) -> dict:
+    """Two Adam steps through the schedule, then save; this rank's stages' full state."""
+    from examples.llama_pipeline import example_input
+    from shardlang.checkpoints.dcp import save_checkpoint
+
+    from .checkpoint_jobs import full_state
+
+    applied, pipeline = _pipelined(plan_path, params)
+    optimizer = torch.optim.Adam(applied.model.parameters(), lr=1e-2)
+    for step in range(2):
+        pipeline.step(example_input(8, torch.Generator().manual_seed(step)))
+        optimizer.step()
+        optimizer.zero_grad()
+    save_checkpoint(applied.model, directory, optimizer)
+    return full_state(applied.model, optimizer)
+
+
+def _load_pipelined(plan_path: str, params: dict, directory: str) -> dict:
+    from shardlang.checkpoints.dcp import load_checkpoint
+
+    from .checkpoint_jobs import full_state
+
+    applied, _ = _pipelined(plan_path, params)
+    optimizer = torch.optim.Adam(applied.model.parameters(), lr=1e-4)
+    load_checkpoint(applied.model, directory, optimizer)
+    return full_state(applied.model, optimizer)
+
+
+def test_checkpoints_move_between_pipelined_and_plain_plans_bitwise(pools, tmp_path):
+    """Saved under pp 2 x dp 2 (interleaved: two stages per rank), loaded under FSDP 4 (no pipeline) and
+    back under the pipeline: every model and optimizer tensor bitwise; and the other way round."""
+    params = SCHEDULES["interleaved"]
+    from . import checkpoint_jobs as jobs
+    from .test_checkpoints import assert_bitwise
+
+    pipelined = str(ROOT / "plans" / "llama_pipeline.sl")
+    plain = str(ROOT / "plans" / "hsdp.sl")
+    directory = str(tmp_path / "pp")
+    per_rank = pools(4).run(_train_pipelined_and_save, pipelined, params, directory)
+    groups = [g for s in per_rank for k, g in s.items() if k == "optimizer.param_groups"]
+    want = {k: v for s in per_rank for k, v in s.items() if k != "optimizer.param_groups"}
+    assert len({k.split(".")[1] for k in want if k.startswith("model.")}) > 1  # stages of both ranks
+    for rank, got in enumerate(
+        pools(4).run(jobs.load_under, plain, {"shard": 4}, "examples.llama_pipeline", directory)
+    ):
+        got = {k: v for k, v in got.items() if k != "optimizer.param_groups"}
+        assert got.keys() == want.keys(), rank
+        assert_bitwise(got, want, f"plain, rank {rank}")
+    for rank, got in enumerate(pools(4).run(_load_pipelined, pipelined, params, directory)):
+        mine = {k: v for k, v in got.items() if k != "optimizer.param_groups"}
+        assert mine and mine.keys() <= want.keys()
+        assert_bitwise(mine, {k: want[k] for k in mine}, f"pp, rank {rank}")
+    assert groups
+    # The other way: a checkpoint of the plain plan loads into the stages.
+    again = str(tmp_path / "plain")
+    plain_state = pools(4).run(jobs.train_and_save, plain, {"shard": 4}, "examples.llama_pipeline", again)[0]
+    for rank, got in enumerate(pools(4).run(_load_pipelined, pipelined, params, again)):
+        mine = {k: v for k, v in got.items() if k != "optimizer.param_groups"}
+        assert mine and all(k in plain_state for k in mine)
+        assert_bitwise(mine, {k: plain_state[k] for k in mine}, f"plain to pp, rank {rank}")

@@ -446,9 +446,12 @@ def _nbytes(stored) -> int:
 # --- fitting ---------------------------------------------------------------------------------------
 
 
-def misfits(checkpoint: Checkpoint, state: Mapping[str, Any], what: str = "model") -> list[str]:
+def misfits(
+    checkpoint: Checkpoint, state: Mapping[str, Any], what: str = "model", elsewhere: tuple[str, ...] = ()
+) -> list[str]:
     """Every way `state` (a model state dict, or a flattened optimizer one) and the checkpoint differ:
-    keys on one side only, and tensors of another global shape or dtype. Works on meta tensors too."""
+    keys on one side only, and tensors of another global shape or dtype. Works on meta tensors too.
+    `elsewhere`: modules another pipeline stage holds, whose keys a stage loads nothing of."""
     stored = (
         checkpoint.model
         if what == "model"
@@ -470,13 +473,25 @@ def misfits(checkpoint: Checkpoint, state: Mapping[str, Any], what: str = "model
             found.append(
                 f"{key}: dtype {_name(have.properties.dtype)} in the checkpoint, {_name(value.dtype)} in the {what}"
             )
-    found += [f"checkpoint key {key} is not in the {what}" for key in stored if key not in state]
+    prefixes = tuple(f"{m}." for m in elsewhere)
+    found += [
+        f"checkpoint key {key} is not in the {what}"
+        for key in stored
+        if key not in state and not key.removeprefix("state.").startswith(prefixes)
+    ]
     return found
+
+
+def elsewhere(model: torch.nn.Module) -> tuple[str, ...]:
+    """The modules of a pipeline stage that other stages hold (pass-throughs here); () for a whole model."""
+    from ..runtime.pipeline import PassThrough
+
+    return tuple(fqn for fqn, m in model.named_modules() if isinstance(m, PassThrough))
 
 
 def check_fits(checkpoint: Checkpoint, model: torch.nn.Module) -> None:
     """PlanError(SL500) listing every misfit between the checkpoint and `model` (any device, meta too)."""
-    found = misfits(checkpoint, _model_state(model))
+    found = misfits(checkpoint, _model_state(model), elsewhere=elsewhere(model))
     if found:
         raise _misfit(checkpoint, "model", found)
 
@@ -513,7 +528,7 @@ def load_checkpoint(
     checkpoint = path if isinstance(path, Checkpoint) else read_checkpoint(path)
     state = _model_state(model)
     if model_state:
-        found = misfits(checkpoint, state)
+        found = misfits(checkpoint, state, elsewhere=elsewhere(model))
         if found:
             raise _misfit(checkpoint, "model", found)
     target: dict[str, Any] = {}
@@ -537,7 +552,7 @@ def load_checkpoint(
         # undone if the checkpoint does not fit.
         before = optimizer.state_dict()
         optim_state = get_optimizer_state_dict(model, optimizer)
-        found = misfits(checkpoint, _flatten(optim_state["state"], "state"), "optimizer")
+        found = misfits(checkpoint, _flatten(optim_state["state"], "state"), "optimizer", elsewhere(model))
         if found:
             optimizer.load_state_dict(before)
             raise _misfit(checkpoint, "optimizer", found)
