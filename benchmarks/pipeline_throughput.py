@@ -1,0 +1,208 @@
+"""Pipeline training throughput of the ~1B Llama-style model: shardlang's pipelined plan against the same
+schedule written by hand with torch.distributed.pipelining, in one run, alternating the two after warm-up;
+plus peak memory and the sends and receives of a step.
+
+    torchrun --nproc-per-node 2 benchmarks/pipeline_throughput.py [--schedule 1f1b] [--steps 30]
+    torchrun --nproc-per-node 4 benchmarks/pipeline_throughput.py        # pp 2 x dp 2
+
+The plan is benchmarks/plans/llama_1b_pp.sl (pp 2, FSDP2 over the rest in each stage, bf16 compute with
+fp32 reduction, built on meta). The hand-written version is what a user writes without shardlang: a stage
+module holding its blocks (torchtitan's contract), fully_shard on each block and the stage, to_empty and
+reset_parameters, PipelineStage and the schedule class. Fused AdamW; batch 8 x 2048 per data-parallel rank in
+8 microbatches. Rank 0 prints one table. `--dry-run` checks the script on CPU workers with the tiny model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import shardlang  # noqa: E402
+from benchmarks import llama_1b  # noqa: E402
+from shardlang.frontend.ir import SCHEDULES  # noqa: E402
+from shardlang.runtime.apply import apply_plan, build_pipeline  # noqa: E402
+
+
+class HandStage(nn.Module):
+    """One pipeline stage of examples/llama.py's Transformer as a user writes it by hand: the blocks of its
+    range, the embedding on the first stage, the norm and output layer on the last."""
+
+    def __init__(self, model, blocks: range, first: bool, last: bool):
+        super().__init__()
+        self.tok_embeddings = model.tok_embeddings if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in blocks})
+        self.norm = model.norm if last else None
+        self.output = model.output if last else None
+        self.register_buffer("rope", model.rope, persistent=False)
+
+    def forward(self, x):
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        return self.output(self.norm(h)) if self.output is not None else h
+
+
+def handwritten(pp_mesh, dp_mesh, stage_ids, num_stages, schedule, microbatches, device, loss):
+    import torch.distributed.pipelining as pipelining
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.pipelining import PipelineStage
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    stages, parts = [], []
+    per = llama_1b.LAYERS // num_stages
+    for s in stage_ids:
+        with torch.device("meta"):
+            whole = llama_1b.build_model()
+        part = HandStage(whole, range(s * per, (s + 1) * per), s == 0, s == num_stages - 1)
+        for block in part.layers.values():
+            fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+        fully_shard(part, mesh=dp_mesh, mp_policy=policy)
+        part.to_empty(device=device)
+        with torch.no_grad():
+            for module in part.modules():
+                if callable(getattr(module, "reset_parameters", None)):
+                    module.reset_parameters()
+        part.rope = _rope(device)  # a buffer the constructor computed: to_empty left it garbage
+        parts.append(part)
+        stages.append(PipelineStage(part, s, num_stages, device, group=pp_mesh.get_group()))
+    kind = getattr(pipelining, SCHEDULES[schedule][0])
+    return parts, kind(stages[0] if len(stages) == 1 else stages, microbatches, loss_fn=loss)
+
+
+def _rope(device):
+    from examples.llama import rotary_table
+
+    return rotary_table(llama_1b.DIM // llama_1b.HEADS, llama_1b.SEQ).to(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b"))
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--dry-run", action="store_true", help="the tiny model on CPU workers (gloo)")
+    args = parser.parse_args()
+    global llama_1b
+    if args.dry_run:
+        import examples.llama as tiny
+
+        class Tiny:
+            VOCAB, DIM, HEADS, LAYERS, SEQ = tiny.VOCAB, tiny.DIM, tiny.HEADS, 4, tiny.SEQ
+            loss, example_input = staticmethod(tiny.loss), staticmethod(tiny.example_input)
+
+            @staticmethod
+            def build_model():
+                return tiny.Transformer(layers=4)
+
+        llama_1b = Tiny
+    cuda = not args.dry_run
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = 2 if args.schedule == "interleaved_1f1b" else 1
+    params = {"schedule": args.schedule, "per_rank": per_rank, "microbatches": args.microbatches}
+    plan = shardlang.load(ROOT / "benchmarks" / "plans" / "llama_1b_pp.sl", params, world_size=world)
+
+    torch.manual_seed(0)
+    base = torch.cuda.memory_allocated() if cuda else 0
+    applied = apply_plan(plan, plan.build(llama_1b.build_model))
+    mesh = applied.meshes["world"]
+    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    tokens = llama_1b.example_input(args.batch, torch.Generator().manual_seed(dp_rank)).to(device)
+    ours = build_pipeline(applied, llama_1b.loss)
+    optim_ours = torch.optim.AdamW(applied.model.parameters(), lr=1e-4, fused=cuda)
+    params_ours = (torch.cuda.memory_allocated() if cuda else 0) - base
+
+    num_stages = 2 * per_rank
+    stage_ids = plan.pipeline.stage_ranks(2)
+    mine = [s for s, r in enumerate(stage_ids) if r == pp_rank]
+    parts, theirs = handwritten(
+        mesh["pp"], mesh["dp"], mine, num_stages, args.schedule, args.microbatches, device, llama_1b.loss
+    )
+    optim_theirs = torch.optim.AdamW([p for part in parts for p in part.parameters()], lr=1e-4, fused=cuda)
+
+    def step_ours():
+        ours.step(tokens)
+        optim_ours.step()
+        optim_ours.zero_grad(set_to_none=True)
+
+    def step_theirs():
+        theirs.step(tokens, target=tokens)
+        optim_theirs.step()
+        optim_theirs.zero_grad(set_to_none=True)
+
+    def timed(step) -> tuple[float, int]:
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() if cuda else 0
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        peak = (torch.cuda.max_memory_allocated() - before) if cuda else 0
+        return elapsed, peak
+
+    for _ in range(args.warmup):
+        timed(step_ours)
+        timed(step_theirs)
+    times = {"shardlang": [], "hand-written": []}
+    peaks = {"shardlang": 0, "hand-written": 0}
+    for i in range(args.steps):
+        order = [("shardlang", step_ours), ("hand-written", step_theirs)]
+        for name, step in order if i % 2 == 0 else order[::-1]:
+            elapsed, peak = timed(step)
+            times[name].append(elapsed)
+            peaks[name] = max(peaks[name], peak)
+    # The slowest rank sets the step time: take each step's maximum over the ranks.
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (times, peaks))
+    steps = {name: [max(t[name][i] for t, _ in everyone) for i in range(args.steps)] for name in times}
+    result = {
+        "schedule": args.schedule,
+        "world": world,
+        "card": torch.cuda.get_device_name() if cuda else "cpu",
+        "torch": torch.__version__,
+        "steps": args.steps,
+        "microbatches": args.microbatches,
+        "params_mem_ours": params_ours,
+        "peak": {name: max(p[name] for _, p in everyone) for name in times},
+    }
+    dp = world // 2
+    for name in steps:
+        median = statistics.median(steps[name])
+        result[name] = {"median_s": median, "tokens_per_s": args.batch * llama_1b.SEQ * dp / median}
+    if rank == 0:
+        ratio = result["shardlang"]["tokens_per_s"] / result["hand-written"]["tokens_per_s"]
+        print(
+            f"pp 2 x dp {dp}, {args.schedule}, {args.microbatches} microbatches, on {world} x {result['card']}, torch {result['torch']}"
+        )
+        print(f"{'':16}{'step (s)':>10}{'tokens/s':>12}{'step peak (GiB)':>17}")
+        for name in ("shardlang", "hand-written"):
+            row = result[name]
+            print(f"{name:16}{row['median_s']:>10.4f}{row['tokens_per_s']:>12.0f}{result['peak'][name] / 2**30:>17.2f}")
+        print(f"throughput ratio shardlang / hand-written: {ratio:.4f}")
+        print("RESULT " + json.dumps(result))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
