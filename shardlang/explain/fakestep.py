@@ -66,11 +66,17 @@ def warm_adamw(model: nn.Module) -> torch.optim.Optimizer:
     """Fused AdamW over the model's trained parameters, as it stands in the step after warm-up, as a
     training loop runs it: its states exist (the first step created them at its optimizer step), the
     gradients do not (zero_grad(set_to_none=True))."""
+    from torch.distributed.tensor import DTensor
+
     trained = [p for p in model.parameters() if p.requires_grad]
+    # One group of DTensors and one of plain tensors: a fused step takes no mixture (a TP stage's norms
+    # and embeddings stay plain beside its sharded Linears).
+    kinds = [[p for p in trained if isinstance(p, DTensor) == sharded] for sharded in (True, False)]
+    groups = [{"params": params} for params in kinds if params] if all(kinds) else trained
     try:
-        optimizer = torch.optim.AdamW(trained, lr=1e-4, fused=True)
+        optimizer = torch.optim.AdamW(groups, lr=1e-4, fused=True)
     except (RuntimeError, ValueError):  # a dtype or device fused AdamW does not take
-        optimizer = torch.optim.AdamW(trained, lr=1e-4, foreach=False)
+        optimizer = torch.optim.AdamW(groups, lr=1e-4, foreach=False)
     for p in trained:
         p.grad = torch.zeros_like(p)
     optimizer.step()

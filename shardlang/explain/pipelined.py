@@ -166,7 +166,7 @@ def _measure(plan: ir.Plan, applied_by_rank: dict, model_file, batch: int | None
         full = lay.replica_inputs(ctx, -1, where.replica, batch)
         inputs = lay.local_inputs(full, where, input_layout)
         # torch's schedules split every tensor input (and the keyword `shardlang_inputs`) with tensor_split.
-        chunks = [tuple(x.tensor_split(m)[i] if isinstance(x, torch.Tensor) else x for x in inputs) for i in range(m)]
+        chunks = lay.microbatches(inputs, m)  # as torch's schedules split the inputs (and `shardlang_inputs`)
         sizes = [next(x for x in c if isinstance(x, torch.Tensor)).shape[0] for c in chunks]
         if min(sizes) == 0:
             raise ValueError(f"a batch of {batch} cannot be split into {m} microbatches")
@@ -176,10 +176,7 @@ def _measure(plan: ir.Plan, applied_by_rank: dict, model_file, batch: int | None
             measured[s], received_like = _measure_stage(
                 plan, ctx, stage, part, s == n - 1, chunks, received_like, recorder, groups
             )
-    replicas = where.replicas
-    if where.mesh == pipeline.mesh.mesh and pipeline.mesh.dims[0] not in where.tp_dims:
-        replicas //= pp  # the pp dim is no data-parallel dim
-    return measured, batch, max(sizes), count_tokens(full, batch), replicas
+    return measured, batch, max(sizes), count_tokens(full, batch), where.replicas
 
 
 def _measure_stage(plan, ctx, stage, part, last: bool, chunks: list, received_like: list, recorder, groups):
