@@ -366,3 +366,119 @@ def test_hardware_arguments():
     assert layout["world.tp"] == (8, True) and layout["world.dp"] == (64, False)
     with pytest.raises(ValueError):
         hardware("v100")
+
+
+# --- pipelines ---------------------------------------------------------------------------------
+
+
+def _in_flight(actions) -> dict[int, int]:
+    """The most microbatches of each stage alive at once in a rank's actions (a forward starts one, a
+    full backward or a weight backward ends it)."""
+    live, most = {}, {}
+    for stage, kind, _ in actions:
+        live[stage] = live.get(stage, 0) + (1 if kind == "F" else -1 if kind in ("B", "W") else 0)
+        most[stage] = max(most.get(stage, 0), live[stage])
+    return most
+
+
+@pytest.mark.parametrize(("pp", "m"), [(2, 4), (4, 8), (4, 4), (3, 6)])
+def test_pipeline_timetables_are_torchs(pp, m):
+    """explain's timetables against torch's definitions: GPipe keeps every microbatch in flight, 1F1B
+    min(m, pp - r) on pp rank r (Schedule1F1B's warm-up), interleaved 1F1B as many as torch's own
+    pipeline_order says (counted here from torch's table); with equal stages whose backward takes twice
+    the forward, the bubbles are the textbook (pp - 1) / (m + pp - 1) and (pp - 1) / (v m + pp - 1)."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    from shardlang.explain.schedules import play, timetable
+
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)):
+        order, _ = timetable(schedule, pp, m, v)
+        ranks = [s % pp for s in range(pp * v)]
+        played = play(order, ranks, lambda stage, kind, v=v: (1.0 if kind == "F" else 2.0) / v)
+        assert played.overall_bubble == pytest.approx((pp - 1) / (v * m + pp - 1), abs=1e-12)
+        for r in range(pp):
+            found = _in_flight(order[r])
+            if schedule == "gpipe":
+                assert found == {r: m}
+            elif schedule == "1f1b":
+                assert found == {r: min(m, pp - r)}
+            else:
+                table = get_schedule_ops("Interleaved1F1B", pp, m, v)[r]
+                actions = [(a.stage_index, a.computation_type.value, a.microbatch_index) for a in table if a]
+                assert found == _in_flight([a for a in actions if a[1] in "FBIW"])
+
+
+def _stage_parameters(model, stages) -> list[int]:
+    """Each stage's parameter count, from the module tree: the embeddings go with the first stage, the
+    final norm and the output with the last."""
+    counts = []
+    for s, blocks in enumerate(stages):
+        names = (
+            list(blocks) + (["tok_embeddings"] if s == 0 else []) + (["norm", "output"] if s == len(stages) - 1 else [])
+        )
+        counts.append(sum(p.numel() for n in names for p in model.get_submodule(n).parameters()))
+    return counts
+
+
+def _local_bytes(model, names, dp: int) -> int:
+    """Bytes of these modules' parameters on one rank when FSDP shards dim 0 over dp ranks."""
+    total = 0
+    for n in names:
+        for p in model.get_submodule(n).parameters():
+            rows = -(-p.shape[0] // dp)
+            total += rows * (p.numel() // p.shape[0]) * p.element_size()
+    return total
+
+
+def test_explain_a_pipelined_plan():
+    """plans/llama_pipeline.sl (pp 2 x dp 2, four blocks, 4 microbatches) with 1F1B, and with the
+    interleaved schedule over four stages of one block: every stage's parameters (all of the model's,
+    each once), the bytes a rank of each stage holds, microbatches in flight as torch's schedules keep
+    them, send/recv bytes from the activation's shape, the bubble, and rank R's peak and collectives."""
+    import json
+
+    from examples.llama import DIM, SEQ
+    from examples.llama_pipeline import build_model, example_input, loss
+    from shardlang.cli.main import explanation_data
+
+    with torch.device("meta"):
+        model = build_model()
+    total = sum(p.numel() for p in model.parameters())
+    for schedule, per_rank, rank in (("1f1b", 1, 0), ("interleaved_1f1b", 2, 2)):
+        plan = shardlang.load(ROOT / "plans" / "llama_pipeline.sl", params={"schedule": schedule, "per_rank": per_rank})
+        e = plan.explain(model, world_size=4, rank=rank, example_input=example_input, loss=loss, batch=8)
+        p = e.pipeline
+        pp, m, n = 2, 4, 2 * per_rank
+        assert (p.pp, p.microbatches, p.stages_per_rank, len(p.stages)) == (pp, m, per_rank, n)
+        blocks = [tuple(f"layers.{i}" for i in range(s * 4 // n, (s + 1) * 4 // n)) for s in range(n)]
+        assert [st.blocks for st in p.stages] == blocks
+        counts = _stage_parameters(model, blocks)
+        assert [st.parameters for st in p.stages] == counts and sum(counts) == total
+        for st in p.stages:
+            held = list(st.blocks) + list(st.modules)
+            assert st.parameter_bytes == _local_bytes(model, held, dp=2)
+            assert st.pp_rank == st.stage % pp
+        # Every rank holds its pp index's stages: ranks 0, 1 are pp 0; ranks 2, 3 pp 1.
+        for r in range(4):
+            mine = [st for st in p.stages if st.pp_rank == r // 2]
+            assert e.ranks[r].params == sum(st.parameter_bytes for st in mine)
+        # One microbatch's activation crosses each boundary forward and its gradient back: (2, SEQ, DIM) fp32.
+        crossing = (8 // m) * SEQ * DIM * 4
+        for st in p.stages:
+            edges = (st.stage > 0) + (st.stage < n - 1)
+            assert st.send == st.recv == m * edges * crossing
+        if schedule == "1f1b":
+            assert [st.in_flight for st in p.stages] == [min(m, pp - r) for r in range(pp)]
+            assert p.textbook_bubble == pytest.approx((pp - 1) / (m + pp - 1))
+        else:
+            assert [st.in_flight for st in p.stages] == [4, 3, 2, 1]  # counted from torch's table above
+            assert p.textbook_bubble == pytest.approx((pp - 1) / (2 * m + pp - 1))
+        assert 0 < p.bubble < 1 and all(0 < r.bubble < 1 for r in p.ranks)
+        assert e.peak.bytes == p.ranks[p.pp_rank].peak == sum(b for _, b in e.peak.categories)
+        assert e.peak.replicas == 2 and e.time.seconds == pytest.approx(max(r.seconds for r in p.ranks))
+        # FSDP reduces each unit's gradients once per step, after the last microbatch (torch's stage): a
+        # unit per block, and the stage's root where it holds parameters (embeddings; norm and output).
+        units = sum(len(st.blocks) + bool(st.modules) for st in p.stages if st.pp_rank == p.pp_rank)
+        assert {c.op: c.count for c in e.collectives}["_reduce_scatter_base_"] == units
+        data = json.loads(json.dumps(explanation_data(e, None)))
+        assert data["pipeline"]["stages"][0]["send"] == p.stages[0].send

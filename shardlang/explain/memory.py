@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from copy import deepcopy
 from functools import wraps
 
 import torch
@@ -213,13 +214,26 @@ class Extension:
 
     def peak(self) -> tuple[int, dict[str, int]]:
         """The peak bytes and what was live at it, by explain's categories."""
-        total, by_category = 0, dict.fromkeys(ORDER, 0)
-        for snapshot in self._peak_mem_snap.values():
-            total += snapshot.get(_TOTAL_KEY, 0)
-            for reftype, n in snapshot.items():
-                if reftype != _TOTAL_KEY:
-                    by_category[CATEGORIES.get(getattr(reftype, "value", reftype), "temporary")] += n
-        return total, by_category
+        return _by_category(self._peak_mem_snap)
+
+    def reading(self) -> tuple[dict[str, int], dict[str, int]]:
+        """What is live now and what was live at the peak since the last reading (or since the tracker
+        was entered), by explain's categories; the next reading's peak starts from now (as `__enter__`
+        starts the trackers' own). For a pipeline, whose microbatches are measured one phase at a time."""
+        current, peak = _by_category(self._curr_mem_snap)[1], _by_category(self._peak_mem_snap)[1]
+        self._peak_mem_snap = deepcopy(self._curr_mem_snap)
+        self._peak_mem = {dev: snap[_TOTAL_KEY] for dev, snap in self._peak_mem_snap.items()}
+        return current, peak
+
+
+def _by_category(snapshots) -> tuple[int, dict[str, int]]:
+    total, by_category = 0, dict.fromkeys(ORDER, 0)
+    for snapshot in snapshots.values():
+        total += snapshot.get(_TOTAL_KEY, 0)
+        for reftype, n in snapshot.items():
+            if reftype != _TOTAL_KEY:
+                by_category[CATEGORIES.get(getattr(reftype, "value", reftype), "temporary")] += n
+    return total, by_category
 
 
 def _nbytes(t) -> int:

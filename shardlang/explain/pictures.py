@@ -100,8 +100,15 @@ def render_text(e: Explanation, console: Console, pattern: str | None = None) ->
     console.print(table)
     console.print(f"spread between the largest and the smallest rank: {size(e.spread)}")
 
+    if e.pipeline is not None:
+        render_pipeline(e, console)
     if e.collectives:
-        console.print(f"\ncollectives of one training step on rank {e.rank} (forward, loss, backward)")
+        what = (
+            "every microbatch's forward and backward, then the gradients' reduction"
+            if e.pipeline is not None
+            else "forward, loss, backward"
+        )
+        console.print(f"\ncollectives of one training step on rank {e.rank} ({what})")
         table = Table(header_style="bold")
         for column, justify in (("op", "left"), ("mesh dim", "left"), ("count", "right"), ("bytes", "right")):
             table.add_column(column, justify=justify)
@@ -116,6 +123,72 @@ def render_text(e: Explanation, console: Console, pattern: str | None = None) ->
             console.print("\n" + grid(t), highlight=False, markup=False)
 
 
+def blocks_text(blocks: Sequence[str]) -> str:
+    """('layers.0', 'layers.1', 'layers.2') -> 'layers.0-2'; other names are listed."""
+    stems = {b.rpartition(".")[0] for b in blocks}
+    tails = [b.rpartition(".")[2] for b in blocks]
+    if len(stems) == 1 and len(blocks) > 1 and all(t.isdigit() for t in tails):
+        numbers = [int(t) for t in tails]
+        if numbers == list(range(numbers[0], numbers[0] + len(numbers))):
+            stem = stems.pop()
+            return f"{stem}.{numbers[0]}-{numbers[-1]}" if stem else f"{numbers[0]}-{numbers[-1]}"
+    return ", ".join(blocks)
+
+
+def render_pipeline(e: Explanation, console: Console) -> None:
+    """Every stage (what it holds, its microbatches in flight, what it sends) and every pp rank (its
+    peak, its bubble)."""
+    p = e.pipeline
+    per = f" x {p.stages_per_rank} stages" if p.stages_per_rank > 1 else ""
+    size_of = f" of {p.microbatch}" if p.microbatch is not None else ""
+    console.print(
+        f"\npipeline over {p.mesh_dim}: {p.pp} pp ranks{per}, schedule {p.schedule} ({p.torch_class}), "
+        f"{p.microbatches} microbatches{size_of}"
+    )
+    timed = p.span is not None
+    table = Table(header_style="bold")
+    columns = ["stage", "pp rank", "holds", "parameters", "on a rank", "in flight"]
+    if timed:
+        columns += ["activations / mb", "send / step", "recv / step", "forward / mb", "backward / mb"]
+    for column in columns:
+        table.add_column(column, justify="left" if column == "holds" else "right")
+    for st in p.stages:
+        row = [
+            str(st.stage),
+            str(st.pp_rank),
+            ", ".join(filter(None, (blocks_text(st.blocks), *st.modules))),
+            f"{st.parameters:,}",
+            size(st.parameter_bytes),
+            str(st.in_flight),
+        ]
+        if timed:
+            row += [
+                size(st.activations),
+                size(st.send),
+                size(st.recv),
+                seconds_text(st.forward),
+                seconds_text(st.backward),
+            ]
+        table.add_row(*row)
+    console.print(table)
+    table = Table(header_style="bold")
+    columns = ["pp rank", "stages", "bubble"]
+    if timed:
+        columns += ["peak memory", "busy", "p2p sends", "step"]
+    for column in columns:
+        table.add_column(column, justify="right")
+    for r in p.ranks:
+        row = [str(r.pp_rank), ", ".join(map(str, r.stages)), f"{r.bubble:.1%}"]
+        if timed:
+            row += [size(r.peak), seconds_text(r.busy), seconds_text(r.p2p), seconds_text(r.seconds)]
+        table.add_row(*row)
+    console.print(table)
+    console.print(
+        f"bubble: {p.bubble:.1%} of the pp ranks' time ({p.bubble_basis}); textbook (pp - 1) / "
+        f"({'v m' if p.stages_per_rank > 1 else 'm'} + pp - 1) = {p.textbook_bubble:.1%}; order: {p.order}"
+    )
+
+
 def seconds_text(s: float) -> str:
     return f"{s * 1e6:.0f} us" if s < 1e-3 else f"{s * 1000:.1f} ms" if s < 1 else f"{s:.2f} s"
 
@@ -125,9 +198,17 @@ def render_peak(e: Explanation, console: Console) -> None:
     p, t = e.peak, e.time
     if p is None:
         return
+    if e.pipeline is not None:
+        pipe = e.pipeline
+        steps = (
+            f"{pipe.microbatches} microbatches of {pipe.microbatch} as {pipe.schedule} orders them, "
+            "their activations in flight, the gradients' reduction, AdamW step"
+        )
+    else:
+        steps = "forward, loss, backward, AdamW step"
     console.print(
         f"\npeak memory of one training step on rank {e.rank}: [bold]{size(p.bytes)}[/bold] "
-        f"(batch {p.batch} per replica, {p.tokens} tokens; forward, loss, backward, AdamW step, its states "
+        f"(batch {p.batch} per replica, {p.tokens} tokens; {steps}, its states "
         "already there as after the first step)"
     )
     table = Table(header_style="bold")
@@ -167,6 +248,16 @@ def render_peak(e: Explanation, console: Console) -> None:
                 f"{size(d.bytes)} over {d.group} ranks by {d.link}, {'overlapped (FSDP)' if d.overlapped else 'exposed'}",
             )
         table.add_row("exposed communication", seconds_text(t.exposed), "")
+        if e.pipeline is not None and e.pipeline.span is not None:
+            pipe = e.pipeline
+            mine = pipe.ranks[pipe.pp_rank]
+            table.add_row(
+                "pipeline",
+                seconds_text(pipe.span),
+                f"the timetable's span: {pipe.bubble:.1%} bubble over all pp ranks ({mine.bubble:.1%} on pp rank "
+                f"{mine.pp_rank}), sends over {pipe.mesh_dim} {seconds_text(mine.p2p)} on it",
+            )
+            table.add_row("step", seconds_text(t.seconds), "the slowest pp rank: its span, its reduction, AdamW")
         table.add_row(
             "host", seconds_text(t.host), f"{t.kernels} kernel launches, {t.dtensor_ops} DTensor ops dispatched"
         )

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import math
 import warnings
 from collections import Counter, defaultdict
@@ -33,6 +32,8 @@ from ..runtime.apply import apply_plan
 from ..runtime.modelfile import ModelFile
 from ..runtime.torchcompat import local_shape_and_offset
 from ..verification.placements import actual
+from .fakestep import Collective, Peak, by_key, count_tokens, group_names, quiet, recording_fake_mode, warm_adamw
+from .pipelined import PipelineReport, pipeline_report, pp_coordinates, pp_size
 from .timing import Fit, Hardware, StepTime, Tally, step_time
 
 #: Activations by module: how many of the largest the report keeps.
@@ -82,34 +83,6 @@ class RankBytes:
 
 
 @frozen
-class Collective:
-    """One kind of collective on one mesh dim over a training step: how often, and how many bytes its
-    full buffers hold in all (the gathered or reduced tensor; what NCCL calls the message size)."""
-
-    op: str
-    mesh_dim: str
-    count: int
-    bytes: int
-
-
-@frozen
-class Peak:
-    """The most memory rank R holds at once over the simulated step (forward, loss, backward, optimizer
-    step), as torch's memory trackers see it: `bytes`, and what is live then by category and, for
-    activations, by the module that allocated them (the largest, at most `TOP_MODULES`)."""
-
-    bytes: int
-    categories: tuple[tuple[str, int], ...]
-    modules: tuple[tuple[str, int], ...]
-    batch: int  # the per-replica batch handed to example_input
-    tokens: int  # per replica and step: batch x sequence (the first input's first two dims)
-    replicas: int  # data-parallel replicas, each with its own batch
-
-    def category(self, name: str) -> int:
-        return dict(self.categories).get(name, 0)
-
-
-@frozen
 class Explanation:
     plan: str
     world_size: int
@@ -122,6 +95,9 @@ class Explanation:
     peak: Peak | None = None
     time: StepTime | None = None
     fit: Fit | None = None
+    #: A pipelined plan's stages and pp ranks (None without a pipeline); `peak`, `time` and
+    #: `collectives` are then rank R's over the whole pipelined step.
+    pipeline: PipelineReport | None = None
 
     @property
     def this_rank(self) -> RankBytes:
@@ -220,9 +196,13 @@ def _explain_here(
     _simulated_before = True
     with simulated_world(world_size, rank), warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        meshes = tuple((m.name, tuple(zip(m.dim_names, m.shape(world_size)))) for m in plan.meshes)
+        if plan.pipeline is not None:
+            return _explain_pipelined(
+                plan, simulated, original, world_size, rank, model_file, blocks_for, step, batch, hardware, fit, meshes
+            )
         applied = apply_plan(simulated, model)
         tensors, ranks = _tensors_and_ranks(simulated, applied, world_size, blocks_for)
-        meshes = tuple((m.name, tuple(zip(m.dim_names, m.shape(world_size)))) for m in plan.meshes)
         collectives, notes, peak, timed, fitted = (), (), None, None, None
         if not step:
             notes = ("no collectives: the training step was not simulated (--no-step)",)
@@ -234,12 +214,52 @@ def _explain_here(
                 if fit is not None:
                     fitted = stepper.fit(fit, peak)
             except Exception as e:  # noqa: BLE001 - the layouts stand; the step is what fails
-                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                notes = (f"no collectives: a training step fails at this world size ({type(e).__name__}: {first})",)
+                notes = (_failed(e),)
         else:
             notes = ("no collectives: the model file defines no example_input",)
     return Explanation(
         plan.source.name, world_size, rank, meshes, tensors, ranks, collectives, notes, peak, timed, fitted
+    )
+
+
+def _failed(e: Exception) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"no collectives: a training step fails at this world size ({type(e).__name__}: {first})"
+
+
+def _explain_pipelined(
+    plan, simulated, original, world_size, rank, model_file, blocks_for, step, batch, hardware, fit, meshes
+) -> Explanation:
+    """A pipelined plan, applied once for each pp index (the ranks of one pp index differ from those of
+    another only in the stages they hold): rank R's tensors, every rank's bytes (each from the
+    application of its pp index, at its own place on the other dims), and the pipeline's report, with
+    the step simulated stage by stage (pipelined.py)."""
+    pp = pp_size(simulated, world_size)
+    index, stride = pp_coordinates(simulated, world_size)
+    applied_by_rank = {p: apply_plan(simulated, copy.deepcopy(original), pp_rank=p) for p in range(pp)}
+    tensors, ranks = _tensors_and_ranks(simulated, applied_by_rank[index[rank]], world_size, blocks_for)
+    by_index = {
+        p: ranks if p == index[rank] else _tensors_and_ranks(simulated, applied_by_rank[p], world_size, None)[1]
+        for p in range(pp)
+    }
+    ranks = tuple(
+        attrs.evolve(by_index[index[g]][g + (index[rank] - index[g]) * stride], rank=g) for g in range(world_size)
+    )
+    with_step = step and model_file is not None and model_file.example_input is not None
+    report, collectives, peak, timed, failure = pipeline_report(
+        simulated, applied_by_rank, world_size, rank, *((model_file, batch, hardware, meshes) if with_step else ())
+    )
+    notes: tuple[str, ...] = ()
+    if not step:
+        notes = ("no collectives: the training step was not simulated (--no-step)",)
+    elif not with_step:
+        notes = ("no collectives: the model file defines no example_input",)
+    elif failure is not None:
+        notes = (_failed(failure),)
+    elif fit is not None:
+        notes = ("--fit is not searched for a pipelined plan yet: give --batch instead",)
+    return Explanation(
+        plan.source.name, world_size, rank, meshes, tensors, ranks, collectives, notes, peak, timed, None, report
     )
 
 
@@ -443,12 +463,12 @@ class _Stepper:
         self.plan, self.model, self.applied, self.model_file = plan, model, applied, model_file
         # DTensor's caches hand back the meshes of an earlier apply where a later one's are equal, so a
         # step may run on any of them: groups are named from every apply in this world.
-        self.groups = _group_names(applied)
+        self.groups = group_names(applied)
         self.stack = None if full_step else _repeated_stack(model, applied.linted.resolution)
         self._cuts: dict[int, object] = {}
 
     def _step(self, applied, batch: int | None) -> _Measure:
-        self.groups.update(_group_names(applied))
+        self.groups.update(group_names(applied))
         return _training_step(self.plan, applied, self.model_file, self.groups, batch)
 
     def _cut(self, depth: int):
@@ -702,51 +722,25 @@ def _training_step(
     (`memory`): the collectives of the forward, loss and backward, each group named as `groups` names
     it (process group name -> `mesh.dim`), the peak memory, and the ops' costs. The inputs and loss
     are those of the checks (SPEC §7); `batch` per data-parallel replica (default: twice the TP size)."""
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-
     from ..verification import Context
     from ..verification import layout as lay
     from ..verification.comms import Calls
     from .memory import cuda_like_rms_norm, tracker
 
     recorder = Calls()
-    plain = (FakeTensor, torch.Tensor, nn.Parameter)  # the types FakeTensorMode runs itself
-
-    class RecordingFakeMode(FakeTensorMode):
-        """Fake tensors that also note each collective: one dispatch mode instead of two."""
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if any(t not in plain for t in types):
-                # A DTensor op: let DTensor desugar it into local ops and collectives, which come back
-                # here. FakeTensorMode would say the same, but only after missing its cache (22,000
-                # such misses in the 80-layer step).
-                return NotImplemented
-            recorder.note(func, args)
-            return super().__torch_dispatch__(func, types, args, kwargs)
-
     ctx = Context(plan, applied, model_file)
     gradients = next((c for c in plan.checks if c.name == "gradients"), None)
     input_layout = gradients.get("input") if gradients is not None else None
     output_layout = gradients.get("output") if gradients is not None else None
     # A step that fails is reported in a note; fake tensors' own error log would repeat it at length.
-    with _quiet("torch._subclasses.fake_tensor"), RecordingFakeMode(allow_non_fake_inputs=True):
+    with quiet("torch._subclasses.fake_tensor"), recording_fake_mode(recorder):
         model = applied.model
         model.to_empty(device="cpu")
         where = lay.layout(ctx)
         batch = batch if batch is not None else 2 * max(where.tp_size, 1)
         full = lay.replica_inputs(ctx, -1, where.replica, batch)
         inputs = lay.local_inputs(full, where, input_layout)
-        trained = [p for p in model.parameters() if p.requires_grad]
-        try:
-            optimizer = torch.optim.AdamW(trained, lr=1e-4, fused=True)
-        except (RuntimeError, ValueError):  # a dtype or device fused AdamW does not take
-            optimizer = torch.optim.AdamW(trained, lr=1e-4, foreach=False)
-        # The step after warm-up, as a training loop runs it: AdamW's states exist from the start (the
-        # first step creates them at its optimizer step), the gradients do not (zero_grad(set_to_none)).
-        for p in trained:
-            p.grad = torch.zeros_like(p)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer = warm_adamw(model)
         memory = tracker(model, optimizer)
         memory.track_inputs(inputs)
         recorder.calls.clear()
@@ -761,42 +755,10 @@ def _training_step(
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
         del optimizer
-    by_key: dict[tuple[str, str], tuple[int, int]] = defaultdict(lambda: (0, 0))
-    for op, group, nbytes in recorder.calls:
-        key = (op, groups.get(group, f"group {group}"))
-        by_key[key] = (by_key[key][0] + 1, by_key[key][1] + nbytes)
     peak, categories = memory.peak()
-    tokens = _tokens(full, batch)
-    return _Measure(dict(by_key), peak, categories, memory.peak_by_module, memory.costs, batch, tokens, where.replicas)
-
-
-def _tokens(inputs: tuple, batch: int) -> int:
-    """Tokens per replica and step, from the first input tensor: batch x sequence for token ids
-    (integers, (batch, sequence, ...)) or embeddings ((batch, sequence, features)); else the batch."""
-    first = next((x for x in inputs if isinstance(x, torch.Tensor)), None)
-    if first is None or first.ndim < 2 or (first.is_floating_point() and first.ndim < 3):
-        return batch
-    return int(first.shape[0] * first.shape[1])
-
-
-@contextlib.contextmanager
-def _quiet(logger: str) -> Iterator[None]:
-    log = logging.getLogger(logger)
-    level = log.level
-    log.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        log.setLevel(level)
-
-
-def _group_names(applied) -> dict[str, str]:
-    """Process group name -> `mesh.dim` (several dims of a group joined by +)."""
-    names = {dist.distributed_c10d._get_default_group().group_name: "world"}
-    for mesh_name, mesh in applied.meshes.items():
-        for dim in mesh.mesh_dim_names or ():
-            names[mesh.get_group(dim).group_name] = f"{mesh_name}.{dim}"
-    return names
+    tokens = count_tokens(full, batch)
+    calls = by_key(recorder.calls, groups)
+    return _Measure(calls, peak, categories, memory.peak_by_module, memory.costs, batch, tokens, where.replicas)
 
 
 def _blocks(tensor, world_size: int) -> tuple:

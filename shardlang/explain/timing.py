@@ -227,6 +227,19 @@ def dim_layout(meshes, world_size: int, gpus_per_node: int) -> dict[str, tuple[i
     return layout
 
 
+def link_of(mesh_dim: str, layout: dict, world_size: int, hw: Hardware) -> tuple[Link, str, int]:
+    """The link a mesh dim's traffic takes, its kind ("given", "nvlink", "infiniband") and the dim's
+    group size; `layout` is `dim_layout`'s."""
+    n, inside = layout.get(mesh_dim, (world_size, world_size <= hw.gpus_per_node))
+    given = dict(hw.links)
+    short = mesh_dim.rpartition(".")[2]
+    if mesh_dim in given:
+        return given[mesh_dim], "given", n
+    if short in given:
+        return given[short], "given", n
+    return (hw.intra, "nvlink", n) if inside else (hw.inter, "infiniband", n)
+
+
 def step_time(tally: Tally, collectives, meshes, world_size: int, hw: Hardware, tokens: int, replicas: int) -> StepTime:
     compute = recompute = 0.0
     flops = model_flops = 0
@@ -247,20 +260,9 @@ def step_time(tally: Tally, collectives, meshes, world_size: int, hw: Hardware, 
         else:
             model_flops += op_flops * count
     layout = dim_layout(meshes, world_size, hw.gpus_per_node)
-    given = dict(hw.links)
     per_dim: dict[tuple[str, bool], list] = {}
     for c in collectives:
-        n, inside = layout.get(c.mesh_dim, (world_size, world_size <= hw.gpus_per_node))
-        short = c.mesh_dim.rpartition(".")[2]
-        link, kind = (
-            (given[c.mesh_dim], "given")
-            if c.mesh_dim in given
-            else (given[short], "given")
-            if short in given
-            else (hw.intra, "nvlink")
-            if inside
-            else (hw.inter, "infiniband")
-        )
+        link, kind, n = link_of(c.mesh_dim, layout, world_size, hw)
         seconds = c.bytes * _ring(c.op, n) / link.bandwidth + c.count * link.latency if n > 1 else 0.0
         fsdp = c.op.endswith("_")  # c10d's eager ops: FSDP's; functional ones: DTensor's
         row = per_dim.setdefault((c.mesh_dim, fsdp), [kind, n, 0, 0.0])

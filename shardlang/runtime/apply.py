@@ -59,11 +59,13 @@ def simulated() -> bool:
     return dist.get_backend() == "fake"
 
 
-def apply_plan(plan: ir.Plan, model: nn.Module) -> Applied:
+def apply_plan(plan: ir.Plan, model: nn.Module, pp_rank: int | None = None) -> Applied:
     """Lint, lower and run `plan` on `model` across the current process group. PlanError if anything fails.
 
     In a simulated world (the fake process group) the model stays on the meta device: the program
-    places every tensor but skips the steps that allocate or move data."""
+    places every tensor but skips the steps that allocate or move data. There `pp_rank` cuts the
+    pipeline stages of that pp rank instead of this rank's own (explain stands one process for every
+    pp rank; the ranks of one pp index differ from those of another only in the stages they hold)."""
     sources = {plan.source.name: plan.source}
     if not dist.is_available() or not dist.is_initialized():
         raise PlanError(
@@ -90,7 +92,7 @@ def apply_plan(plan: ir.Plan, model: nn.Module) -> Applied:
     snapshot = Snapshot.take(model)
     failure, details = None, ""
     try:
-        running = Running(model, applied.meshes, imported)
+        running = Running(model, applied.meshes, imported, pp_rank=pp_rank if simulated() else None)
         for step in program.steps:
             kind = STEPS[type(step)]
             if simulated() and kind.moves_data:

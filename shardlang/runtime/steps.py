@@ -38,6 +38,8 @@ class Running:
     #: This rank's pipeline stages {stage: module}, once SplitStages has run; `model` is then the one a
     #: step is running on.
     parts: dict | None = None
+    #: The pp rank whose stages to cut, where not this rank's own (explain's simulated world only).
+    pp_rank: int | None = None
 
     def mesh(self, ref: ir.MeshRef):
         return helpers.submesh(self.meshes[ref.mesh], ref.dims)
@@ -124,7 +126,7 @@ def write_make_mesh(step: p.MakeMesh, program: p.Program, module: str) -> list[s
 
 
 def run_split_stages(step: p.SplitStages, ctx: Running) -> None:
-    rank = ctx.mesh(step.mesh).get_local_rank()
+    rank = ctx.pp_rank if ctx.pp_rank is not None else ctx.mesh(step.mesh).get_local_rank()
     mine = [s for s, r in enumerate(step.ranks) if r == rank]
     ctx.parts = pipeline.split_stages(ctx.model, step.blocks, step.dropped, mine)
 

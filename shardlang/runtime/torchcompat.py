@@ -53,3 +53,25 @@ def local_shape_and_offset(global_shape, mesh_shape, coordinate, placements) -> 
     return _utils._compute_local_shape_and_global_offset(
         list(global_shape), list(mesh_shape), list(coordinate), placements
     )
+
+
+def schedule_order(
+    class_name: str, pp: int, microbatches: int, stages_per_rank: int
+) -> list[list[tuple[int, str, int]]]:
+    """The compute actions each pp rank of a multi-stage schedule runs, in order, from the schedule's own
+    `pipeline_order` (which `_PipelineScheduleRuntime` executes): per rank a list of (stage, kind,
+    microbatch), kind one of F (forward), B (full backward), I (backward for inputs) and W (backward for
+    weights); an action that overlaps a forward and a backward (DualPipeV) is its parts, in order.
+    torch builds the tables for its visualiser from mock stages (`get_schedule_ops`, 2.11 and 2.13)."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    def parts(action) -> list[tuple[int, str, int]]:
+        if action is None:
+            return []
+        if getattr(action, "sub_actions", None):
+            return [x for sub in action.sub_actions for x in parts(sub)]
+        kind = action.computation_type.value
+        return [(action.stage_index, kind, action.microbatch_index)] if kind in ("F", "B", "I", "W") else []
+
+    table = get_schedule_ops(class_name.removeprefix("Schedule"), pp, microbatches, stages_per_rank)
+    return [[x for action in row for x in parts(action)] for row in table]
