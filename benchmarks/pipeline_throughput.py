@@ -143,7 +143,10 @@ def main() -> None:
         optim_ours.zero_grad(set_to_none=True)
 
     def step_theirs():
-        theirs.step(tokens, target=tokens)
+        if pp_rank == 0:
+            theirs.step(tokens, target=tokens)
+        else:
+            theirs.step(target=tokens)
         optim_theirs.step()
         optim_theirs.zero_grad(set_to_none=True)
 

@@ -159,8 +159,9 @@ EXAMPLES = sorted((ROOT / "plans").glob("*.sl"))
 
 def test_every_example_plan_explains_at_world_1024_without_real_memory():
     """80 layers of dim 8192 (the Llama example scaled) at 1024 ranks, tp 8 where a plan takes it, each
-    in its own process whose peak RSS stays under 2 GiB."""
-    for plan in EXAMPLES:
+    in its own process whose peak RSS stays under 2 GiB. (The pipelined plans' 4-block model explains
+    stage by stage at world 4 in test_explain_a_pipelined_plan.)"""
+    for plan in (p for p in EXAMPLES if "pipeline on" not in p.read_text()):
         model = model_of(f"plans/{plan.name}")
         source = ["--entry", "examples.llama:build_large"] if model == "examples/llama.py" else [model]
         params = ["-D", "tp=8"] if re.search(r"^param tp\b", plan.read_text(), re.MULTILINE) else []

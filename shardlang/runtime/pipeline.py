@@ -153,7 +153,10 @@ class Pipeline:
         batch = next(x for x in inputs if isinstance(x, torch.Tensor))
         rows = torch.arange(batch.shape[0], device=batch.device)
         losses = []
-        self.schedule.step(*inputs, target=rows, losses=losses, shardlang_inputs=inputs)
+        # Positional inputs go to the first stage only (torch 2.11's shape inference refuses them elsewhere);
+        # every stage gets them as `shardlang_inputs`.
+        first = inputs if any(stage.is_first for stage in self.stages) else ()
+        self.schedule.step(*first, target=rows, losses=losses, shardlang_inputs=inputs)
         self.inputs = None
         if not losses:
             return None
