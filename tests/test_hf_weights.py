@@ -249,3 +249,5 @@ def test_damaged_weights_and_unsafe_save_targets_are_sl501(qwen3_dir, tmp_path, 
         err = capsys.readouterr().err
         assert status == 2 and "error[SL501]" in err and expected in err, (what, err)
     assert (tokenizer / "tokenizer.json").read_text() == "{}"
+    assert main(["apply", QWEN3_TP, "--hf", str(qwen3_dir), "--nproc", "2", "--save-format", "hf"]) == 2
+    assert "--save-format hf says how --save writes: give --save DIR too" in capsys.readouterr().err

@@ -457,6 +457,8 @@ def run_apply(args: argparse.Namespace) -> int:
     """Compile and lint here, then run the job on every rank; rank 0's report. Exit 0 / 1 (SL400) / 2."""
     from ..launch.workers import WorkerError, under_torchrun
 
+    if args.save_format != "dcp" and args.save is None:
+        raise UsageError(f"--save-format {args.save_format} says how --save writes: give --save DIR too")
     torchrun = under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc
     device = _apply_device(args.device, world)
