@@ -8,6 +8,8 @@ report = shardlang.verify(plan, build_model, example_input)
 print(plan.to_python())
 shardlang.save_checkpoint(model, "ckpt", optimizer)    # DCP; loads under any plan and world size
 shardlang.load_checkpoint(model, "ckpt", optimizer)
+shardlang.load_hf_weights(model, "hf_dir")             # safetensors; each rank reads only its shards
+shardlang.save_hf_weights(model, "hf_out")             # what from_pretrained reads
 print(shardlang.init_plan(model, tp=2))               # a starter plan for a model (built on meta is enough)
 """
 
@@ -33,6 +35,8 @@ __all__ = [
     "load_checkpoint",
     "read_checkpoint",
     "convert_checkpoint",
+    "load_hf_weights",
+    "save_hf_weights",
     "init_plan",
 ]
 
@@ -43,6 +47,8 @@ _LAZY = {
     "load_checkpoint": "checkpoints.dcp",
     "read_checkpoint": "checkpoints.dcp",
     "convert_checkpoint": "checkpoints.dcp",
+    "load_hf_weights": "checkpoints.hf",
+    "save_hf_weights": "checkpoints.hf",
     "init_plan": "compiler.starter",
 }
 

@@ -762,68 +762,94 @@ def save_checkpoint(
 
 
 def _write(state: dict[str, Any], path: Path, info: Mapping[str, Any], *, distributed: bool) -> Checkpoint:
-    """Save `state` into a hidden sibling of `path`, then publish it there once every rank is done.
+    """Save `state` as a DCP checkpoint at `path` (see `write_staged`), with shardlang.json beside it."""
+    world = dist.get_world_size() if distributed else 1
+
+    def write(staging: Path) -> Metadata:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            metadata = dcp.save(state, storage_writer=dcp.FileSystemWriter(str(staging)), no_dist=not distributed)
+        if not distributed or dist.get_rank() == 0:
+            _write_json(
+                staging / INFO_FILE,
+                {
+                    "format": 1,
+                    "shardlang": __version__,
+                    "torch": torch.__version__,
+                    "world_size": world,
+                    "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                    **info,
+                },
+            )
+        return metadata
+
+    metadata, target = write_staged(path, write, distributed=distributed)
+    return _contents(target, metadata, info)
+
+
+def write_staged(
+    path: Path,
+    write: Callable[[Path], Any],
+    *,
+    distributed: bool,
+    unreplaceable: Callable[[Path], str | None] | None = None,
+) -> tuple[Any, Path]:
+    """Run `write(staging)` on every rank into a hidden sibling of `path`, then publish it there once every
+    rank is done; what rank 0's `write` returned (every rank's own, elsewhere) and the directory replaced.
 
     Rank 0 holds the save lock from before the staging directory exists until the new checkpoint is in
-    place, so no other save removes it as a leftover. A failed save leaves what was at `path` as it was."""
+    place, so no other save removes it as a leftover. A failed save, on any rank, is SL501 on every rank
+    and leaves what was at `path` as it was. `unreplaceable(target)` says why a directory must not be
+    replaced (default: anything but a DCP checkpoint)."""
     rank0 = not distributed or dist.get_rank() == 0
+    many = distributed and dist.get_world_size() > 1
     with contextlib.ExitStack() as held:
         problem, staging, target = None, None, None
         if rank0:
             try:
-                target = _save_target(path)
+                target = _save_target(path, unreplaceable or _unreplaceable)
                 held.enter_context(_save_lock(target, path))
-                staging = str(target.parent / f".{target.name}.saving-{uuid.uuid4().hex[:12]}")
+                staging = target.parent / f".{target.name}.saving-{uuid.uuid4().hex[:12]}"
             except PlanError as e:
                 problem = e.diagnostics[0]
-        if distributed and dist.get_world_size() > 1:
+        if many:
             shared = [problem, staging, target]
             dist.broadcast_object_list(shared, src=0)
             problem, staging, target = shared
         if problem:
             raise PlanError([problem])
-        world = dist.get_world_size() if distributed else 1
+        failure = None
         try:
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-                metadata = dcp.save(state, storage_writer=dcp.FileSystemWriter(staging), no_dist=not distributed)
-            if rank0:
-                _write_json(
-                    Path(staging) / INFO_FILE,
-                    {
-                        "format": 1,
-                        "shardlang": __version__,
-                        "torch": torch.__version__,
-                        "world_size": world,
-                        "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                        **info,
-                    },
-                )
+            result = write(staging)
         except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
             if isinstance(e, CheckpointException):
                 causes = [e.failures[rank][0] for rank in sorted(e.failures)]
                 e = next((c for c in causes if isinstance(c, Exception)), e)
+            failure, result = _first_line(e), None
+        if many:  # a step one rank took alone (rank 0's files beside DCP's) may have failed there only
+            failures = [None] * dist.get_world_size()
+            dist.all_gather_object(failures, failure)
+            failure = next((f for f in failures if f is not None), None)
+        if failure is not None:
             if not distributed:  # (with ranks, one may still be writing there: the next save clears it)
                 shutil.rmtree(staging, ignore_errors=True)
             kept = f"the previous checkpoint at {path} is untouched" if target.exists() else "nothing was published"
-            raise _error(SL501, f"cannot write the checkpoint {path}: {_first_line(e)}", (kept,)) from None
-        if distributed:
-            dist.barrier()  # every rank's files are in place (DCP's own finish step ran on rank 0 already)
+            raise _error(SL501, f"cannot write the checkpoint {path}: {failure}", (kept,))
         if rank0:
-            publish(Path(staging), target)
+            publish(staging, target)
     if distributed:
         dist.barrier()  # no rank returns before the new checkpoint is visible
-    return _contents(target, metadata, info)
+    return result, target
 
 
-def check_save_target(path: str | os.PathLike) -> None:
-    """PlanError(SL501) if a checkpoint must not be saved at `path` (see save_checkpoint), or another
-    save to it is running now."""
-    with _save_lock(_save_target(Path(path)), Path(path)):
+def check_save_target(path: str | os.PathLike, unreplaceable: Callable[[Path], str | None] | None = None) -> None:
+    """PlanError(SL501) if a checkpoint must not be saved at `path` (see save_checkpoint; `unreplaceable`
+    as for write_staged), or another save to it is running now."""
+    with _save_lock(_save_target(Path(path), unreplaceable or _unreplaceable), Path(path)):
         pass
 
 
-def _save_target(path: Path) -> Path:
+def _save_target(path: Path, unreplaceable: Callable[[Path], str | None]) -> Path:
     """The directory a checkpoint saved at `path` replaces, or PlanError(SL501).
 
     A symlink is followed: the checkpoint is written where it points (beside that directory, so the swap
@@ -832,7 +858,7 @@ def _save_target(path: Path) -> Path:
         target = path.absolute().resolve()
     except (OSError, RuntimeError) as e:  # a symlink loop: RuntimeError up to Python 3.12, OSError after
         raise _error(SL501, f"cannot save to {path}: {e}") from None
-    problem = _unreplaceable(target)
+    problem = unreplaceable(target)
     if problem:
         shown = f"{path} (a link to {target})" if path.is_symlink() else str(path)
         raise _error(SL501, problem.replace(str(target), shown, 1))

@@ -141,10 +141,21 @@ def _parser() -> argparse.ArgumentParser:
         "--debug", action="store_true", help="with a failure, also print the full traceback (torch's frames included)"
     )
     apply.add_argument(
-        "--load", metavar="DIR", help="load a checkpoint (any plan, any world size) after applying the plan"
+        "--load",
+        metavar="DIR",
+        help="after applying the plan, load a DCP checkpoint (any plan, any world size) or a directory of Hugging "
+        "Face safetensors weights (each rank reads only its shards)",
     )
     apply.add_argument(
         "--save", metavar="DIR", help="save a checkpoint after the checks pass (with optimizer state if gradients ran)"
+    )
+    apply.add_argument(
+        "--save-format",
+        choices=("dcp", "hf"),
+        default="dcp",
+        help="--save as a DCP checkpoint (default), or as Hugging Face safetensors weights and config.json that "
+        "from_pretrained reads (model only; every rank writes its shards, then rank 0 joins them into whole "
+        "tensors, one at a time)",
     )
     apply.set_defaults(run=run_apply)
 
@@ -446,6 +457,8 @@ def run_apply(args: argparse.Namespace) -> int:
     """Compile and lint here, then run the job on every rank; rank 0's report. Exit 0 / 1 (SL400) / 2."""
     from ..launch.workers import WorkerError, under_torchrun
 
+    if args.save_format != "dcp" and args.save is None:
+        raise UsageError(f"--save-format {args.save_format} says how --save writes: give --save DIR too")
     torchrun = under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc
     device = _apply_device(args.device, world)
@@ -493,6 +506,7 @@ def run_apply(args: argparse.Namespace) -> int:
         model_file=model_file if args.hf else None,  # crosses to the workers by its config's path
         load=args.load,
         save=args.save,
+        save_format=args.save_format,
         explicit=explicit,
     )
     console = Console(file=sys.stderr, highlight=False)
@@ -542,13 +556,14 @@ def _show_report(report, warnings: list[str], sources: dict[str, Source], args: 
 
 
 def _check_checkpoint_paths(args: argparse.Namespace, meta) -> None:
-    """Before any worker starts: --load names a checkpoint that fits the model, --save a replaceable path."""
-    from ..checkpoints.dcp import check_fits, check_save_target, read_checkpoint
+    """Before any worker starts: --load names a checkpoint or HF weights that fit the model (from metadata
+    and headers alone), --save a replaceable path."""
+    from ..checkpoints.formats import check_target, check_weights_fit, read_weights
 
     if args.load is not None:
-        check_fits(read_checkpoint(args.load), meta)
+        check_weights_fit(read_weights(args.load), meta)
     if args.save is not None:
-        check_save_target(args.save)
+        check_target(args.save, args.save_format)
 
 
 def run_convert(args: argparse.Namespace) -> int:

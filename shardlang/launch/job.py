@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 from attrs import frozen
 
-from ..checkpoints.dcp import Transfer, load_checkpoint, read_checkpoint, save_checkpoint
+from ..checkpoints.dcp import Transfer
+from ..checkpoints.formats import load_weights, read_weights, save_weights
 from ..compiler.devices import mesh_device
 from ..frontend import ir
 from ..frontend.diagnostics import SL400, Diagnostic, PlanError
@@ -52,8 +53,9 @@ class Job:
     checks: tuple[ir.Check, ...]
     seed: int = 0
     model_file: ModelFile | None = None
-    load: str | None = None  # a checkpoint to load after the plan is applied, before the checks
+    load: str | None = None  # a checkpoint or HF weights to load after the plan is applied, before the checks
     save: str | None = None  # where to save one after the checks, if they passed
+    save_format: str = "dcp"  # ... as a DCP checkpoint, or as Hugging Face weights ("hf")
     explicit: bool = False  # the checks were asked for (by the plan's verify or --verify): each must run
 
 
@@ -116,8 +118,8 @@ def _run(job: Job) -> Report:
     if job.load is not None:
         progress(f"loading {job.load}")
         try:
-            checkpoint = read_checkpoint(job.load)
-            transfers["loaded"] = load_checkpoint(model, checkpoint)
+            checkpoint = read_weights(job.load)
+            transfers["loaded"] = load_weights(model, checkpoint)
         except PlanError as e:
             return _failed(world, e.diagnostics)
     ctx = Context(plan, applied, model_file, checkpoint=checkpoint, seed=job.seed)
@@ -154,7 +156,7 @@ def _run(job: Job) -> Report:
             "layout": shape,
         }
         try:
-            transfers["saved"] = save_checkpoint(model, job.save, ctx.optimizer, info=info)
+            transfers["saved"] = save_weights(model, job.save, job.save_format, ctx.optimizer, info=info)
         except PlanError as e:
             return attrs.evolve(_failed(world, warnings + failures + e.diagnostics), checks=checks)
     total = time.perf_counter() - start

@@ -75,3 +75,20 @@ def schedule_order(
 
     table = get_schedule_ops(class_name.removeprefix("Schedule"), pp, microbatches, stages_per_rank)
     return [[x for action in row for x in parts(action)] for row in table]
+
+
+def hf_storage_writer(path: str, fqn_to_index: dict[str, int]):
+    """DCP's Hugging Face safetensors writer, each rank writing its own shards and rank 0 joining them into
+    whole tensors when the save finishes (`save_distributed`, `enable_consolidation`: torch 2.9 and newer).
+    File K of N is `model-0000K-of-0000N.safetensors`, with `model.safetensors.index.json`."""
+    import inspect
+
+    import torch
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+
+    wanted = {"save_distributed", "enable_consolidation"}
+    if not wanted <= set(inspect.signature(HuggingFaceStorageWriter).parameters):
+        raise RuntimeError(f"torch {torch.__version__}'s HuggingFaceStorageWriter cannot consolidate shards")
+    return HuggingFaceStorageWriter(
+        path, fqn_to_index_mapping=fqn_to_index, save_distributed=True, enable_consolidation=True
+    )

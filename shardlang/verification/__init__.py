@@ -55,6 +55,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from ..checkpoints.dcp import Checkpoint
+    from ..checkpoints.hf import HFWeights
 
 
 @define
@@ -66,7 +67,7 @@ class Context:
     plan: ir.Plan
     applied: Applied
     model_file: ModelFile
-    checkpoint: Checkpoint | None = None
+    checkpoint: Checkpoint | HFWeights | None = None  # what --load loaded: DCP or Hugging Face weights
     optimizer: torch.optim.Optimizer | None = None
     seed: int = 0  # the seed the model was built with (the init check builds an unsharded one with it)
     _pipeline: Any = None
