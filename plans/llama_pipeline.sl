@@ -1,5 +1,5 @@
 # plans/llama_pipeline.sl — pipeline parallelism x FSDP2: two pipeline ranks, each stage's blocks sharded
-# over dp (docs/language.md §4.7).
+# over dp (docs/language.md §4.5).
 # Model: examples/llama_pipeline.py. Run: shardlang apply plans/llama_pipeline.sl examples/llama_pipeline.py --nproc 4
 # Other schedules: -D schedule=gpipe, or -D schedule=interleaved_1f1b -D per_rank=2 (four stages of one block).
 shardlang 1

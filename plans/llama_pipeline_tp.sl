@@ -1,5 +1,5 @@
 # plans/llama_pipeline_tp.sl — pipeline parallelism x tensor parallelism: two pipeline ranks, each stage's
-# attention and feed-forward split over tp (docs/language.md §4.7).
+# attention and feed-forward split over tp (docs/language.md §4.5).
 # Model: examples/llama_pipeline.py. Run: shardlang apply plans/llama_pipeline_tp.sl examples/llama_pipeline.py --nproc 4
 # Other schedules: -D schedule=1f1b, or -D schedule=interleaved_1f1b -D per_rank=2.
 shardlang 1

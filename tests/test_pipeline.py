@@ -63,6 +63,7 @@ HEAD = "mesh world = cpu[pp=2, dp=auto]\n"
         ),
         ("pipeline on world.pp { split layers.* into auto }\nloss_parallel", "SL216", "loss_parallel"),
         ("pipeline on world.pp { schedule = gpipe }", "SL102", "where to split"),
+        ("pipeline on world.pp { split layers.* into auto }\ninit rank0", "SL216", "init rank0"),
         (
             "pipeline on world.pp { split layers.* into auto; microbatches = 8 }\nverify gradients(batch=4)",
             "SL215",

@@ -1,7 +1,7 @@
 # plans/hf/llama_pipeline.sl — Hugging Face transformers' LlamaForCausalLM in two pipeline stages, each
 # stage's decoder layers sharded with FSDP2 over dp. The model runs unmodified: each stage runs the
 # model's own forward with the other stage's modules passed through (rotary tables and the causal mask
-# are computed on both stages), docs/language.md §4.7.
+# are computed on both stages), docs/language.md §4.5.
 # Model: examples/hf_llama.py (needs pip install -e '.[hf]'; tie_word_embeddings=False: a tied
 # embedding and head would sit on two stages, SL214).
 # Run: shardlang apply plans/hf/llama_pipeline.sl examples/hf_llama.py --nproc 4

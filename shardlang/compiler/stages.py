@@ -1,5 +1,5 @@
 """A `pipeline` statement resolved on a module tree: which blocks of the model's stack each stage holds,
-and which modules outside the stack go with the first or the last stage (docs/language.md §4.7).
+and which modules outside the stack go with the first or the last stage (docs/language.md §4.5).
 
 The model contract: the model's forward runs the blocks of one stack (a ModuleList, ModuleDict or
 Sequential) in order, each taking the running activation as its first argument and returning it. Every

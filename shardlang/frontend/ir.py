@@ -230,7 +230,7 @@ class Check:
         return next((v for k, v in self.args if k == name), default)
 
 
-#: Pipeline schedules (docs/language.md §4.7): the torch class, and how many stages each rank holds
+#: Pipeline schedules (docs/language.md §4.5): the torch class, and how many stages each rank holds
 #: (None: two or more). Stage s sits on pp rank s % pp, except for the V schedules (`zbv`,
 #: `dualpipe_v`), where rank r holds stages r and 2 pp - 1 - r.
 SCHEDULES: dict[str, tuple[str, int | None]] = {

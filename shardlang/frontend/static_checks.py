@@ -186,7 +186,7 @@ class _Checker:
         self.unique(statements(s.PipelineStmt), "pipeline")
         pipelines = [self.pipeline(x) for x in statements(s.PipelineStmt)]
         if pipelines and pipelines[0] is not None:
-            self.check_pipeline_dim(pipelines[0], parallelize, units, syncs, loss, checks)
+            self.check_pipeline_dim(pipelines[0], parallelize, units, syncs, loss, checks, inits)
 
         if any(d.is_error for d in self.diagnostics):
             return None
@@ -476,7 +476,7 @@ class _Checker:
             mesh, before, stack, count, schedule, options.get("microbatches"), per_rank, block.span, split.span
         )
 
-    def check_pipeline_dim(self, pipeline: ir.Pipeline, parallelize, units, syncs, loss, checks) -> None:
+    def check_pipeline_dim(self, pipeline: ir.Pipeline, parallelize, units, syncs, loss, checks, inits) -> None:
         """The pp dim belongs to the pipeline: no other statement shards or syncs over it."""
         (dim,) = pipeline.mesh.dims or ("",)
         refs = [b.mesh for b in parallelize] + [u.mesh for u in units] + [x.mesh for x in syncs]
@@ -494,6 +494,13 @@ class _Checker:
                 "loss_parallel is not supported with a pipeline",
                 loss[0].span,
                 "the last stage computes the loss on its local logits; use colwise(output=replicate) for the output layer",
+            )
+        if inits and inits[0].mode == "rank0":
+            self.error(
+                SL216,
+                "init rank0 is not supported with a pipeline",
+                inits[0].span,
+                "each stage holds other tensors than rank 0's: use init meta (or cpu, auto)",
             )
         gradients = next((c for c in checks if c.name == "gradients"), None)
         batch = gradients.get("batch") if gradients is not None else None

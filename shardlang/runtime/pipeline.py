@@ -2,7 +2,7 @@
 program `compile --emit python` prints, as runtime.helpers is.
 
 A stage is the whole model with the modules of other stages replaced by pass-throughs (docs/language.md
-§4.7). It runs the model's own forward, so whatever the model computes outside its blocks (rotary
+§4.5). It runs the model's own forward, so whatever the model computes outside its blocks (rotary
 tables, masks, position ids) is computed on every stage as the model would. The first block it holds
 takes the activation the previous stage sent in place of its input, and the output of the last block it
 holds is what it sends. The model's inputs reach every stage as the keyword argument `shardlang_inputs`
