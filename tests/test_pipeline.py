@@ -316,3 +316,42 @@ def test_checkpoints_move_between_pipelined_and_plain_plans_bitwise(pools, tmp_p
         mine = {k: v for k, v in got.items() if k != "optimizer.param_groups"}
         assert mine and all(k in plain_state for k in mine)
         assert_bitwise(mine, {k: plain_state[k] for k in mine}, f"plain to pp, rank {rank}")
+
+
+# --- zero-bubble schedules --------------------------------------------------------------------------
+
+
+def _without_torch_limits(job: Job):
+    """Run `job` with shardlang's table of torch's limits emptied: what does torch itself do?"""
+    from shardlang.compiler import torchlimits
+
+    real = torchlimits.limits
+    torchlimits.limits = lambda version=None: frozenset()
+    try:
+        return run(job)
+    finally:
+        torchlimits.limits = real
+
+
+def test_zero_bubble_limit_matches_the_installed_torch(pools, tmp_path):
+    """zbv with FSDP over dp 2 is SL301 where torchlimits says torch trains it wrong, and run anyway it
+    fails the gradients check exactly then; without data parallelism it passes."""
+    from shardlang.compiler.torchlimits import ZERO_BUBBLE_DATA_PARALLEL, cannot
+
+    path = ROOT / "plans" / "llama_pipeline.sl"
+    params = {"schedule": "zbv", "per_rank": 2}
+    found, _ = _lint(tmp_path, path.read_text().replace("$schedule", "zbv").replace("$per_rank", "2"))
+    claimed = cannot(ZERO_BUBBLE_DATA_PARALLEL)
+    assert any(code == "SL301" for code, _ in found) == claimed, found
+    checks = tuple(c for c in shardlang.load(path, params).checks if c.name == "gradients")
+    (gradients,) = pools(4).run(_without_torch_limits, Job(str(path), params, MODEL, None, checks))[0].checks
+    assert (gradients.status == "fail") == claimed, gradients.message
+
+    alone = tmp_path / "zbv.sl"
+    alone.write_text(
+        "mesh world = cpu[pp=2]\npipeline on world.pp { split layers.* into auto; schedule = zbv; "
+        "microbatches = 4; stages_per_rank = 2 }\nverify gradients(steps=1, batch=8)\n"
+    )
+    job = Job(str(alone), {}, MODEL, None, shardlang.load(alone).checks)
+    report = pools(2).run(run, job)[0]
+    assert report.ok, [c.message for c in report.checks]

@@ -55,7 +55,7 @@ class Code(enum.Enum):
     SL300 = (Severity.ERROR, "apply failed (the model is left exactly as it was)")
     SL301 = (
         Severity.ERROR,
-        "a step the installed torch cannot run, found before apply: an uneven tensor-parallel shard (a rowwise Linear's local input)",
+        "a step the installed torch cannot run, found before apply: an uneven tensor-parallel shard (a rowwise Linear's local input), a zero-bubble schedule with data parallelism",
     )
     SL400 = (Severity.ERROR, "a verification check failed")
     SL500 = (

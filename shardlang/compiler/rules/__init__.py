@@ -4,7 +4,7 @@ from .activations import partial_gradients
 from .coverage import unsynchronised_gradients
 from .devices import mixed_device_meshes, uninitialised_on_meta
 from .matches import duplicate_matches, unit_conflicts
-from .pipelines import stage_count
+from .pipelines import stage_count, zero_bubble_with_data_parallelism
 from .shards import tied_parameters, uneven_shards, unrunnable_shards
 from .styles import loss_parallel_output, style_module_types
 
@@ -22,4 +22,5 @@ RULES = (
     uninitialised_on_meta,
     partial_gradients,
     stage_count,
+    zero_bubble_with_data_parallelism,
 )

@@ -1,10 +1,15 @@
-"""Pipelines at a world size (SL213, SL215): the stage count against the pp dim, and microbatches against
-the batch the gradients check splits. The split itself is checked where it is resolved (stages.py)."""
+"""Pipelines at a world size (SL213, SL215, SL301): the stage count against the pp dim, microbatches against
+the batch the gradients check splits, and schedules the installed torch gets wrong with data parallelism.
+The split itself is checked where it is resolved (stages.py)."""
 
 from __future__ import annotations
 
-from ...frontend.diagnostics import SL213, SL215, Diagnostic
+from ...frontend.diagnostics import SL213, SL215, SL301, Diagnostic
+from ..torchlimits import ZERO_BUBBLE_DATA_PARALLEL, cannot
 from .common import dim_sizes
+
+#: The schedules that split the backward into an input pass and a weight pass.
+ZERO_BUBBLE = ("zero_bubble", "zbv", "dualpipe_v")
 
 
 def stage_count(plan, resolution, predictions, shapes) -> list[Diagnostic]:
@@ -40,3 +45,28 @@ def stage_count(plan, resolution, predictions, shapes) -> list[Diagnostic]:
             )
         )
     return found
+
+
+def zero_bubble_with_data_parallelism(plan, resolution, predictions, shapes) -> list[Diagnostic]:
+    """SL301: a zero-bubble schedule with fully_shard or replicate units over more than one rank, which the
+    installed torch trains with wrong gradients (torchlimits.py)."""
+    pipeline = plan.pipeline
+    if pipeline is None or pipeline.schedule not in ZERO_BUBBLE or not cannot(ZERO_BUBBLE_DATA_PARALLEL):
+        return []
+    sizes = dim_sizes(plan, shapes)
+    wide = [b for b in plan.units if any(sizes[(b.mesh.mesh, d)] > 1 for d in b.mesh.dims)]
+    if not wide:
+        return []
+    import torch
+
+    return [
+        Diagnostic(
+            SL301,
+            f"schedule {pipeline.schedule} with {wide[0].kind} over {wide[0].mesh}: torch {torch.__version__} "
+            "reduces the gradients before its weight pass adds to them, and trains with wrong gradients",
+            pipeline.span,
+            (
+                "use interleaved_1f1b (or 1f1b, gpipe) with data parallelism; zero-bubble schedules are right without it",
+            ),
+        )
+    ]
