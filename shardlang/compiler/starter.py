@@ -54,6 +54,15 @@ WHY_NOT = {
     "moe_identity_expert": "goes with moe_tp_experts: no built-in style",
     "mla_kv_a_proj": "MLA's rotary slice with its gradient summed over tp: no built-in style",
     "local_params": "a module run on its local shards: no built-in style",
+    "ep_dispatch_experts": "expert parallelism (experts spread over ranks): no built-in style",
+    "grouped_gemm": "expert parallelism (experts spread over ranks): no built-in style",
+    "ep_router": "expert parallelism (experts spread over ranks): no built-in style",
+    "isolated": "expert parallelism (experts spread over ranks): no built-in style",
+    # older transformers: shards kept as plain tensors, their partial sums reduced by a `gather` above
+    **dict.fromkeys(
+        ("local_colwise", "local_rowwise", "local_packed_rowwise", "local", "gather"),
+        "plain-tensor shards summed by a `gather` module above (older transformers): no built-in style",
+    ),
 }
 PARAMETER_RULE = "a parameter, not a module: its module's rule says how it is laid out"
 NO_MODULE = "no such module in this model"
