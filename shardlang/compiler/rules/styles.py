@@ -52,7 +52,7 @@ def _misfit(style: ir.Style, module: nn.Module, tp: int) -> str | None:
     if kind in CONV1D_STYLES:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             plain = kind.removesuffix("_conv1d")
-            return f"{kind} is for a weight stored [in, out]; an {type(module).__name__} takes {plain}"
+            return f"{kind} is for a weight stored [in, out], as transformers' Conv1D stores it; {type(module).__name__} takes {plain}"
         if _nested_parameters(module) or getattr(module, "weight", None) is None or module.weight.ndim != 2:
             return f"{kind} shards a layer with a 2-D weight stored [in, out] (transformers' Conv1D); {fitting_style(module)}"
     if kind == "packed_colwise":
