@@ -2,19 +2,20 @@
 (plans/transformers_styles.sl gives each its built-in style; no transformers needed):
 
 - `mlp.gate_up`: one nn.Linear computing [gate; up] (with a bias), split again by `chunk(2, -1)`;
-- `attn.qk` and `attn.out`: a projection to 4 heads of 4, each normalised on its own by a per-head
-  RMSNorm (`attn.head_norm`, weight [4]) as Qwen3's and Gemma 3's q/k norms are;
+- `attn.qk` and `attn.out`: a projection to 8 heads of 16, each normalised on its own by a per-head
+  RMSNorm (`attn.head_norm`, weight [16]) as Qwen3's and Gemma 3's q/k norms are;
 - `ffn.fc` and `ffn.proj`: transformers' Conv1D layout, weight stored [in, out], computing x @ W + b;
 - `head.gather` and `head.split`: a pair whose middle activations stay whole on every rank.
 
-Width 16, sequences of 8; float32.
+Width 128 (8 heads of 16), sequences of 8; float32. The width divides by the data-parallel size of
+`explain --world 1024 -D tp=8` (128), which FSDP2 needs of a packed weight's columns.
 """
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-DIM, HEADS, SEQ = 16, 4, 8
+DIM, HEADS, SEQ = 128, 8, 8
 
 
 class Conv1D(nn.Module):

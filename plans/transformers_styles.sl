@@ -6,8 +6,9 @@
 # Model: examples/fused.py
 # Run: shardlang apply plans/transformers_styles.sl examples/fused.py --nproc 4
 shardlang 1
+param tp = 2
 
-mesh world = auto[dp=auto, tp=2]
+mesh world = auto[dp=auto, tp=$tp]
 
 parallelize on world.tp {
     mlp.gate_up    : packed_colwise(parts=2)

@@ -76,3 +76,15 @@ def test_sl202_says_which_style_fits():
 def test_style_arguments_are_checked(style, message):
     with pytest.raises(shardlang.PlanError, match=message):
         shardlang.loads(f"mesh world = cpu[tp=2]\nparallelize on world.tp {{ a : {style} }}\n")
+
+
+def test_fsdp_over_a_packed_weight_needs_its_columns_to_divide():
+    """FSDP2 shards a packed weight on dim 1, and a dim other than 0 only evenly: SL301 before apply."""
+    import examples.fused as fused
+
+    plan = shardlang.load(ROOT / "plans" / "transformers_styles.sl")
+    with torch.device("meta"):
+        model = fused.build_model()
+    (found,) = [d for d in plan.lint(model, 1024) if d.is_error]  # dp 512
+    assert found.code == "SL301" and "mlp.gate_up.weight has 128" in found.message
+    assert not [d for d in plan.lint(model, 256) if d.is_error]  # dp 128
