@@ -4,6 +4,7 @@ plan is compared with. Everything here runs inside a worker process with an init
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import attrs
 import torch
@@ -512,3 +513,42 @@ def local_facts(plan_path: str, model_path: str) -> dict:
                 param_bytes += piece.numel() * piece.element_size()
     counts = count_collectives(Context(plan, applied, model_file), model)
     return {"shapes": shapes, "param_bytes": param_bytes, "counts": counts}
+
+
+def transformers_styles_shard_as_transformers_does(plan_text: str) -> dict:
+    """plans/transformers_styles.sl (init auto here, so every rank builds the reference's values): each
+    tensor's local shard is the slice of the unsharded model's that transformers' style gives its rank
+    (packed_colwise: the k-th slice of gate and of up; the Conv1D styles: columns, then rows), the
+    printed program places and fills every shard as apply does (for the model and for any model), and a
+    plain colwise on the packed layer fails the gradients check."""
+    from examples.fused import build_model
+    from shardlang.launch.job import Job, run
+
+    plan = shardlang.loads(plan_text)
+    torch.manual_seed(0)
+    reference = build_model()
+    torch.manual_seed(0)
+    model = plan.build(build_model)
+    apply_plan(plan, model)
+    mesh = model.mlp.gate_up.weight.device_mesh
+    dp, tp = mesh.get_coordinate()
+    dp_size, tp_size = mesh.size(0), mesh.size(1)
+
+    def expect(name, want):
+        got = local(model.get_parameter(name))
+        assert torch.equal(got, want), f"{name}: rank {rank()} holds the wrong slice"
+
+    gate, up = reference.mlp.gate_up.weight.detach().chunk(2)
+    rows = torch.cat([gate.chunk(tp_size)[tp], up.chunk(tp_size)[tp]])
+    expect("mlp.gate_up.weight", rows.chunk(dp_size, dim=1)[dp])  # FSDP shards a packed weight on dim 1
+    expect("mlp.gate_up.bias", reference.mlp.gate_up.bias.detach().chunk(dp_size)[dp])  # whole over tp
+    expect("ffn.fc.weight", reference.ffn.fc.weight.detach().chunk(tp_size, dim=1)[tp].chunk(dp_size)[dp])
+    expect("ffn.proj.weight", reference.ffn.proj.weight.detach().chunk(tp_size)[tp].chunk(dp_size)[dp])
+    expect("attn.head_norm.weight", reference.attn.head_norm.weight.detach().chunk(dp_size)[dp])
+    placements = {n: describe(p) for n, p in model.named_parameters()}
+    emitted = [emitted_code_matches_apply(plan_text, "examples.fused:build_model", world(), m) for m in (True, False)]
+    assert emitted[0] == emitted[1] == placements
+    plain = shardlang.loads(plan_text.replace("packed_colwise(parts=2)", "colwise"))
+    gradients = shardlang.loads("verify gradients").checks
+    report = run(Job(plain, {}, str(Path(__file__).parent.parent / "examples" / "fused.py"), None, gradients))
+    return {"placements": placements, "plain_colwise": [(c.check, c.status) for c in report.checks]}

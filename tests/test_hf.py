@@ -3,6 +3,7 @@ what their constructors compute, and starter plans from their own TP plans. Skip
 (pip install -e '.[hf]')."""
 
 import importlib.util
+import re
 
 import pytest
 import torch
@@ -54,9 +55,82 @@ def test_starter_plan_translates_the_models_own_tp_plan():
     plan = hf_tp_plan(model)
     assert plan["model.layers.*.self_attn.q_proj"] == "colwise" and plan["lm_head"] == "colwise_gather_output"
     text = init_plan(model, tp=2, name="Qwen3")
-    assert "model.layers.*.self_attn.q_norm : distribute(input=shard(2), output=local)" in text
+    assert "model.layers.*.self_attn.q_norm : replicated_with_grad_allreduce" in text
+    assert "lm_head                         : colwise_gather_output" in text
     assert "each model.layers.*" in text and "init meta" in text
     assert all(style in HF_STYLES for style in plan.values()), "an HF style the mapping table lacks"
+
+
+def test_every_transformers_style_has_a_shardlang_style_or_a_reason():
+    """Every style transformers registers maps to a style the language accepts, or to a comment saying why
+    there is none."""
+    import shardlang
+    from shardlang.compiler.starter import WHY_NOT
+
+    try:
+        from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES
+    except ImportError:  # an older transformers
+        ALL_PARALLEL_STYLES = HF_STYLES
+    assert set(ALL_PARALLEL_STYLES) <= set(HF_STYLES), "an HF style the mapping table lacks"
+    for hf, ours in HF_STYLES.items():
+        if ours is None:
+            assert hf in WHY_NOT, f"{hf}: no style and no reason"
+        else:
+            shardlang.loads(f"mesh world = cpu[tp=2]\nparallelize on world.tp {{ a : {ours} }}\n")
+
+
+REVIEWED = re.compile(r"^(\s*\S+\s*:\s*)\S+(\s*)# reviewed: was (\S+)$")
+WRITTEN_BY_INIT = re.compile(r"written by `shardlang init (\S+) --tp 2`")
+INIT_PLANS = [p for p in sorted((ROOT / "plans" / "hf").glob("*.sl")) if WRITTEN_BY_INIT.search(p.read_text())]
+
+
+@pytest.mark.parametrize("plan", INIT_PLANS, ids=lambda p: p.stem)
+def test_plans_written_by_init_keep_its_rules(plan):
+    """A plan in plans/hf/ that `shardlang init` wrote has init's rules today, apart from the lines its
+    review changed (`# reviewed: was STYLE`), and init's plan lints clean at tp 2 x dp 2."""
+    import shardlang
+    from shardlang.runtime.modelfile import load_model_file
+
+    text = plan.read_text()
+    written = WRITTEN_BY_INIT.search(text)
+    with torch.device("meta"):
+        model = load_model_file(str(ROOT / written.group(1))).build_model()
+    fresh = init_plan(model, tp=2)
+    assert not [d for d in shardlang.loads(fresh).lint(model, world_size=4) if d.is_error]
+
+    def rules(plan_text: str) -> list[str]:
+        block = plan_text.split("parallelize on world.tp {", 1)[1].split("}", 1)[0]
+        return [REVIEWED.sub(r"\1\3", line).rstrip() for line in block.splitlines() if line.strip()]
+
+    assert rules(text) == rules(fresh)
+
+
+def test_sl202_help_names_the_style_that_fits_a_transformers_layer():
+    import shardlang
+    from examples.hf_gpt2 import build_model as gpt2
+    from examples.hf_qwen3_moe import build_model as qwen3_moe
+
+    plan = shardlang.loads(
+        "mesh world = cpu[tp=2]\nparallelize on world.tp { transformer.h.0.attn.c_attn : colwise }\n"
+    )
+    with torch.device("meta"):
+        (found,) = plan.lint(gpt2(), world_size=2)
+    assert "(Conv1D)" in found.message and "use colwise_conv1d or rowwise_conv1d" in found.help[0]
+    plan = shardlang.loads("mesh world = cpu[tp=2]\nparallelize on world.tp { model.layers.0.mlp.experts : rowwise }\n")
+    with torch.device("meta"):
+        (found,) = plan.lint(qwen3_moe(), world_size=2)
+    assert "gate_up_proj [4, 64, 64], down_proj [4, 64, 32], fused experts" in found.help[0]
+    assert "leave it without a rule" in found.help[0]
+
+
+def test_starter_plan_of_a_moe_model_says_why_the_experts_have_no_rule():
+    from examples.hf_qwen3_moe import build_model
+
+    with torch.device("meta"):
+        text = init_plan(build_model(), tp=2)
+    assert "# model.layers.*.mlp.experts              : moe_tp_experts: no built-in style" in text
+    assert "# model.layers.*.mlp.experts.gate_up_proj : packed_colwise: a parameter, not a module" in text
+    assert "# model.layers.*.mlp.gate_proj            : colwise: no such module in this model" in text
 
 
 def test_starter_plan_of_a_model_without_tp_plan_is_fsdp_only():

@@ -1,6 +1,6 @@
-# plans/hf/qwen3_tp.sl — written by `shardlang init examples/hf_qwen3.py --tp 2`, then reviewed: the
-# model's own tp_plan translated rule by rule (its per-head q/k norms as replicated weights whose
-# gradients DTensor sums over tp), FSDP2 over the decoder layers, bf16 compute, built on meta.
+# plans/hf/qwen3_tp.sl — written by `shardlang init examples/hf_qwen3.py --tp 2`, reviewed unchanged:
+# transformers' Qwen3ForCausalLM with its own tp_plan translated rule by rule (its per-head q/k norms
+# replicated, their gradients summed over tp), FSDP2 over the decoder layers, bf16 compute, built on meta.
 # Model: examples/hf_qwen3.py (needs pip install -e '.[hf]').
 # Run: shardlang apply plans/hf/qwen3_tp.sl examples/hf_qwen3.py --nproc 4
 shardlang 1
@@ -12,13 +12,13 @@ parallelize on world.tp {
     model.layers.*.self_attn.q_proj : colwise
     model.layers.*.self_attn.k_proj : colwise
     model.layers.*.self_attn.v_proj : colwise
-    model.layers.*.self_attn.q_norm : distribute(input=shard(2), output=local)
-    model.layers.*.self_attn.k_norm : distribute(input=shard(2), output=local)
+    model.layers.*.self_attn.q_norm : replicated_with_grad_allreduce
+    model.layers.*.self_attn.k_norm : replicated_with_grad_allreduce
     model.layers.*.self_attn.o_proj : rowwise
     model.layers.*.mlp.gate_proj    : colwise
     model.layers.*.mlp.up_proj      : colwise
     model.layers.*.mlp.down_proj    : rowwise
-    lm_head                         : colwise(output=replicate)
+    lm_head                         : colwise_gather_output
     model.embed_tokens              : rowwise(input=replicate)
 }
 

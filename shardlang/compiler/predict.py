@@ -16,9 +16,20 @@ from attrs import frozen
 
 from ..frontend import ir
 from .resolve import Resolution, RuleMatch, UnitMatch
+from .styles import expand
 
 #: TP styles by what they do to parameters; user styles are mapped by their torch base class.
-SHARDING_STYLES = ("colwise", "rowwise")
+SHARDING_STYLES = (
+    "colwise",
+    "rowwise",
+    "colwise_gather_output",
+    "rowwise_split_input",
+    "packed_colwise",
+    "colwise_conv1d",
+    "rowwise_conv1d",
+)
+#: Styles that make every parameter of the module itself (not of its children) a Replicate DTensor.
+REPLICATING_STYLES = ("sequence_parallel", "replicated_with_grad_allreduce")
 INPUT_OUTPUT_STYLES = ("prepare_input", "prepare_output")
 
 
@@ -59,8 +70,16 @@ def style_kind(style: ir.Style, user_kinds: Mapping[str, str] | None = None) -> 
     return (user_kinds or {}).get(style.name, "unknown")
 
 
-def tp_placement(kind: str, module: nn.Module, name: str):
-    """The placement a TP style gives a module's own tensor `name` on its 1-D mesh; None if it leaves it."""
+def tp_placement(style: ir.Style, kind: str, module: nn.Module, name: str):
+    """The placement a TP style gives a module's own tensor `name` on its 1-D mesh; None if it does not
+    shard it (torch's distribute_module then replicates it)."""
+    kind = expand(style).name if style.use is None else kind
+    if kind == "packed_colwise":
+        # each part split on its own: rank k holds the k-th slice of every part; a bias stays whole
+        return {"weight": ir.StridedShard(0, style.get("parts", 2)), "bias": ir.Replicate()}.get(name)
+    if kind in ("colwise_conv1d", "rowwise_conv1d"):  # weight stored [in, out]: the sharded dims swap
+        colwise = kind == "colwise_conv1d"
+        return {"weight": ir.Shard(1 if colwise else 0), "bias": ir.Shard(0) if colwise else ir.Replicate()}.get(name)
     if kind == "colwise":
         if isinstance(module, nn.Embedding):
             return ir.Shard(1) if name == "weight" else None
@@ -149,9 +168,10 @@ def _tp(plan, rules, resolution, owner, name, is_param, user_kinds) -> Placed:
             kind = style_kind(match.rule.style, user_kinds)
             mesh = plan.parallelize[match.block].mesh
             if probe == owner and kind in SHARDING_STYLES:
-                placement = tp_placement(kind, resolution.modules[owner], name)
-                return Placed(mesh.mesh, mesh.dims, (placement,)) if placement is not None else PLAIN
-            if kind == "sequence_parallel" and is_param or kind == "distribute":
+                # what the style does not shard, distribute_module replicates (an embedding's scale buffer)
+                placement = tp_placement(match.rule.style, kind, resolution.modules[owner], name) or ir.Replicate()
+                return Placed(mesh.mesh, mesh.dims, (placement,))
+            if kind in REPLICATING_STYLES and is_param or kind == "distribute":
                 return Placed(mesh.mesh, mesh.dims, (ir.Replicate(),))
             if kind == "unknown":  # a user style may place anything below it
                 return UNKNOWN
@@ -163,8 +183,9 @@ def _tp(plan, rules, resolution, owner, name, is_param, user_kinds) -> Placed:
 def _fsdp(
     plan: ir.Plan, dp: ir.MeshRef, tp: Placed, mesh_sizes: Mapping[str, tuple[int, ...]], strided_shard: bool
 ) -> Placed:
-    """FSDP2 over `tp`: dp shard dim -> Shard(0) (or _StridedShard when a later TP dim also shards dim 0),
-    HSDP's replicate dim -> Replicate, TP dims unchanged; dims in the mesh's own order."""
+    """FSDP2 over `tp`: dp shard dim -> Shard(0) (or _StridedShard when a later TP dim also shards dim 0;
+    Shard(1) for a weight packed_colwise splits part by part, as runtime.tpstyles.fsdp_shard_placement
+    has FSDP do), HSDP's replicate dim -> Replicate, TP dims unchanged; dims in the mesh's own order."""
     mesh = plan.mesh(dp.mesh)
     sizes = dict(zip(mesh.dim_names, mesh_sizes[dp.mesh]))
     tp_dims = dict(zip(tp.dims, tp.placements)) if tp.mesh == dp.mesh else {}
@@ -172,12 +193,15 @@ def _fsdp(
     dims = tuple(d for d in mesh.dim_names if d in dp.dims or d in tp_dims)
     if tp.mesh is not None and tp.mesh != dp.mesh:
         return UNKNOWN
+    packed = any(isinstance(p, ir.StridedShard) for p in tp_dims.values())
     placements = []
     for i, d in enumerate(dims):
         if d in tp_dims:
             placements.append(tp_dims[d])
         elif d in replicate_dims:
             placements.append(ir.Replicate())
+        elif packed:
+            placements.append(ir.Shard(1))
         else:
             later = [dims[j] for j in range(i + 1, len(dims)) if _shards_dim0(tp_dims.get(dims[j]))]
             factor = 1

@@ -9,44 +9,63 @@ from collections.abc import Mapping
 
 import torch.nn as nn
 
+from ..frontend.patterns import modules_matching, pattern_regex
+
 #: Hugging Face TP styles (transformers' ParallelInterface names) and the shardlang style that does the
-#: same, or None where no built-in style does (the rule is written as a comment saying why).
+#: same (docs/language.md §4.2 has what each does), or None where no style does (the rule is written as a
+#: comment saying why, WHY_NOT). The README's table is this one.
 HF_STYLES: Mapping[str, str | None] = {
     "colwise": "colwise",
     "rowwise": "rowwise",
-    "colwise_rep": "colwise(output=replicate)",
-    "colwise_gather_output": "colwise(output=replicate)",
-    "rowwise_rep": "rowwise(input=replicate)",
-    "rowwise_split_input": "rowwise(input=replicate)",
-    "sequence_parallel": "sequence_parallel",
-    "embedding_rowwise": "rowwise(input=replicate)",  # the vocabulary split over tp, token ids replicated
-    "embedding_colwise": "colwise(input=replicate)",
-    "embedding_colwise_gather_output": "colwise(input=replicate, output=replicate)",
-    "all_reduce": None,
+    "colwise_gather_output": "colwise_gather_output",
+    "colwise_rep": "colwise_gather_output",
+    "rowwise_split_input": "rowwise_split_input",
+    "rowwise_rep": "rowwise_split_input",
+    "packed_colwise": "packed_colwise",
+    "replicated_with_grad_allreduce": "replicated_with_grad_allreduce",
+    # transformers' SequenceParallel hands on local tensors; torch's (and so shardlang's) default is DTensors
+    "sequence_parallel": "sequence_parallel(local_output=true)",
+    # token ids replicated: the vocabulary split over tp and the partial lookups summed, or the hidden dim
+    # split and the slices gathered
+    "embedding_rowwise": "rowwise(input=replicate)",
+    "embedding_colwise": "colwise_gather_output",
+    "embedding_colwise_gather_output": "colwise_gather_output",
+    "all_reduce": "prepare_output(output=partial, desired=replicate)",  # sum the module's partial output
     "replicate": None,
-    "local_params": None,
-    "mla_kv_a_proj": None,
+    "packed_rowwise": None,
     "moe_tp_experts": None,
     "moe_identity_expert": None,
-    "ep_dispatch_experts": None,
+    "mla_kv_a_proj": None,
+    "local_params": None,
     "local_colwise": None,
     "local_rowwise": None,
     "local_packed_rowwise": None,
-    "packed_colwise": None,
-    "packed_rowwise": None,
     "local": None,
     "gather": None,
-    # Per-head q/k norms: each TP rank normalises its own heads ([batch, seq, heads, head_dim], heads on
-    # dim 2) with the replicated weight, and DTensor sums the weight's partial gradients over tp.
-    "replicated_with_grad_allreduce": "distribute(input=shard(2), output=local)",
     "isolated": None,
     "ep_router": None,
+    "ep_dispatch_experts": None,
     "grouped_gemm": None,
 }
 WHY_NOT = {
-    "packed_colwise": "fused gate/up (or qkv) projections split per part: no built-in style yet",
-    "packed_rowwise": "fused projections split per part: no built-in style yet",
+    "replicate": "every rank keeps the whole tensor: no rule needed",
+    "packed_rowwise": "3-D expert tensors stored [experts, hidden, 2 x width]: no built-in style",
+    "moe_tp_experts": "no built-in style: the experts stay whole on each tp rank; fully_shard shards them over dp",
+    "moe_identity_expert": "goes with moe_tp_experts: no built-in style",
+    "mla_kv_a_proj": "MLA's rotary slice with its gradient summed over tp: no built-in style",
+    "local_params": "a module run on its local shards: no built-in style",
+    "ep_dispatch_experts": "expert parallelism (experts spread over ranks): no built-in style",
+    "grouped_gemm": "expert parallelism (experts spread over ranks): no built-in style",
+    "ep_router": "expert parallelism (experts spread over ranks): no built-in style",
+    "isolated": "expert parallelism (experts spread over ranks): no built-in style",
+    # older transformers: shards kept as plain tensors, their partial sums reduced by a `gather` above
+    **dict.fromkeys(
+        ("local_colwise", "local_rowwise", "local_packed_rowwise", "local", "gather"),
+        "plain-tensor shards summed by a `gather` module above (older transformers): no built-in style",
+    ),
 }
+PARAMETER_RULE = "a parameter, not a module: its module's rule says how it is laid out"
+NO_MODULE = "no such module in this model"
 
 
 def longest_stack(model: nn.Module) -> str | None:
@@ -77,6 +96,18 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str]:
     return plan
 
 
+def translate(model: nn.Module, key: str, style: str) -> tuple[str | None, str]:
+    """One rule of a transformers TP plan as (shardlang style, "") or (None, why it stays a comment)."""
+    if not modules_matching(model, key):
+        regex = pattern_regex(key)
+        params = any(regex.fullmatch("." + name) for name, _ in model.named_parameters())
+        return None, PARAMETER_RULE if params else NO_MODULE
+    ours = HF_STYLES.get(style)
+    if ours is None:
+        return None, WHY_NOT.get(style, "no shardlang style does this")
+    return ours, ""
+
+
 def init_plan(model: nn.Module, *, tp: int = 1, dp: int | None = None, name: str = "the model") -> str:
     """A commented starter plan for `model` (built on any device, meta included) at `tp`-way tensor
     parallelism (1: none) and `dp`-way data parallelism (None: whatever the world leaves)."""
@@ -98,9 +129,8 @@ def init_plan(model: nn.Module, *, tp: int = 1, dp: int | None = None, name: str
             ]
             width = max(len(k) for k in tp_plan)
             for key, style in tp_plan.items():
-                ours = HF_STYLES.get(style)
+                ours, why = translate(model, key, style)
                 if ours is None:
-                    why = WHY_NOT.get(style, "no shardlang style does this yet")
                     lines.append(f"    # {key:<{width}} : {style}: {why}")
                 else:
                     lines.append(f"    {key:<{width}} : {ours}")

@@ -14,6 +14,8 @@ from attrs import frozen
 from ..frontend import ir
 
 TP = "torch.distributed.tensor.parallel"
+#: shardlang's own ParallelStyles (runtime.tpstyles), for layouts torch's styles cannot express.
+OURS = "shardlang.runtime.tpstyles"
 
 
 @frozen
@@ -26,6 +28,33 @@ class Constructor:
     @property
     def name(self) -> str:
         return self.path.replace(":", ".").rsplit(".", 1)[-1]
+
+
+@frozen
+class Reference:
+    """A function or class by import path, passed as it is (not called): FSDP's `shard_placement_fn`."""
+
+    path: str
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit(".", 1)[-1]
+
+
+#: Built-in styles that are torch's colwise or rowwise with one layout fixed: transformers' names for them.
+FIXED_LAYOUTS = {
+    "colwise_gather_output": ("colwise", "output", ir.Replicate()),
+    "rowwise_split_input": ("rowwise", "input", ir.Replicate()),
+}
+
+
+def expand(style: ir.Style) -> ir.Style:
+    """A style with a fixed layout written as the torch style it is: `colwise_gather_output(input=shard(1))`
+    is `colwise(input=shard(1), output=replicate)`. Any other style is returned as it is."""
+    if style.use is not None or style.name not in FIXED_LAYOUTS:
+        return style
+    base, arg, layout = FIXED_LAYOUTS[style.name]
+    return ir.Style(base, (*style.kwargs, (arg, layout)), style.span)
 
 
 def _placement(layout: Any) -> Any:
@@ -41,17 +70,29 @@ def _layouts(value: tuple) -> Any:
 
 def constructor(style: ir.Style) -> Constructor:
     """The torch constructor for a built-in style, or the user's for a `use` style (ParallelStyle subclass)."""
-    get = style.get
     if style.use is not None:
         return Constructor(style.use.path, tuple((k, _passthrough(v)) for k, v in style.kwargs))
-    if style.name in ("colwise", "rowwise"):
-        cls = "ColwiseParallel" if style.name == "colwise" else "RowwiseParallel"
+    style = expand(style)
+    get = style.get
+    if style.name in ("colwise", "rowwise", "colwise_conv1d", "rowwise_conv1d"):
+        cls = {
+            "colwise": f"{TP}.ColwiseParallel",
+            "rowwise": f"{TP}.RowwiseParallel",
+            "colwise_conv1d": f"{OURS}.ColwiseConv1DParallel",
+            "rowwise_conv1d": f"{OURS}.RowwiseConv1DParallel",
+        }[style.name]
         kwargs = {
             "input_layouts": get("input"),
             "output_layouts": get("output"),
             "use_local_output": get("local_output"),
         }
-        return Constructor(f"{TP}.{cls}", _given(kwargs))
+        return Constructor(cls, _given(kwargs))
+    if style.name == "packed_colwise":
+        return Constructor(
+            f"{OURS}.PackedColwiseParallel", _given({"parts": get("parts"), "input_layouts": get("input")})
+        )
+    if style.name == "replicated_with_grad_allreduce":
+        return Constructor(f"{OURS}.ReplicatedWithGradAllReduce")
     if style.name == "sequence_parallel":
         return Constructor(
             f"{TP}.SequenceParallel", _given({"sequence_dim": get("dim"), "use_local_output": get("local_output")})

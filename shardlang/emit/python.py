@@ -8,9 +8,12 @@ does what `shardlang apply` does.
 from __future__ import annotations
 
 import inspect
+import re
+import sys
 
 import attrs
 import torch.nn as nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..compiler import program as p
 from ..compiler.devices import mesh_device
@@ -22,6 +25,10 @@ from ..frontend.source import Span
 from ..frontend.static_checks import check_world
 from ..runtime import helpers
 from ..runtime.steps import STEPS, mesh_var
+from ..runtime.values import import_path
+
+#: Import paths under this prefix are shardlang's own (runtime.tpstyles): pasted as source, not imported.
+OURS = "shardlang."
 
 
 def compile_python(plan: ir.Plan, model: nn.Module | None, world_size: int | None, command: str = "") -> str:
@@ -87,13 +94,43 @@ def _groups(steps: tuple[p.Step, ...]) -> list[list[p.Step]]:
     return groups
 
 
-def _imports(program: p.Program) -> list[str]:
-    kinds = [kind for step_type, kind in STEPS.items() if any(type(s) is step_type for s in program.steps)]
+def _names(program: p.Program) -> set[str]:
+    """The import paths the printed steps name: torch's, and shardlang's own styles (pasted)."""
     names: set[str] = {"torch.distributed.device_mesh.init_device_mesh"}
     for step in program.steps:
         names |= STEPS[type(step)].names(step)
     if program.plan.loss_parallel is not None:
         names.add("torch.distributed.tensor.parallel.loss_parallel")
+    return names
+
+
+def _ours(program: p.Program) -> list:
+    """shardlang's own objects the steps name (runtime.tpstyles' styles and functions), each after the
+    functions and classes of shardlang its source calls: what the printed program pastes."""
+    order: list = []
+
+    def visit(obj) -> None:
+        if obj in order:
+            return
+        module = sys.modules[obj.__module__]
+        source = inspect.getsource(obj)
+        for name, dep in vars(module).items():
+            if dep is obj or not (inspect.isroutine(dep) or inspect.isclass(dep)):
+                continue
+            if getattr(dep, "__module__", "").startswith(OURS) and re.search(rf"\b{name}\b", source):
+                visit(dep)
+        order.append(obj)
+
+    for path in sorted(n for n in _names(program) if n.startswith(OURS)):
+        visit(import_path(path))
+    return order
+
+
+def _imports(program: p.Program) -> list[str]:
+    kinds = [kind for step_type, kind in STEPS.items() if any(type(s) is step_type for s in program.steps)]
+    names = {n for n in _names(program) if not n.startswith(OURS)}
+    if any(inspect.isclass(obj) and issubclass(obj, ParallelStyle) for obj in _ours(program)):
+        names.add("torch.distributed.tensor.parallel.ParallelStyle")  # the base of the pasted styles
     by_module: dict[str, set[str]] = {}
     for path in names:
         module, _, name = path.rpartition(".")
@@ -187,6 +224,7 @@ def to_python(program: p.Program, command: str = "") -> str:
         body = outer
     pasted = [inspect.getsource(h).rstrip() for h in (helpers.build_for, helpers.parameters_on_meta, mesh_device)]
     pasted += _helpers(program)
+    pasted += [inspect.getsource(obj).rstrip() for obj in _ours(program)]
     if any(_matching(s) for s in program.steps) or "tied_parameter_groups" in "\n".join(body):
         matching = (
             patterns.split_pattern,

@@ -183,7 +183,9 @@ def did_you_mean(word: str, candidates: Iterable[str]) -> tuple[str, ...]:
         ratio = difflib.SequenceMatcher(None, word, candidate).ratio()
         if distance <= max(1, len(candidate) // 3) or ratio >= 0.6:
             scored.append((distance, -ratio, candidate))
-    close = [c for _, _, c in sorted(scored)[:3]]
+    # None much further than the nearest: `colwse` is `colwise` or `rowwise`, not `colwise_conv1d`.
+    nearest = min((d for d, _, _ in scored), default=0)
+    close = [c for d, _, c in sorted(scored)[:3] if d <= nearest + 2]
     if not close:
         return ()
     return ("did you mean " + " or ".join(f"'{c}'" for c in close) + "?",)

@@ -178,6 +178,14 @@ STYLES: dict[str, dict[str, Convert]] = {
     },
     "prepare_output": {"output": layouts, "desired": layouts, "local_output": boolean},
     "distribute": {"input": layout, "output": layout_or_local},
+    # transformers' styles (docs/language.md §4.2): colwise/rowwise with a layout fixed, and the layouts
+    # torch's styles cannot express (shardlang.runtime.tpstyles)
+    "colwise_gather_output": {"input": layout, "local_output": boolean},
+    "rowwise_split_input": {"output": layout, "local_output": boolean},
+    "packed_colwise": {"parts": integer(minimum=2), "input": layout},
+    "replicated_with_grad_allreduce": {},
+    "colwise_conv1d": {"input": layout, "output": layout, "local_output": boolean},
+    "rowwise_conv1d": {"input": layout, "output": layout, "local_output": boolean},
 }
 
 MIXED_PRECISION: dict[str, Convert] = {"param": dtype, "reduce": dtype, "output": dtype, "cast_forward_inputs": boolean}

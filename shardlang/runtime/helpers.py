@@ -180,11 +180,14 @@ def init_on_mesh(model, device, method, seed):
             sharded = []
             if torch.device(device).type == "cpu":
                 # transformers' init_weights (a METHOD the plan names, on the root) initialises the whole
-                # subtree: every tensor it reaches is whole while it runs, holding its current values.
+                # subtree, and its _init_weights(module) may set the tensors of the module's children
+                # too (GPT-2 rescales `c_proj.weight` from its attention and MLP modules): every tensor
+                # it reaches is whole while it runs, the children's holding their current values.
                 # Other initialisers set their module's own tensors (a user method that writes local
                 # shards itself sees them as they are).
-                subtree = method is not None and is_hugging_face(model)
-                owners = module.modules() if subtree else [module]
+                hugging_face = is_hugging_face(model)
+                subtree = method is not None and hugging_face
+                owners = module.modules() if subtree else [module, *(module.children() if hugging_face else ())]
                 for owner in owners:
                     for store in (owner._parameters, owner._buffers):
                         for name, tensor in store.items():
@@ -192,7 +195,7 @@ def init_on_mesh(model, device, method, seed):
                                 sharded.append((store, name, tensor))
                                 full = (
                                     tensor.full_tensor()
-                                    if method is not None
+                                    if method is not None or owner is not module
                                     else torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
                                 )
                                 store[name] = (

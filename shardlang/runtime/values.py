@@ -10,7 +10,7 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
-from ..compiler.styles import Constructor
+from ..compiler.styles import Constructor, Reference
 from ..frontend import ir
 
 # --- reading 1: objects ---------------------------------------------------------------------------
@@ -34,6 +34,8 @@ def to_torch(value: Any) -> Any:
 
     if isinstance(value, Constructor):
         return build(value)
+    if isinstance(value, Reference):
+        return import_path(value.path)
     if isinstance(value, ir.DType):
         return getattr(torch, value.name)
     if isinstance(value, ir.Shard):
@@ -84,6 +86,8 @@ def value_source(value: Any) -> str:
     """Python source for an argument value: placements as torch constructors."""
     if isinstance(value, Constructor):
         return source(value)
+    if isinstance(value, Reference):
+        return value.name
     if isinstance(value, ir.DType):
         return f"torch.{value.name}"
     if isinstance(value, ir.Shard):
@@ -111,6 +115,8 @@ def names_used(value: Any) -> set[str]:
         return {f"torch.distributed.tensor.{type(value).__name__}"}
     if isinstance(value, Constructor):
         return {value.path}.union(*(names_used(v) for _, v in value.kwargs))
+    if isinstance(value, Reference):
+        return {value.path}
     if isinstance(value, tuple):
         return set().union(*(names_used(v) for v in value))
     if isinstance(value, dict):

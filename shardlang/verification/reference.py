@@ -131,7 +131,8 @@ def emulate_mixed_precision(ctx, model) -> str:
         module = model.get_submodule(fqn)
         dtype = getattr(torch, policy.param.name)
         dtypes.append(dtype)
-        module.to(dtype)
+        for param in module.parameters():  # FSDP casts parameters, not buffers
+            param.data = param.data.to(dtype)
         if policy.cast_forward_inputs:
             module.register_forward_pre_hook(_cast_hook(dtype), with_kwargs=True)
         if policy.output is not None:

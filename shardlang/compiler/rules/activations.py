@@ -19,11 +19,21 @@ from __future__ import annotations
 
 from ...frontend import ir
 from ...frontend.diagnostics import SL210, Diagnostic, few
+from ..styles import expand
 from .common import dim_sizes
 
 SHARDED, REPLICATED, OTHER, UNKNOWN = "sharded", "replicated", "other", "unknown"
 #: Styles that only move activations: they place no parameter.
 MOVERS = ("prepare_input", "prepare_output")
+#: Styles that move activations as colwise or rowwise does (their parameters are laid out otherwise).
+AS_TORCH = {"colwise_conv1d": "colwise", "rowwise_conv1d": "rowwise", "packed_colwise": "colwise"}
+
+
+def _as_torch(style: ir.Style) -> ir.Style:
+    """The torch style whose inputs and outputs this style's are: `colwise_gather_output` is colwise with
+    `output=replicate`, `colwise_conv1d` and `packed_colwise` move activations as colwise does."""
+    style = expand(style)
+    return ir.Style(AS_TORCH.get(style.name, style.name), style.kwargs, style.span, style.use)
 
 
 def partial_gradients(plan, resolution, predictions, shapes) -> list[Diagnostic]:
@@ -99,6 +109,7 @@ def _sharded(layout) -> bool:
 def _declares_sharded(style: ir.Style) -> bool:
     """The style says in words that its input arrives sharded (`input=shard(1)`); sequence_parallel only
     assumes it."""
+    style = _as_torch(style)
     return style.name in ("colwise", "rowwise", "prepare_input") and _sharded(style.get("input"))
 
 
@@ -109,7 +120,10 @@ def _first(layout):
 def _after(style: ir.Style) -> str | None:
     """The layout of activations after a module with this style: SHARDED, REPLICATED, OTHER, or None
     (unchanged: its children's styles decide)."""
+    style = _as_torch(style)
     name = style.name
+    if name == "replicated_with_grad_allreduce":  # runs on each rank's part: activations unchanged
+        return None
     if name in ("colwise", "rowwise"):
         default = ir.Shard(-1) if name == "colwise" else ir.Replicate()
         output, local = style.get("output", default), style.get("local_output", True)

@@ -87,7 +87,7 @@ def unrunnable_shards(plan, resolution, predictions, shapes) -> list[Diagnostic]
             found[match.rule].append(f"'{match.fqn}' has {module.in_features}")
             sized[match.rule] = n
     version = torch.__version__.split("+")[0]
-    return [
+    return _uneven_packed_fsdp(plan, resolution, predictions, sizes) + [
         Diagnostic(
             SL301,
             f"torch {version} cannot run this rowwise layer at tp={sized[rule]}: in_features not divisible "
@@ -101,6 +101,35 @@ def unrunnable_shards(plan, resolution, predictions, shapes) -> list[Diagnostic]
             ),
         )
         for rule, items in found.items()
+    ]
+
+
+def _uneven_packed_fsdp(plan, resolution, predictions, sizes) -> list[Diagnostic]:
+    """SL301 too: FSDP2 shards a packed_colwise weight on dim 1 (predict._fsdp), and FSDP2 shards a dim
+    other than 0 only evenly ("FSDP does not support uneven sharding on dim 1")."""
+    tensors = {fqn: t for fqn, _, _, t in owned(resolution.modules, buffers=False)}
+    units = units_by_module(resolution)
+    found: dict[tuple, list[str]] = defaultdict(list)
+    for fqn, placed in predictions.items():
+        if fqn not in tensors or not any(isinstance(p, ir.StridedShard) for p in placed.placements):
+            continue
+        for dim, placement in zip(placed.dims, placed.placements):
+            n = sizes[(placed.mesh, dim)]
+            if placement == ir.Shard(1) and tensors[fqn].shape[1] % n:
+                unit = enclosing(fqn.rpartition(".")[0], units)
+                found[(unit_span(plan, unit), dim, n)].append(f"{fqn} has {tensors[fqn].shape[1]}")
+    return [
+        Diagnostic(
+            SL301,
+            f"fully_shard cannot shard a packed_colwise weight over {dim}={n}: its dim 1 does not divide ({few(items)})",
+            span,
+            (
+                "FSDP2 shards a packed_colwise weight on dim 1 (its input features), and a dim other than 0 "
+                "only evenly",
+                f"use a {dim} size that divides the layer's in_features",
+            ),
+        )
+        for (span, dim, n), items in found.items()
     ]
 
 

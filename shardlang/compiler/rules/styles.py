@@ -9,24 +9,26 @@ import torch.nn as nn
 from ...frontend import ir
 from ...frontend.diagnostics import SL202, SL207, Diagnostic, few
 from ..predict import style_kind
+from .common import dim_sizes
+
+#: Styles that shard an nn.Linear (or nn.Embedding) through torch's ColwiseParallel / RowwiseParallel.
+LINEAR_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input")
+CONV1D_STYLES = ("colwise_conv1d", "rowwise_conv1d")
 
 
 def style_module_types(plan, resolution, predictions, shapes) -> list[Diagnostic]:
-    """SL202: colwise/rowwise on anything but Linear and Embedding; sequence_parallel on a container.
-    One diagnostic per rule."""
+    """SL202: a style on a module it cannot shard (colwise/rowwise on anything but Linear and Embedding,
+    the Conv1D styles on anything but a layer with a 2-D [in, out] weight, packed_colwise on anything but
+    a Linear whose rows split into its parts), or sequence_parallel / replicated_with_grad_allreduce on a
+    module with parameters below it. The help says which style fits instead. One diagnostic per rule."""
+    sizes = dim_sizes(plan, shapes)
     wrong: dict[ir.Rule, list] = defaultdict(list)
     for match in resolution.rules:
         module = resolution.modules[match.fqn]
-        kind = style_kind(match.rule.style)
-        if kind in ("colwise", "rowwise") and not isinstance(module, (nn.Linear, nn.Embedding)):
-            wrong[match.rule].append(
-                (match.fqn, module, f"{kind} shards nn.Linear and nn.Embedding only; match their submodules instead")
-            )
-        elif kind == "sequence_parallel":
-            nested = [n for n, p in module.named_parameters() if "." in n]
-            if nested:
-                why = f"sequence_parallel is for norms and dropout; parameters below it: {few(nested)}"
-                wrong[match.rule].append((match.fqn, module, why))
+        mesh = plan.parallelize[match.block].mesh
+        why = _misfit(match.rule.style, module, sizes.get((mesh.mesh, mesh.dims[0]), 1))
+        if why is not None:
+            wrong[match.rule].append((match.fqn, module, why))
     found = []
     for rule, items in wrong.items():
         fqn, module, why = items[0]
@@ -40,6 +42,60 @@ def style_module_types(plan, resolution, predictions, shapes) -> list[Diagnostic
             )
         )
     return found
+
+
+def _misfit(style: ir.Style, module: nn.Module, tp: int) -> str | None:
+    """Why `style` cannot shard `module` at TP size `tp`, with what fits instead; None if it can."""
+    kind = style_kind(style)
+    if kind in LINEAR_STYLES and not isinstance(module, (nn.Linear, nn.Embedding)):
+        return f"{kind} shards nn.Linear and nn.Embedding only; {fitting_style(module)}"
+    if kind in CONV1D_STYLES:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            plain = kind.removesuffix("_conv1d")
+            return f"{kind} is for a weight stored [in, out], as transformers' Conv1D stores it; {type(module).__name__} takes {plain}"
+        if _nested_parameters(module) or getattr(module, "weight", None) is None or module.weight.ndim != 2:
+            return f"{kind} shards a layer with a 2-D weight stored [in, out] (transformers' Conv1D); {fitting_style(module)}"
+    if kind == "packed_colwise":
+        if not isinstance(module, nn.Linear):
+            return f"packed_colwise splits the packed output rows of an nn.Linear; {fitting_style(module)}"
+        parts = style.get("parts", 2)
+        rows = module.out_features
+        if rows % parts or rows // parts % tp:
+            return (
+                f"its {rows} output rows do not split into {parts} equal parts that each divide by tp={tp}: "
+                "packed_colwise needs out_features divisible by parts x tp"
+            )
+    if kind in ("sequence_parallel", "replicated_with_grad_allreduce"):
+        nested = _nested_parameters(module)
+        if nested:
+            role = "norms and dropout" if kind == "sequence_parallel" else "a module's own parameters (a q/k norm)"
+            return f"{kind} is for {role}; parameters below it: {few(nested)}"
+    return None
+
+
+def fitting_style(module: nn.Module) -> str:
+    """What fits a module that colwise/rowwise cannot shard: its submodules, the Conv1D styles, or (for
+    fused 3-D expert tensors or anything else) no rule or a `use`d style."""
+    own = {n: p for n, p in module.named_parameters(recurse=False)}
+    if any(p.ndim == 3 for p in own.values()):
+        tensors = ", ".join(f"{n} {list(p.shape)}" for n, p in own.items() if p.ndim == 3)
+        return (
+            f"it holds 3-D tensors ({tensors}, fused experts) that no built-in style shards: leave it without a "
+            "rule (each tp rank keeps the experts whole and fully_shard shards them over dp), or `use` a style "
+            "of your own"
+        )
+    if own.get("weight") is not None and own["weight"].ndim == 2 and not _nested_parameters(module):
+        return (
+            "if it computes x @ weight + bias with its weight stored [in, out] (transformers' Conv1D), use "
+            "colwise_conv1d or rowwise_conv1d; otherwise `use` a style of your own"
+        )
+    if _nested_parameters(module):
+        return "match their submodules instead"
+    return f"no built-in style shards a {type(module).__name__}: `use` a style of your own"
+
+
+def _nested_parameters(module: nn.Module) -> list[str]:
+    return [n for n, _ in module.named_parameters() if "." in n]
 
 
 def loss_parallel_output(plan, resolution, predictions, shapes) -> list[Diagnostic]:

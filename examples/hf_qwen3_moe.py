@@ -1,0 +1,36 @@
+"""Hugging Face transformers' own Qwen3MoeForCausalLM, a mixture of experts, built from a small
+Qwen3MoeConfig: no weights, no network. Needs the optional extra: pip install -e '.[hf]'.
+
+2 layers, hidden 64, 4 attention heads of 16 over 2 key/value heads with per-head q/k RMSNorms, and in
+every layer 4 experts (top 2) of width 32, held as two 3-D tensors of `mlp.experts`: gate_up_proj
+[4, 64, 64] and down_proj [4, 64, 32]; vocab 128, float32.
+
+The experts run transformers' `eager` loop: its default, a grouped matmul (`torch._grouped_mm`), has no
+float64 kernel on the CPU, and the gradients check computes its reference in float64.
+"""
+
+from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+# The same inputs and loss as the Llama example: random token ids, next-token cross-entropy.
+from examples.hf_llama import SEQ, VOCAB, example_input, loss  # noqa: F401
+
+
+def build_model() -> Qwen3MoeForCausalLM:
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+        experts_implementation="eager",
+    )
+    return Qwen3MoeForCausalLM(config)
