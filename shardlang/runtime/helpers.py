@@ -158,8 +158,9 @@ def init_on_mesh(model, device, method, seed):
     every rank.
 
     On CUDA, DTensor's random number generator gives each shard its own values. On the CPU it would
-    repeat the same values in every shard, so there each module's own sharded tensors are initialised
-    in full, as an unsharded model would be, and each rank keeps its shard.
+    repeat the same values in every shard, so there (and on CUDA for a module whose initialiser torch
+    cannot run on its shards) each module's own sharded tensors are initialised in full, as an unsharded
+    model would be, and each rank keeps its shard.
     """
     import torch
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -177,32 +178,37 @@ def init_on_mesh(model, device, method, seed):
             init = initialiser(model, module, method)
             if init is None:
                 continue
+            # On CUDA DTensor's RNG initialises each shard itself; where torch cannot run an initialiser on
+            # the shards (torch 2.11 fails on some indexing of strided shards), it runs in full as on the CPU.
+            try:
+                if torch.device(device).type != "cpu":
+                    init()
+                    continue
+            except (RuntimeError, ValueError, NotImplementedError):
+                pass
             sharded = []
-            if torch.device(device).type == "cpu":
-                # transformers' init_weights (a METHOD the plan names, on the root) initialises the whole
-                # subtree, and its _init_weights(module) may set the tensors of the module's children
-                # too (GPT-2 rescales `c_proj.weight` from its attention and MLP modules): every tensor
-                # it reaches is whole while it runs, the children's holding their current values.
-                # Other initialisers set their module's own tensors (a user method that writes local
-                # shards itself sees them as they are).
-                hugging_face = is_hugging_face(model)
-                subtree = method is not None and hugging_face
-                owners = module.modules() if subtree else [module, *(module.children() if hugging_face else ())]
-                for owner in owners:
-                    for store in (owner._parameters, owner._buffers):
-                        for name, tensor in store.items():
-                            if isinstance(tensor, DTensor):
-                                sharded.append((store, name, tensor))
-                                full = (
-                                    tensor.full_tensor()
-                                    if method is not None or owner is not module
-                                    else torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-                                )
-                                store[name] = (
-                                    torch.nn.Parameter(full, tensor.requires_grad)
-                                    if store is owner._parameters
-                                    else full
-                                )
+            hugging_face = is_hugging_face(model)
+            # transformers' init_weights (a METHOD the plan names, on the root) initialises the whole
+            # subtree, and its _init_weights(module) may set the tensors of the module's children too
+            # (GPT-2 rescales `c_proj.weight` from its attention and MLP modules): every tensor it
+            # reaches is whole while it runs, the children's holding their current values. Other
+            # initialisers set their module's own tensors (a user method that writes local shards
+            # itself sees them as they are).
+            subtree = method is not None and hugging_face
+            owners = module.modules() if subtree else [module, *(module.children() if hugging_face else ())]
+            for owner in owners:
+                for store in (owner._parameters, owner._buffers):
+                    for name, tensor in store.items():
+                        if isinstance(tensor, DTensor):
+                            sharded.append((store, name, tensor))
+                            full = (
+                                tensor.full_tensor()
+                                if method is not None or owner is not module
+                                else torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+                            )
+                            store[name] = (
+                                torch.nn.Parameter(full, tensor.requires_grad) if store is owner._parameters else full
+                            )
             try:
                 init()
             finally:

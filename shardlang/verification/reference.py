@@ -100,6 +100,16 @@ class References:
             losses.append([float(loss.detach()) for loss in per_replica])
         return losses[0], losses[1]
 
+    def relative_rounding(self) -> float:
+        """The same-precision reference's gradients' error relative to the truth's, over every gradient of
+        the step: how far this precision puts a result from the truth, measured on many numbers."""
+        error = size = 0.0
+        for t, s in zip(self.truth.parameters(), self.same.parameters()):
+            if t.grad is not None and s.grad is not None:
+                error += float((s.grad.double() - t.grad).pow(2).sum())
+                size += float(t.grad.pow(2).sum())
+        return math.sqrt(error / size) if size else 0.0
+
     def gradient_scale(self) -> float:
         """The root-mean-square value of the truth's gradients this step."""
         grads = [p.grad for p in self.truth.parameters() if p.grad is not None]
