@@ -5,12 +5,14 @@
         [--batch 4] [--steps 10] [--warmup 3] [--gpu h100|h200|auto]
     torchrun --nproc-per-node 2 benchmarks/explain_calibration.py --dry-run     # CPU, gloo, tiny model
 
-Plans are benchmarks/plans/llama_1b_<name>.sl. Measured, per plan: the model built on meta and
-materialised by the plan, fused AdamW, `--warmup` steps, then `--steps` steps each after
+Plans are benchmarks/plans/llama_1b_<name>.sl (fsdp_offload: FSDP with `offload = cpu`). Measured, per
+plan: the model built on meta and materialised by the plan, fused AdamW (whose CPU kernel steps the
+parameters an offloading plan keeps on the CPU), `--warmup` steps, then `--steps` steps each after
 torch.cuda.reset_peak_memory_stats: the peak is the largest torch.cuda.max_memory_allocated over them
-(absolute: parameters, optimizer states and all), the time the median step (synchronised). Predicted:
-`shardlang explain` of the same plan, world, batch and card. Rank 0 prints one table and a RESULT line
-of JSON.
+(the GPU's alone, absolute: parameters, optimizer states and all that is on it), the time the median
+step (synchronised); `host` is what the parameters, gradients and optimizer states on the CPU hold
+just before the last step's zero_grad (0 without offload). Predicted: `shardlang explain` of the same
+plan, world, batch and card. Rank 0 prints one table and a RESULT line of JSON.
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ def predict(plan, world: int, batch: int, gpu: str, model_file) -> dict:
         "compute_s": e.time.compute,
         "host_s": e.time.host,
         "exposed_s": e.time.exposed,
+        "host": e.peak.host,
+        "h2d_s": e.time.h2d,
+        "d2h_s": e.time.d2h,
+        "cpu_s": e.time.cpu,
         "explain_s": time.perf_counter() - start,
     }
 
@@ -69,7 +75,9 @@ def measure(plan, module, batch: int, steps: int, warmup: int, cuda: bool, memor
     torch.manual_seed(0)
     model = plan.build(module.build_model)
     apply_plan(plan, model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+    # Fused on the GPU's parameters, and on the CPU's where the plan offloads (torch has a CPU kernel):
+    # explain's simulated step uses it too. The dry run, all on the CPU, takes the CPU kernel throughout.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def step() -> float:
         memory.synchronize()
@@ -89,11 +97,31 @@ def measure(plan, module, batch: int, steps: int, warmup: int, cuda: bool, memor
         memory.reset_peak_memory_stats()
         times.append(step())
         peak = max(peak, memory.max_memory_allocated())
+    # One more step, untimed, to see what the CPU holds with the gradients there (all of it in a dry run).
+    module.loss(model(tokens), tokens).backward()
+    optimizer.step()
+    host = on_cpu(model, optimizer)
+    optimizer.zero_grad(set_to_none=True)
     model = optimizer = None  # freed before the next plan builds
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-    return {"peak": peak, "step_s": statistics.median(times)}
+    return {"peak": peak, "step_s": statistics.median(times), "host": host}
+
+
+def on_cpu(model, optimizer) -> int:
+    """Bytes of the parameters, gradients and optimizer states whose (local) storage is on the CPU."""
+    from torch.distributed.tensor import DTensor
+
+    storages = {}
+    tensors = [t for p in model.parameters() for t in (p, p.grad)]
+    tensors += [t for state in optimizer.state.values() for t in state.values()]
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            local = t.to_local() if isinstance(t, DTensor) else t
+            if local.device.type == "cpu":
+                storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 def main() -> None:
@@ -154,6 +182,14 @@ def main() -> None:
                 f"{m['step_s'] / max(p['step_s'], 1e-12):>8.3f}{p['explain_s']:>8.1f}s"
             )
         print("ratios are measured / predicted; peak is rank 0's (the largest rank's in the RESULT line)")
+        for row in rows:
+            p, m = row["predicted"], row["measured"]
+            if p["host"]:
+                print(
+                    f"{row['plan']}: CPU memory {p['host'] / 2**30:.2f}G predicted, {m['host'] / 2**30:.2f}G measured; "
+                    f"predicted CPU step {p['cpu_s'] * 1000:.1f}ms, H2D {p['h2d_s'] * 1000:.1f}ms and "
+                    f"D2H {p['d2h_s'] * 1000:.1f}ms (overlapped)"
+                )
         print("RESULT " + json.dumps({"card": card, "torch": torch.__version__, "world": world, "rows": rows}))
     dist.destroy_process_group()
 

@@ -285,6 +285,80 @@ def test_peak_and_step_time_of_the_1b_plans_are_pinned(name):
         assert e.peak.bytes < PINNED_1B[name.removesuffix("_ac")][0]
 
 
+#: The 1B plan with `offload = cpu` at world 2, batch 4 per replica, on an H100: the accelerator's
+#: peak bytes on rank 0, the bytes it keeps in host memory, the estimated step seconds.
+PINNED_1B_OFFLOAD = (14216175624, 7625785932, 0.6506756123727002)
+
+
+@pinned_to_torch
+def test_cpu_offload_of_the_1b_plan_is_pinned():
+    """FSDP2 with CPUOffloadPolicy: the accelerator's peak is the non-offloading plan's (PINNED_1B)
+    less exactly the parameters and AdamW states it held at that peak (no gradients were live there);
+    the host holds every parameter, gradient and state; the optimizer step runs on the CPU after the
+    GPU's work."""
+    from shardlang.explain.timing import hardware
+
+    model_file = load_model_file(None, entry="benchmarks.llama_1b:build_model")
+    plan = shardlang.load(ROOT / "benchmarks" / "plans" / "llama_1b_fsdp_offload.sl")
+    e = explain(plan, model_file.build_on_meta(), 2, 0, model_file, batch=4, hardware=hardware("h100"))
+    assert "extrapolated" in e.notes[0]
+    assert (e.peak.bytes, e.peak.host, e.time.seconds) == pytest.approx(PINNED_1B_OFFLOAD, rel=1e-12, abs=0)
+    tensors = sum(1 for t in e.tensors if t.kind == "parameter")
+    states = e.this_rank.optimizer + 4 * tensors  # two fp32 states and fused AdamW's step counter
+    assert PINNED_1B["fsdp"][0] - e.peak.bytes == e.this_rank.params + states
+    assert e.peak.category("optimizer") == e.peak.category("gradients") == 0
+    assert dict(e.peak.host_categories) == {
+        **dict.fromkeys(("parameters", "gathered", "gradients", "optimizer", "activations", "temporary"), 0),
+        "parameters": e.this_rank.params,
+        "gradients": e.this_rank.grads,
+        "optimizer": states,
+    }
+    t = e.time
+    assert t.seconds == max(t.compute + t.exposed, t.host) + t.cpu and t.cpu > t.compute
+
+
+def test_cpu_offload_keeps_parameters_gradients_and_states_on_the_host():
+    """A small model with `offload = cpu`: what the host holds, the copies and the CPU's step, exactly;
+    the extrapolated step equals the full one, host memory included. (Against the same plan without
+    offload: the pinned 1B test.)"""
+    from examples.llama import Transformer, example_input, loss
+    from shardlang.explain.timing import PCIE_LATENCY, hardware
+
+    plan = shardlang.load(FIXTURES / "explain" / "offload.sl")
+    with torch.device("meta"):
+        model = Transformer(layers=8)
+    step = {"example_input": example_input, "loss": loss, "batch": 2}
+    fast = plan.explain(model, world_size=2, **step)
+    full = plan.explain(model, world_size=2, full_step=True, **step)
+    assert "of the 8 blocks" in fast.notes[0] and fast.peak == full.peak and fast.time == full.time
+
+    mine = fast.this_rank
+    tensors = sum(1 for t in fast.tensors if t.kind == "parameter")
+    states = mine.optimizer + 4 * tensors  # two fp32 states and fused AdamW's step counter
+    buffers = sum(t.local_bytes for t in fast.tensors if t.kind == "buffer")
+    assert dict(fast.peak.host_categories) == {
+        **dict.fromkeys(("parameters", "gathered", "gradients", "optimizer", "activations", "temporary"), 0),
+        "parameters": mine.params,
+        "gradients": mine.grads,
+        "optimizer": states,
+    }
+    assert fast.peak.host == mine.params + mine.grads + states
+    assert fast.peak.category("parameters") == buffers and fast.peak.category("optimizer") == 0
+    # H2D: every shard before the forward's all-gather and, but the root's (kept gathered), before the
+    # backward's; D2H: every gradient once; the CPU reads and writes parameters, gradients and the two
+    # states (32 bytes per fp32 element) and the step counters, nothing else.
+    root = sum(t.local_bytes for t in fast.tensors if t.unit == "root")
+    t = fast.time
+    assert (t.h2d_bytes, t.d2h_bytes) == (2 * mine.params - root, mine.grads)
+    assert 8 * mine.params < t.cpu_bytes <= 8 * mine.params + 16 * tensors
+    assert t.seconds == max(t.compute + t.exposed, t.host) + t.cpu
+    assert t.communication == pytest.approx(sum(d.seconds for d in t.dims) + t.h2d + t.d2h)
+
+    hw = hardware("h100", links="host=25GB/s,dp=100GB/s:5us")
+    assert hw.pcie.bandwidth == 25e9 and hw.pcie.latency == PCIE_LATENCY and [d for d, _ in hw.links] == ["dp"]
+    assert hardware("a100").pcie.bandwidth == 25e9 and hardware("h100").pcie.bandwidth == 50e9
+
+
 def test_memory_and_time_extrapolate_exactly():
     """10 Llama blocks under TP + FSDP + checkpointing: the peak (by category and by module) and the
     time from a few blocks equal those of the step on all 10. Its 2-block step peaks with another unit

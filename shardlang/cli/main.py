@@ -198,7 +198,7 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument(
         "--link",
         metavar="DIM=BW[:LAT],...",
-        help="bandwidth (and latency) per mesh dim, e.g. dp=50GB/s:20us,tp=450GB/s",
+        help="bandwidth (and latency) per mesh dim, e.g. dp=50GB/s:20us,tp=450GB/s; host=... is CPU offload's PCIe link",
     )
     explain.add_argument(
         "--gpus-per-node", type=_positive, default=8, metavar="N", help="which mesh dims stay inside a node (default 8)"

@@ -37,6 +37,11 @@ class Peak:
     batch: int  # the per-replica batch handed to example_input
     tokens: int  # per replica and step: batch x sequence (the first input's first two dims)
     replicas: int  # data-parallel replicas, each with its own batch
+    #: What units that offload to the CPU (`offload = cpu`) keep in host memory instead, at its most over
+    #: the step: their sharded parameters, gradients and optimizer states (0 and () without offload).
+    #: `bytes` and `categories` are then the accelerator's alone.
+    host: int = 0
+    host_categories: tuple[tuple[str, int], ...] = ()
 
     def category(self, name: str) -> int:
         return dict(self.categories).get(name, 0)

@@ -16,6 +16,23 @@ mends in the smallest way we found:
 It adds two things the trackers do not keep: which module allocated each activation, so that the
 peak can be broken down by module, and each op's FLOPs (torch.utils.flop_counter's formulas) and
 bytes read and written, for the roofline in `timing`.
+
+CPU offload (`CPUOffloadPolicy`). On a GPU, FSDP keeps an offloading unit's sharded parameters on the
+CPU (`FSDPParam` moves `_sharded_param_data` there), copies each one to the GPU before the all-gather
+(`all_gather_inputs`: `.to(device, non_blocking=True)`, then the cast to the compute dtype), copies each
+reduce-scattered gradient back to the CPU (`foreach_reduce`: `.to("cpu")`, after which the GPU buffer is
+freed), and the optimizer, whose parameters are those CPU tensors, keeps its states and steps there.
+In the simulated world the mesh is on the CPU, so FSDP's device is the CPU: both copies are no-ops and
+every fake tensor says `cpu`, where the CPU stands for the accelerator. The device cannot tell them
+apart, so the extension places storages by identity instead: the storages of the offloading units'
+sharded parameters, of their gradients (once FSDP's post-backward has assigned them) and of their
+optimizer states, and whatever an op computes from host storages only, are counted under `HOST`, a
+separate device in the trackers' per-device snapshots; all else is the accelerator's. And it does the
+one copy the CPU world skips that allocates on the GPU: each offloaded shard is cloned (the H2D copy,
+temporary, freed after the cast as on a GPU) before it is cast and all-gathered. The gradient's D2H
+staging buffer needs nothing: it is the reduce-scatter's output, on the accelerator until post-backward
+hands it to the host. The copies are tallied as `h2d` and `d2h` (bytes, one launch each), and ops on
+host storages as `cpu` (bytes at the host's memory bandwidth), for `timing`.
 """
 
 from __future__ import annotations
@@ -27,12 +44,15 @@ from functools import wraps
 
 import torch
 from torch._guards import active_fake_mode
+from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _UpdateType
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _ModState, _UpdateType
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from ..runtime.torchcompat import fsdp_param_class, fsdp_param_groups
 
 #: The categories explain reports, from the trackers' reference types (their `.value`s).
 CATEGORIES = {
@@ -53,6 +73,10 @@ CATEGORIES = {
     "Other": "activations",  # the inputs, for MemTracker
 }
 ORDER = ("parameters", "gathered", "gradients", "optimizer", "activations", "temporary")
+
+#: The device key the trackers count host-resident storages under (see the module's docstring): every
+#: fake tensor of the simulated step is on `cpu`, which stands for the accelerator.
+HOST = torch.device("cpu", 1)
 
 #: Ops that only name their input anew (no kernel, no bytes moved).
 _FREE = frozenset({"detach", "view", "_unsafe_view", "t", "transpose", "permute", "expand", "alias", "slice", "select"})
@@ -80,8 +104,14 @@ _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_
 class Extension:
     """What explain adds to a torch memory tracker (mixed in before it): see the module's docstring."""
 
-    def _setup_extension(self) -> None:
+    def _setup_extension(self, model, optimizer) -> None:
+        self._model, self._optimizer = model, optimizer
         self._propagating = 0
+        #: Whether any unit offloads (set on entry), whether the op in dispatch runs on the host, and the
+        #: kind of copy being made ("h2d"), if any.
+        self._hosted = False
+        self._host_op = False
+        self._copying: str | None = None
         self._act_by_module: Counter[str] = Counter()
         self.peak_by_module: dict[str, int] = {}
         #: (kind, FLOPs, bytes, low precision, recomputed) -> how many ops had exactly that cost. Kinds:
@@ -108,18 +138,145 @@ class Extension:
             ShardingPropagator._propagate_tensor_meta_non_cached = original
 
     def __enter__(self):
-        if getattr(self, "_depth", 0) == 0:
+        outermost = getattr(self, "_depth", 0) == 0
+        if outermost:
             self._skipping = self._skip_propagation()
             self._skipping.__enter__()
             # torch 2.13's trackers note the fake mode they were entered under (to tell DTensor's
             # propagation ops from real ones); torch 2.11's do not: note it here for both.
             self._fake_mode_on_entry = active_fake_mode()
-        return super().__enter__()
+        entered = super().__enter__()
+        if outermost:
+            # After the trackers have registered the parameters, gradients and states (and FSDPMemTracker
+            # has wrapped each unit's post-backward, which this wraps again).
+            self._offloading = self._offloaded()
+            self._offloading.__enter__()
+        return entered
 
     def __exit__(self, *args):
+        if getattr(self, "_depth", 0) == 1:
+            self._offloading.__exit__(*args)  # before FSDPMemTracker puts back the methods it wrapped
         super().__exit__(*args)
         if getattr(self, "_depth", 0) == 0:
             self._skipping.__exit__(*args)
+
+    # --- CPU offload: what lives on the host, and the copies (see the module's docstring) ---
+
+    @contextlib.contextmanager
+    def _offloaded(self):
+        groups = [g for g in fsdp_param_groups(self._model) if any(p.offload_to_cpu for p in g.fsdp_params)]
+        if not groups:
+            yield
+            return
+        self._hosted = True
+        params = [p.sharded_param for g in groups for p in g.fsdp_params if p.offload_to_cpu]
+        states = self._optimizer.state if self._optimizer is not None else {}
+        for param in params:
+            self._to_host(param, param.grad, *tree_flatten(states.get(param, {}))[0])
+        # The peak so far is what each device holds now (the trackers took it before the move).
+        self._peak_mem_snap = self.get_tracker_snapshot()
+        self._peak_mem = {dev: snap[_TOTAL_KEY] for dev, snap in self._peak_mem_snap.items()}
+        with self._staged_h2d(), self._gradients_to_host(groups):
+            yield
+
+    def _to_host(self, *tensors) -> None:
+        """Count the tracked storages of `tensors` as the host's from now on."""
+        moved = False
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            for storage in get_untyped_storages(t):
+                winfo, _ = self._WINFO.get(storage, (None, None))
+                if winfo is None or winfo.device == HOST:
+                    continue
+                if winfo.mem_consumed > 0:
+                    self._update_snap(_UpdateType.DEL, winfo)
+                winfo.device = HOST
+                if winfo.mem_consumed > 0:
+                    self._update_snap(_UpdateType.ADD, winfo)
+                moved = True
+        if moved:
+            self._update_peak_stats(_ModState.PEAK_BW)
+
+    def _on_host(self, args, kwargs) -> bool:
+        """Whether an op's tracked inputs all live on the host (and there is one): it runs on the CPU."""
+        found = False
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, torch.Tensor):
+                for storage in get_untyped_storages(t):
+                    winfo, _ = self._WINFO.get(storage, (None, None))
+                    if winfo is not None:
+                        if winfo.device != HOST:
+                            return False
+                        found = True
+        return found
+
+    def _track(self, reftype, t) -> None:
+        super()._track(reftype, t)
+        if self._host_op:  # computed on the CPU from host tensors: the result is the host's too
+            self._to_host(t)
+
+    @contextlib.contextmanager
+    def _staged_h2d(self):
+        """FSDPParam.all_gather_inputs with the H2D copy that the CPU world skips: an offloaded shard is
+        cloned (a temporary on the accelerator) and then cast, as `.to(device)` and the cast do on a GPU."""
+        FSDPParam, ShardedState = fsdp_param_class()
+        original = FSDPParam.__dict__["all_gather_inputs"]
+
+        def all_gather_inputs(param):
+            if not (
+                param.offload_to_cpu
+                and param.device.type == "cpu"  # where `.to(param.device)` copies nothing
+                and param.sharded_state == ShardedState.SHARDED
+                and not hasattr(param._sharded_local_tensor, "fsdp_pre_all_gather")
+            ):
+                return original.fget(param)
+            self._copying = "h2d"
+            try:
+                on_device = param._sharded_param_data.clone()
+            finally:
+                self._copying = None
+            self._update_and_maybe_create_winfos(on_device, self._ref_class.TEMP)
+            dtype = param.param_dtype
+            return [on_device if dtype is None or dtype == on_device.dtype else on_device.to(dtype)]
+
+        FSDPParam.all_gather_inputs = property(all_gather_inputs)
+        try:
+            yield
+        finally:
+            FSDPParam.all_gather_inputs = original
+
+    @contextlib.contextmanager
+    def _gradients_to_host(self, groups):
+        """Each offloading unit's post-backward, then its gradients handed to the host (the D2H copy)."""
+        missing = object()
+        saved = []
+
+        def wrap(group, inner):
+            @wraps(inner)
+            def post_backward(*args, **kwargs):
+                result = inner(*args, **kwargs)
+                for param in group.fsdp_params:
+                    grad = param.sharded_param.grad
+                    if param.offload_to_cpu and grad is not None:
+                        local = grad.to_local() if isinstance(grad, DTensor) else grad
+                        self.costs[("d2h", 0, _nbytes(local), False, False)] += 1
+                        self._to_host(grad)
+                return result
+
+            return post_backward
+
+        for group in groups:
+            saved.append((group, group.__dict__.get("post_backward", missing)))
+            group.post_backward = wrap(group, group.post_backward)
+        try:
+            yield
+        finally:
+            for group, previous in reversed(saved):
+                if previous is missing:
+                    del group.post_backward
+                else:
+                    group.post_backward = previous
 
     # --- which module allocated an activation ---
 
@@ -153,9 +310,9 @@ class Extension:
             self._act_by_module[owner] += winfo.mem_consumed - old_mem_consumed
 
     def _update_peak_stats(self, peak_state) -> None:
-        before = dict(self._peak_mem)
+        before = {dev: n for dev, n in self._peak_mem.items() if dev != HOST}
         super()._update_peak_stats(peak_state)
-        if self._peak_mem != before:
+        if {dev: n for dev, n in self._peak_mem.items() if dev != HOST} != before:
             self.peak_by_module = {k: v for k, v in self._act_by_module.items() if v}
 
     # --- the ops ---
@@ -165,11 +322,16 @@ class Extension:
             if any(t is DTensor for t in types):
                 return NotImplemented
             return func(*args, **(kwargs or {}))
-        result = super().__torch_dispatch__(func, types, args, kwargs)
-        if result is NotImplemented:  # a DTensor op, on its way to its local ops
-            self.costs[("dtensor", 0, 0, False, self._recomputing())] += 1
-        elif active_fake_mode() is self._fake_mode_on_entry:
-            self._cost(func, args, kwargs or {}, result)
+        # An op over host tensors runs on the CPU, unless it is the copy to the accelerator.
+        self._host_op = self._hosted and self._copying is None and self._on_host(args, kwargs)
+        try:
+            result = super().__torch_dispatch__(func, types, args, kwargs)
+            if result is NotImplemented:  # a DTensor op, on its way to its local ops
+                self.costs[("dtensor", 0, 0, False, self._recomputing())] += 1
+            elif active_fake_mode() is self._fake_mode_on_entry:
+                self._cost(func, args, kwargs or {}, result)
+        finally:
+            self._host_op = False
         return result
 
     def _recomputing(self) -> bool:
@@ -183,6 +345,10 @@ class Extension:
         if namespace in _COLLECTIVE_NAMESPACES or func.is_view or packet.__name__ in _FREE:
             return
         recomputed = self._recomputing()
+        if self._copying is not None:  # a copy between host and accelerator: bytes over the host link
+            copied = sum(_nbytes(t) for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor))
+            self.costs[(self._copying, 0, copied, False, recomputed)] += 1
+            return
         lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
         if lists:
             # A foreach or fused op (optimizers) over many tensors: one op per tensor, so that the tally
@@ -194,12 +360,16 @@ class Extension:
                 and _mutated(func._schema.arguments[i])
                 and any(a is b for b in lists)
             ]
+            # A part over host tensors runs on the CPU (torch groups a step's tensors by device).
+            on_device = False
             for i in range(len(lists[0])):
-                moved = sum(_nbytes(a[i]) for a in lists if i < len(a)) + sum(
-                    _nbytes(a[i]) for a in mutated if i < len(a)
-                )
-                self.costs[("part", 0, moved, _low([a[i] for a in lists if i < len(a)]), recomputed)] += 1
-            self.costs[("kernel", 0, 0, False, recomputed)] += 1
+                part = [a[i] for a in lists if i < len(a)]
+                moved = sum(map(_nbytes, part)) + sum(_nbytes(a[i]) for a in mutated if i < len(a))
+                on_host = self._hosted and self._on_host(part, {})
+                on_device |= not on_host
+                self.costs[("cpu" if on_host else "part", 0, moved, _low(part), recomputed)] += 1
+            if on_device:
+                self.costs[("kernel", 0, 0, False, recomputed)] += 1
             return
         outputs = [t for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor)]
         if not outputs or packet.__name__ in _UNWRITTEN:  # metadata queries; allocations with no kernel
@@ -208,13 +378,17 @@ class Extension:
         flops = int(counter(*args, **kwargs, out_val=result)) if counter is not None else 0
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         moved = sum(map(_nbytes, inputs)) + sum(map(_nbytes, outputs))
-        self.costs[("kernel", flops, moved, _low(inputs), recomputed)] += 1
+        self.costs[("cpu" if self._host_op else "kernel", flops, moved, _low(inputs), recomputed)] += 1
 
     # --- the result ---
 
     def peak(self) -> tuple[int, dict[str, int]]:
-        """The peak bytes and what was live at it, by explain's categories."""
+        """The accelerator's peak bytes and what was live at it, by explain's categories."""
         return _by_category(self._peak_mem_snap)
+
+    def host_peak(self) -> tuple[int, dict[str, int]]:
+        """The most bytes the host held for offloading units at once, by category (0 without offload)."""
+        return _by_category(self._peak_mem_snap, host=True)
 
     def reading(self) -> tuple[dict[str, int], dict[str, int]]:
         """What is live now and what was live at the peak since the last reading (or since the tracker
@@ -226,9 +400,12 @@ class Extension:
         return current, peak
 
 
-def _by_category(snapshots) -> tuple[int, dict[str, int]]:
+def _by_category(snapshots, host: bool = False) -> tuple[int, dict[str, int]]:
+    """The accelerator's devices' snapshots (or the host's), totalled and by explain's categories."""
     total, by_category = 0, dict.fromkeys(ORDER, 0)
-    for snapshot in snapshots.values():
+    for device, snapshot in snapshots.items():
+        if (device == HOST) != host:
+            continue
         total += snapshot.get(_TOTAL_KEY, 0)
         for reftype, n in snapshot.items():
             if reftype != _TOTAL_KEY:
@@ -253,13 +430,13 @@ def _mutated(argument) -> bool:
 class FSDPTracker(Extension, FSDPMemTracker):
     def __init__(self, model, optimizer):
         FSDPMemTracker.__init__(self, model, optimizer)
-        self._setup_extension()
+        self._setup_extension(model, optimizer)
 
 
 class Tracker(Extension, MemTracker):
     def __init__(self, model, optimizer):
         MemTracker.__init__(self)
-        self._setup_extension()
+        self._setup_extension(model, optimizer)
         self.track_external(model, optimizer)
 
     def track_inputs(self, inputs) -> None:

@@ -218,6 +218,12 @@ def render_peak(e: Explanation, console: Console) -> None:
     for name, n in p.categories:
         table.add_row(name, size(n), f"{n / max(p.bytes, 1):.0%}")
     console.print(table)
+    if p.host:
+        held = ", ".join(f"{name} {size(n)}" for name, n in p.host_categories if n)
+        console.print(
+            f"host memory of the units that offload to the CPU: [bold]{size(p.host)}[/bold] at its most ({held}); "
+            "the peak above is the accelerator's"
+        )
     if p.modules:
         table = Table(header_style="bold")
         table.add_column(f"activations at the peak, top {len(p.modules)} modules", justify="left")
@@ -247,7 +253,19 @@ def render_peak(e: Explanation, console: Console) -> None:
                 seconds_text(d.seconds),
                 f"{size(d.bytes)} over {d.group} ranks by {d.link}, {'overlapped (FSDP)' if d.overlapped else 'exposed'}",
             )
+        for label, seconds, nbytes, what in (
+            ("H2D copies", t.h2d, t.h2d_bytes, "the offloaded shards before their all-gathers"),
+            ("D2H copies", t.d2h, t.d2h_bytes, "the reduce-scattered gradients"),
+        ):
+            if nbytes:
+                table.add_row(label, seconds_text(seconds), f"{size(nbytes)}, {what}, by PCIe, overlapped (FSDP)")
         table.add_row("exposed communication", seconds_text(t.exposed), "")
+        if t.cpu_bytes:
+            table.add_row(
+                "CPU",
+                seconds_text(t.cpu),
+                f"{size(t.cpu_bytes)} read and written over host tensors (the offloaded AdamW step), after the GPU's",
+            )
         if e.pipeline is not None and e.pipeline.span is not None:
             pipe = e.pipeline
             mine = pipe.ranks[pipe.pp_rank]
@@ -289,6 +307,8 @@ def render_compare(a: Explanation, b: Explanation, console: Console) -> None:
     row("peak memory", a.peak and a.peak.bytes, b.peak and b.peak.bytes, size)
     for category in ("parameters", "gathered", "gradients", "optimizer", "activations", "temporary"):
         row(f"  {category}", a.peak and a.peak.category(category), b.peak and b.peak.category(category), size)
+    if (a.peak and a.peak.host) or (b.peak and b.peak.host):
+        row("host memory (offload)", a.peak and a.peak.host, b.peak and b.peak.host, size)
     dims = sorted({c.mesh_dim for c in (*a.collectives, *b.collectives)})
     for dim in dims:
         x = sum(c.bytes for c in a.collectives if c.mesh_dim == dim)

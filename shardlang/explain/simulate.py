@@ -444,6 +444,8 @@ class _Measure:
     batch: int
     tokens: int
     replicas: int
+    host: int = 0  # bytes in host memory at its most (offloading units), and by category
+    host_categories: dict = attrs.Factory(dict)
 
 
 class _Stepper:
@@ -558,7 +560,10 @@ def _peak(m: _Measure) -> Peak:
         ((name or "(top level)", n) for name, n in m.modules.items() if n),
         key=lambda x: (-x[1], [int(p) if p.isdigit() else p for p in x[0].split(".")]),
     )
-    return Peak(m.peak, tuple(m.categories.items()), tuple(modules[:TOP_MODULES]), m.batch, m.tokens, m.replicas)
+    host = tuple(m.host_categories.items()) if m.host else ()
+    return Peak(
+        m.peak, tuple(m.categories.items()), tuple(modules[:TOP_MODULES]), m.batch, m.tokens, m.replicas, m.host, host
+    )
 
 
 def _tally(tally: Counter) -> Tally:
@@ -578,14 +583,16 @@ def _extrapolate(steps: dict[int, _Measure], k: int, path: str, keys: list[str])
     for key in first.calls.keys() | block.keys():
         (count, nbytes), (extra, extra_bytes) = first.calls.get(key, zero), block.get(key, zero)
         calls[key] = (count + more * extra, nbytes + more * extra_bytes)
-    if second.peak - first.peak != third.peak - second.peak:
+    if second.peak - first.peak != third.peak - second.peak or second.host - first.host != third.host - second.host:
         return None
-    categories = {}
-    for key in first.categories:
-        step = second.categories[key] - first.categories[key]
-        if third.categories[key] - second.categories[key] != step:
-            return None
-        categories[key] = first.categories[key] + more * step
+    categories, host_categories = {}, {}
+    for whole, part in ((categories, "categories"), (host_categories, "host_categories")):
+        one, two, three = getattr(first, part), getattr(second, part), getattr(third, part)
+        for key in one:
+            step = two[key] - one[key]
+            if three[key] - two[key] != step:
+                return None
+            whole[key] = one[key] + more * step
     tally_block = _grown(third.tally, second.tally)
     if tally_block is None or tally_block != _grown(second.tally, first.tally):
         return None
@@ -596,7 +603,10 @@ def _extrapolate(steps: dict[int, _Measure], k: int, path: str, keys: list[str])
     if modules is None:
         return None
     peak = first.peak + more * (second.peak - first.peak)
-    return _Measure(calls, peak, categories, modules, tally, first.batch, first.tokens, first.replicas)
+    host = first.host + more * (second.host - first.host)
+    return _Measure(
+        calls, peak, categories, modules, tally, first.batch, first.tokens, first.replicas, host, host_categories
+    )
 
 
 def _grown(more: Counter, fewer: Counter) -> Counter | None:
@@ -756,9 +766,21 @@ def _training_step(
                 optimizer.zero_grad(set_to_none=True)
         del optimizer
     peak, categories = memory.peak()
+    host, host_categories = memory.host_peak()
     tokens = count_tokens(full, batch)
     calls = by_key(recorder.calls, groups)
-    return _Measure(calls, peak, categories, memory.peak_by_module, memory.costs, batch, tokens, where.replicas)
+    return _Measure(
+        calls,
+        peak,
+        categories,
+        memory.peak_by_module,
+        memory.costs,
+        batch,
+        tokens,
+        where.replicas,
+        host,
+        host_categories,
+    )
 
 
 def _blocks(tensor, world_size: int) -> tuple:

@@ -20,6 +20,18 @@ not. GPU time = compute + exposed communication + max(0, FSDP communication - co
 
 Host: eager PyTorch launches every kernel from Python and dispatches every DTensor op on the CPU
 (`LAUNCH_S`, `DTENSOR_S` each). The step takes the longer of the GPU's time and the host's.
+
+CPU offload (memory.py tells which ops and copies these are): each H2D copy of a shard before its
+all-gather and each D2H copy of a reduce-scattered gradient moves its bytes over the host link (PCIe,
+`Accelerator.pcie` each way, `PCIE_LATENCY` per copy; `--link host=...` sets it) and costs a launch.
+FSDP2 issues the H2D copies on its all-gather copy-in stream (`foreach_all_gather`, in
+`all_gather_inputs`) and the D2H copies on its reduce-scatter stream (`foreach_reduce`, non-blocking
+into pinned memory), both beside the compute stream, prefetched as the collectives are: they join
+FSDP's overlapped communication (added to it, as one unit's copy-in precedes its all-gather). The
+ops over host tensors (the optimizer step of the offloaded parameters) run on the CPU at
+`CPU_BANDWIDTH` bytes read and written per second, after the backward (the step waits for the last
+D2H copy) and before the next forward (whose H2D copies read the updated parameters): step = max(GPU,
+host) + CPU.
 """
 
 from __future__ import annotations
@@ -41,14 +53,17 @@ class Accelerator:
     fp32: float
     hbm: float
     nvlink: float
+    #: Host <-> GPU copies, each way: PCIe x16 (Gen4 for the A100, Gen5 for the others: 32 and 64 GB/s
+    #: on the data sheet), at what pinned copies achieve (~80%). A prior, not fitted.
+    pcie: float
 
 
 #: Data-sheet numbers (SXM parts, dense, no sparsity).
 GPUS = {
-    "a100": Accelerator("A100 SXM 80GB", 312e12, 19.5e12, 2.039e12, 240e9),
-    "h100": Accelerator("H100 SXM", 989.4e12, 66.9e12, 3.35e12, 360e9),
-    "h200": Accelerator("H200 SXM", 989.4e12, 66.9e12, 4.8e12, 360e9),
-    "b200": Accelerator("B200", 2250e12, 80e12, 8.0e12, 720e9),
+    "a100": Accelerator("A100 SXM 80GB", 312e12, 19.5e12, 2.039e12, 240e9, 25e9),
+    "h100": Accelerator("H100 SXM", 989.4e12, 66.9e12, 3.35e12, 360e9, 50e9),
+    "h200": Accelerator("H200 SXM", 989.4e12, 66.9e12, 4.8e12, 360e9, 50e9),
+    "b200": Accelerator("B200", 2250e12, 80e12, 8.0e12, 720e9, 50e9),
 }
 #: NVLink's latency per collective, and InfiniBand's bandwidth per GPU (400 Gb/s NDR, ~45 GB/s
 #: achieved) and latency: the defaults for a mesh dim within a node and across nodes.
@@ -69,6 +84,16 @@ DTENSOR_S = 120e-6
 #: bf16 peak, elementwise and reduction kernels some 80% of HBM bandwidth. Priors, not fitted.
 FLOP_EFFICIENCY = 0.7
 HBM_EFFICIENCY = 0.8
+#: CPU offload: the fixed cost of one host <-> GPU copy (a DMA on the copy engine), and the bytes per
+#: second that ops over host tensors read and write on the CPU. The optimizer step is the one such op:
+#: torch's fused AdamW has a CPU kernel (torch 2.4 and newer), counted as 32 bytes per fp32 parameter
+#: element (reads parameter, gradient and two states; its schema writes all four). Priors, not fitted:
+#: on one thread (what torchrun gives each worker: OMP_NUM_THREADS=1) of this project's AMD EPYC
+#: development machine it ran 1.0-1.7 G elements/s (34-55 GB/s so counted; torch 2.13); servers' single
+#: cores differ, so 30 GB/s. foreach AdamW, which has no CPU kernels, ran 5-10x slower there, and the
+#: per-parameter loop (torch's default for CPU tensors) 3-4x slower.
+PCIE_LATENCY = 10e-6
+CPU_BANDWIDTH = 30e9
 
 
 @frozen
@@ -96,6 +121,9 @@ class Hardware:
     #: The fractions of the peaks kernels reach (`FLOP_EFFICIENCY`, `HBM_EFFICIENCY`).
     flop_efficiency: float = 1.0
     hbm_efficiency: float = 1.0
+    #: CPU offload: the host <-> GPU link (each way) and the CPU's bytes per second over host tensors.
+    pcie: Link = Link(50e9, PCIE_LATENCY)
+    cpu: float = CPU_BANDWIDTH
 
 
 def hardware(
@@ -106,13 +134,17 @@ def hardware(
     gpus_per_node: int = 8,
 ) -> Hardware:
     """A named accelerator, with any of its numbers replaced: `flops` (the bf16 peak; fp32 scales
-    with it), `hbm` (bytes/s), `links` (`dp=50GB/s,tp=450GB/s:5us`)."""
+    with it), `hbm` (bytes/s), `links` (`dp=50GB/s,tp=450GB/s:5us`; `host` names the PCIe link of CPU
+    offload's copies, `mesh.host` a mesh dim called host)."""
     if gpu not in GPUS:
         raise ValueError(f"unknown accelerator {gpu!r}: one of {', '.join(GPUS)}")
     card = GPUS[gpu]
     bf16, fp32 = card.bf16, card.fp32
     if flops is not None:
         bf16, fp32 = flops, fp32 * flops / card.bf16
+    given = parse_links(links) if links else ()
+    # `host` is the PCIe link (its latency defaults to a copy's, not NVLink's).
+    pcie = dict(parse_links(links, PCIE_LATENCY) if links else ()).get("host", Link(card.pcie, PCIE_LATENCY))
     return Hardware(
         card.name if flops is None and hbm is None else f"{card.name} (given peaks)",
         bf16,
@@ -121,11 +153,13 @@ def hardware(
         gpus_per_node,
         Link(card.nvlink, NVLINK_LATENCY),
         Link(IB_BANDWIDTH, IB_LATENCY),
-        parse_links(links) if links else (),
+        tuple((dim, link) for dim, link in given if dim != "host"),
         LAUNCH_S,
         DTENSOR_S,
         FLOP_EFFICIENCY,
         HBM_EFFICIENCY,
+        pcie,
+        CPU_BANDWIDTH,
     )
 
 
@@ -149,15 +183,15 @@ def parse_size(text: str) -> int:
     return int(float(found.group(1)) * (1024 if found.group(3) else 1000) ** power)
 
 
-def parse_links(text: str) -> tuple[tuple[str, Link], ...]:
-    """`dp=50GB/s,tp=450GB/s:5us` -> ((dim, Link), ...); latency defaults to NVLink's."""
+def parse_links(text: str, default_latency: float = NVLINK_LATENCY) -> tuple[tuple[str, Link], ...]:
+    """`dp=50GB/s,tp=450GB/s:5us` -> ((dim, Link), ...); latency defaults to `default_latency`."""
     links = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         dim, _, value = part.partition("=")
         rate, _, latency = value.partition(":")
         if not dim or not rate:
             raise ValueError(f"{part!r}: a link is DIM=BANDWIDTH[:LATENCY], like dp=50GB/s:20us")
-        seconds = NVLINK_LATENCY
+        seconds = default_latency
         if latency:
             found = re.fullmatch(r"\s*([0-9.]+)\s*(us|ms|s)\s*", latency)
             if not found:
@@ -197,6 +231,14 @@ class StepTime:
     model_flops: int  # without recomputation
     tokens_per_s: float  # batch x sequence x replicas / step
     mfu: float  # model FLOPs / (step x bf16 peak)
+    #: CPU offload: the copies over the host link (overlapped with compute, in `communication`), and
+    #: the ops over host tensors on the CPU (the optimizer step; in `seconds`, after the GPU's work).
+    h2d: float = 0.0
+    h2d_bytes: int = 0
+    d2h: float = 0.0
+    d2h_bytes: int = 0
+    cpu: float = 0.0
+    cpu_bytes: int = 0
 
 
 @frozen
@@ -247,9 +289,19 @@ def step_time(tally: Tally, collectives, meshes, world_size: int, hw: Hardware, 
     compute = recompute = 0.0
     flops = model_flops = 0
     kernels = dtensor_ops = 0
+    copied = {"h2d": [0, 0], "d2h": [0, 0]}  # bytes, copies
+    cpu_bytes = 0
     for (kind, op_flops, moved, low, recomputed), count in tally:
         if kind == "dtensor":
             dtensor_ops += count
+            continue
+        if kind in copied:
+            copied[kind][0] += moved * count
+            copied[kind][1] += count
+            kernels += count
+            continue
+        if kind == "cpu":
+            cpu_bytes += moved * count
             continue
         kernels += count if kind == "kernel" else 0
         seconds = max(
@@ -272,11 +324,13 @@ def step_time(tally: Tally, collectives, meshes, world_size: int, hw: Hardware, 
         row[2] += c.bytes
         row[3] += seconds
     dims = tuple(DimTime(d, k, n, b, s, fsdp) for (d, fsdp), (k, n, b, s) in sorted(per_dim.items()))
-    overlapped = sum(d.seconds for d in dims if d.overlapped)
+    h2d, d2h = (copied[k][0] / hw.pcie.bandwidth + copied[k][1] * hw.pcie.latency for k in ("h2d", "d2h"))
+    overlapped = sum(d.seconds for d in dims if d.overlapped) + h2d + d2h
     exposed_tp = sum(d.seconds for d in dims if not d.overlapped)
     exposed = exposed_tp + max(0.0, overlapped - compute)
     host = kernels * hw.launch + dtensor_ops * hw.dtensor
-    seconds = max(compute + exposed, host)
+    cpu = cpu_bytes / hw.cpu
+    seconds = max(compute + exposed, host) + cpu
     return StepTime(
         hw.gpu,
         seconds,
@@ -292,4 +346,10 @@ def step_time(tally: Tally, collectives, meshes, world_size: int, hw: Hardware, 
         model_flops,
         tokens * replicas / seconds if seconds else 0.0,
         model_flops / (seconds * hw.bf16) if seconds else 0.0,
+        h2d,
+        copied["h2d"][0],
+        d2h,
+        copied["d2h"][0],
+        cpu,
+        cpu_bytes,
     )

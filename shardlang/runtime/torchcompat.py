@@ -92,3 +92,26 @@ def hf_storage_writer(path: str, fqn_to_index: dict[str, int]):
     return HuggingFaceStorageWriter(
         path, fqn_to_index_mapping=fqn_to_index, save_distributed=True, enable_consolidation=True
     )
+
+
+def fsdp_param_groups(model) -> list:
+    """The FSDP2 parameter groups of a model's fully_shard units (each with `fsdp_params`, FSDPParam
+    objects that know their unit's offload policy: `offload_to_cpu`); torch keeps them in private state
+    (`_get_fsdp_state()._fsdp_param_group`, 2.11 and 2.13, as torch's own FSDPMemTracker reads them)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups, seen = [], set()
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None and id(group) not in seen:
+                seen.add(id(group))
+                groups.append(group)
+    return groups
+
+
+def fsdp_param_class():
+    """FSDP2's per-parameter class and its sharded-state enum (private; the same module in 2.11 and 2.13)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState
+
+    return FSDPParam, ShardedState
