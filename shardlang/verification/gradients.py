@@ -63,7 +63,8 @@ def run(ctx, check: ir.Check) -> Outcome:
         return Outcome(FAIL, f"the sharded model's full tensors do not fit the unsharded model: {mismatch}")
     references = References.build(ctx)
     make = OPTIMIZERS[args["optimizer"]]
-    optim, ref_optim = make(model.parameters(), lr=args["lr"]), make(references.optimizer.parameters(), lr=args["lr"])
+    optim = make(model.parameters(), lr=args["lr"], **one_kind(model))
+    ref_optim = make(references.optimizer.parameters(), lr=args["lr"])
     resumed = _resume(ctx, optim, references.optimizer, ref_optim)
     ctx.optimizer = optim
     lr = optim.param_groups[0]["lr"]  # the check's, or the checkpoint's when it resumed
@@ -164,6 +165,16 @@ def run(ctx, check: ir.Check) -> Outcome:
         data,
         top["ratio"],
     )
+
+
+def one_kind(model) -> dict:
+    """Optimizer options for `model`: torch's foreach kernels (its default on CUDA) refuse a list that mixes
+    DTensors with plain tensors (a TP plan whose norms no unit shards), so such a model steps tensor by
+    tensor, as it would on the CPU."""
+    from torch.distributed.tensor import DTensor
+
+    kinds = {isinstance(p, DTensor) for p in model.parameters()}
+    return {"foreach": False} if len(kinds) > 1 else {}
 
 
 class Tally:
