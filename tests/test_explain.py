@@ -47,7 +47,9 @@ def test_explain_equals_a_real_run(pools, plan, model, world):
     real = pools(world).run(dist_jobs.local_facts, str(ROOT / plan), str(ROOT / model))
     model_file = load_model_file(str(ROOT / model))
     meta = model_file.build_on_meta()
-    for rank in range(world):
+    # Every rank at world 2; at world 4 the first and the last (they differ along both mesh dims, and the
+    # last holds the smallest of uneven shards), to keep the suite's time.
+    for rank in range(world) if world == 2 else (0, world - 1):
         predicted = explain(loaded, meta, world, rank=rank, model_file=model_file)
         shapes = {t.name: (t.local_shape, t.local_bytes) for t in predicted.tensors}
         assert shapes == real[rank]["shapes"], f"rank {rank}"
@@ -161,7 +163,9 @@ def test_every_example_plan_explains_at_world_1024_without_real_memory():
     """80 layers of dim 8192 (the Llama example scaled) at 1024 ranks, tp 8 where a plan takes it, each
     in its own process whose peak RSS stays under 2 GiB. (The pipelined plans' 4-block model explains
     stage by stage at world 4 in test_explain_a_pipelined_plan.)"""
-    for plan in (p for p in EXAMPLES if "pipeline on" not in p.read_text()):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def explain_at_1024(plan):
         model = model_of(f"plans/{plan.name}")
         source = ["--entry", "examples.llama:build_large"] if model == "examples/llama.py" else [model]
         params = ["-D", "tp=8"] if re.search(r"^param tp\b", plan.read_text(), re.MULTILINE) else []
@@ -184,11 +188,18 @@ def test_every_example_plan_explains_at_world_1024_without_real_memory():
             text=True,
             timeout=300,
         )
+        return plan, done
+
+    # Two at a time (the machine's two cores); each is its own process, and the children's peak RSS is
+    # the largest of them.
+    with ThreadPoolExecutor(2) as pool:
+        finished = list(pool.map(explain_at_1024, [p for p in EXAMPLES if "pipeline on" not in p.read_text()]))
+    for plan, done in finished:
         assert done.returncode == 0, (plan.name, done.stderr[-2000:])
         data = __import__("json").loads(done.stdout)
         assert data["world_size"] == 1024 and data["tensors"]
-        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
-        assert peak < 2 * 2**30, f"{plan.name}: peak RSS {peak / 2**30:.2f} GiB"
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    assert peak < 2 * 2**30, f"peak RSS {peak / 2**30:.2f} GiB"
 
 
 def test_svg_has_one_block_per_shard():

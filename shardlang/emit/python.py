@@ -20,7 +20,7 @@ from ..compiler.devices import mesh_device
 from ..compiler.lint import lint
 from ..compiler.lower import lower
 from ..frontend import ir, patterns
-from ..frontend.diagnostics import PlanError
+from ..frontend.diagnostics import SL216, Diagnostic, PlanError
 from ..frontend.source import Span
 from ..frontend.static_checks import check_world
 from ..runtime import helpers
@@ -34,6 +34,18 @@ OURS = "shardlang."
 def compile_python(plan: ir.Plan, model: nn.Module | None, world_size: int | None, command: str = "") -> str:
     """The program as Python: for `model` at `world_size` (default: what the meshes fix), or, without a
     model, for any model, matching the plan's targets when it runs. PlanError if the plan does not fit."""
+    if model is None and plan.pipeline is not None:
+        raise PlanError(
+            [
+                Diagnostic(
+                    SL216,
+                    "a pipelined plan compiles for a model: where its stages begin depends on the module tree",
+                    plan.pipeline.span,
+                    ("give the model: shardlang compile PLAN MODEL --world N --emit python",),
+                )
+            ],
+            {plan.source.name: plan.source},
+        )
     if model is None:
         if world_size is not None:
             problems = check_world(plan, world_size)

@@ -319,20 +319,14 @@ def pipeline_report(
             measured, batch, microbatch, tokens, replicas = _measure(plan, applied_by_rank, model_file, batch, m)
         except Exception as e:  # noqa: BLE001 - the stages stand; the step is what fails
             failure = e
+    heading = (dim, pipeline.schedule, name, source, pp, v, m, mine)  # what both reports below open with
     if model_file is None or model_file.example_input is None or hardware is None or failure is not None:
         unit = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
         played = play(order, ranks_of, lambda s, kind: unit[kind] / v)
         empty = StageCost({}, {}, {}, {}, {}, {})
         walks = {r: walk(order[r], dict.fromkeys(stages_of[r], empty)) for r in range(pp)}
         report = PipelineReport(
-            dim,
-            pipeline.schedule,
-            name,
-            source,
-            pp,
-            v,
-            m,
-            mine,
+            *heading,
             tuple(stage_row(s, walks[ranks_of[s]].in_flight[s]) for s in range(n)),
             tuple(PipeRank(r, stages_of[r], bubble=played.bubble(r)) for r in range(pp)),
             played.overall_bubble,
@@ -383,14 +377,7 @@ def pipeline_report(
         step = played.finish[r] + sum(times[s]["end"] for s in stages_of[r])
         pipe_ranks.append(PipeRank(r, stages_of[r], walks[r].peak, played.busy[r], played.bubble(r), p2p, step))
     report = PipelineReport(
-        dim,
-        pipeline.schedule,
-        name,
-        source,
-        pp,
-        v,
-        m,
-        mine,
+        *heading,
         tuple(rows),
         tuple(pipe_ranks),
         played.overall_bubble,

@@ -51,7 +51,10 @@ class Code(enum.Enum):
     SL213 = (Severity.ERROR, "pipeline stage count is not the pp size times stages_per_rank")
     SL214 = (Severity.ERROR, "parameters shared across pipeline stages (tied weights)")
     SL215 = (Severity.ERROR, "pipeline schedule does not fit stages_per_rank or microbatches")
-    SL216 = (Severity.ERROR, "pipeline mesh dim used by another statement, or loss_parallel with a pipeline")
+    SL216 = (
+        Severity.ERROR,
+        "pipeline mesh dim used by another statement; loss_parallel or init rank0 with a pipeline; a pipeline compiled without its model",
+    )
     SL300 = (Severity.ERROR, "apply failed (the model is left exactly as it was)")
     SL301 = (
         Severity.ERROR,
