@@ -110,12 +110,15 @@ def test_unusable_plan_exits_2_before_starting_workers():
 
 
 def test_verify_none_and_steps_override():
-    done = shardlang_apply("plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--verify", "none", "--json")
-    assert done.returncode == 0 and json.loads(done.stdout)["checks"] == []
-    done = shardlang_apply(
-        "plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--verify", "gradients", "--steps", "1", "--json"
-    )
-    (check,) = json.loads(done.stdout)["checks"]
+    from concurrent.futures import ThreadPoolExecutor
+
+    common = ("plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--json", "--verify")
+    with ThreadPoolExecutor(2) as pool:  # two jobs side by side: the suite's time
+        none, steps = pool.map(
+            lambda extra: shardlang_apply(*common, *extra), [("none",), ("gradients", "--steps", "1")]
+        )
+    assert none.returncode == 0 and json.loads(none.stdout)["checks"] == []
+    (check,) = json.loads(steps.stdout)["checks"]
     assert check["data"]["steps"] == 1
     done = shardlang_apply("plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--verify", "gradient")
     assert done.returncode == 2 and "did you mean 'gradients'" in done.stderr
