@@ -321,8 +321,9 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def runs():
-    """Every worker-starting command of this file, three at a time."""
-    with ThreadPoolExecutor(3) as pool:
+    """Every worker-starting command of this file, four at a time (the three that wait for a hang to send
+    a signal mostly sleep)."""
+    with ThreadPoolExecutor(4) as pool:
         futures = {name: pool.submit(make) for name, make in RUNS.items()}
         return {name: future.result() for name, future in futures.items()}
 
