@@ -28,7 +28,7 @@ from ..frontend import ir
 from ..frontend.diagnostics import SL300, Diagnostic, PlanError, few
 from . import helpers, pipeline
 from .snapshot import Snapshot
-from .steps import STEPS, Running
+from .steps import STEPS, Running, torch_device
 from .torchcompat import fsdp_strided_shard
 from .values import import_path, style_kinds
 
@@ -127,8 +127,7 @@ def build_pipeline(applied: Applied, loss, scale_grads: bool = True) -> pipeline
     spec = applied.program.plan.pipeline
     stages = applied.linted.resolution.stages
     mesh = applied.mesh(spec.mesh)
-    kind = next((m.device for m in applied.program.plan.meshes if m.name == spec.mesh.mesh), "auto")
-    device = torch.device("cuda", torch.cuda.current_device()) if mesh_device(kind) == "cuda" else torch.device("cpu")
+    device = torch_device(applied.program.plan.mesh(spec.mesh.mesh).device)
     schedule, _ = ir.SCHEDULES[spec.schedule]
     n = spec.n_microbatches(mesh.size())
     return pipeline.Pipeline(applied.parts, stages.count, schedule, n, mesh.get_group(), device, loss, scale_grads)

@@ -105,7 +105,8 @@ def _value_names(step) -> set[str]:
     return set().union(*(names_used(v) for v in values))
 
 
-def _device(kind: str) -> torch.device:
+def torch_device(kind: str) -> torch.device:
+    """The torch device of a mesh of `kind` (cuda | cpu | auto) on this rank."""
     device = mesh_device(kind)
     return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
 
@@ -256,7 +257,7 @@ def write_take_rank0_values(step: p.TakeRank0Values, program: p.Program, module:
 
 
 def run_init_on_mesh(step: p.InitOnMesh, ctx: Running) -> None:
-    helpers.init_on_mesh(ctx.model, _device(step.device), step.method, seed=helpers.common_seed())
+    helpers.init_on_mesh(ctx.model, torch_device(step.device), step.method, seed=helpers.common_seed())
 
 
 def write_init_on_mesh(step: p.InitOnMesh, program: p.Program, module: str) -> list[str]:
@@ -264,7 +265,7 @@ def write_init_on_mesh(step: p.InitOnMesh, program: p.Program, module: str) -> l
 
 
 def run_load_from_rank0(step: p.LoadFromRank0, ctx: Running) -> None:
-    helpers.load_from_rank0(ctx.model, _device(step.device), ctx.full_state, ctx.all_buffers)
+    helpers.load_from_rank0(ctx.model, torch_device(step.device), ctx.full_state, ctx.all_buffers)
 
 
 def write_load_from_rank0(step: p.LoadFromRank0, program: p.Program, module: str) -> list[str]:
@@ -280,7 +281,7 @@ def write_sync(step: p.Sync, program: p.Program, module: str) -> list[str]:
 
 
 def run_move_to_device(step: p.MoveToDevice, ctx: Running) -> None:
-    helpers.move_to_device(ctx.model, _device(step.device))
+    helpers.move_to_device(ctx.model, torch_device(step.device))
 
 
 def write_move_to_device(step: p.MoveToDevice, program: p.Program, module: str) -> list[str]:

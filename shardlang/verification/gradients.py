@@ -72,7 +72,7 @@ def run(ctx, check: ir.Check) -> Outcome:
     localised = None
 
     pipeline = ctx.pipeline
-    pp_group = ctx.applied.mesh(ir.MeshRef(where.mesh, (where.pp_dim,), None)).get_group() if pipeline else None
+    pp_group = ctx.applied.mesh(ctx.plan.pipeline.mesh).get_group() if pipeline else None
     microbatches = pipeline.microbatches if pipeline else 1
     for step in range(args["steps"]):
         batches = [lay.replica_inputs(ctx, step, i, args["batch"]) for i in range(where.replicas)]
