@@ -9,23 +9,15 @@ fused: `self_attn.qkv_proj` packs [q; k; v] (64 + 32 + 32 rows) and `mlp.gate_up
 from transformers import Phi3Config, Phi3ForCausalLM
 
 # The same inputs and loss as the Llama example: random token ids, next-token cross-entropy.
-from examples.hf_llama import SEQ, VOCAB, example_input, loss  # noqa: F401
+from examples.hf_llama import SEQ, SMALL, VOCAB, example_input, loss  # noqa: F401
 
 
 def build_model() -> Phi3ForCausalLM:
     config = Phi3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
+        **SMALL,
         original_max_position_embeddings=SEQ,
         pad_token_id=0,
         bos_token_id=1,
         eos_token_id=2,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
     )
     return Phi3ForCausalLM(config)

@@ -9,20 +9,9 @@ __init__: the case `init meta` must keep real.
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 # The same inputs and loss as the Llama example: random token ids, next-token cross-entropy.
-from examples.hf_llama import SEQ, VOCAB, example_input, loss  # noqa: F401
+from examples.hf_llama import SEQ, SMALL, VOCAB, example_input, loss  # noqa: F401
 
 
 def build_model() -> Qwen3ForCausalLM:
-    config = Qwen3Config(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=SEQ,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
-    )
+    config = Qwen3Config(**SMALL, head_dim=16)
     return Qwen3ForCausalLM(config)

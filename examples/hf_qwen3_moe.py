@@ -12,25 +12,17 @@ float64 kernel on the CPU, and the gradients check computes its reference in flo
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 # The same inputs and loss as the Llama example: random token ids, next-token cross-entropy.
-from examples.hf_llama import SEQ, VOCAB, example_input, loss  # noqa: F401
+from examples.hf_llama import SEQ, SMALL, VOCAB, example_input, loss  # noqa: F401
 
 
 def build_model() -> Qwen3MoeForCausalLM:
     config = Qwen3MoeConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
+        **SMALL,
         moe_intermediate_size=32,
         num_experts=4,
         num_experts_per_tok=2,
         decoder_sparse_step=1,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=16,
-        max_position_embeddings=SEQ,
-        tie_word_embeddings=False,
-        attn_implementation="sdpa",
         experts_implementation="eager",
     )
     return Qwen3MoeForCausalLM(config)
