@@ -9,20 +9,10 @@ The input embedding and the output layer share one weight, as in every Gemma che
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
 # The same inputs and loss as the Llama example: random token ids, next-token cross-entropy.
-from examples.hf_llama import SEQ, VOCAB, example_input, loss  # noqa: F401
+from examples.hf_llama import SEQ, SMALL, VOCAB, example_input, loss  # noqa: F401
 
 
 def build_model() -> Gemma3ForCausalLM:
-    config = Gemma3TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=8,
-        max_position_embeddings=SEQ,
-        attn_implementation="sdpa",
-    )
+    # Tied, as in every Gemma checkpoint (the one difference from the shared small config).
+    config = Gemma3TextConfig(**{**SMALL, "tie_word_embeddings": True}, head_dim=16, sliding_window=8)
     return Gemma3ForCausalLM(config)
