@@ -3,6 +3,7 @@ cuda` with its own checks and comms, at 4 GPUs and at 2 where the plan fits, wit
 to the same command on the CPU (gloo) where reports are given.
 
     python benchmarks/gpu_plans.py [--nproc 4 2] [--optimizers adam adamw] [--cpu-reports DIR]
+        [--only 'hf/*'] [--timeout 300]
 
 Prints one table: plan, GPUs, result, the worst gradient error, collective counts, and where the
 counts or placements differ from the CPU run's.
@@ -11,9 +12,12 @@ counts or placements differ from the CPU run's.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import importlib.util
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -24,38 +28,46 @@ import shardlang
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def apply(plan: Path, model: str, nproc: int, device: str, optimizer: str) -> tuple[dict | None, float, str]:
-    """The plan's own checks plus comms (to compare the collectives with the CPU's), under `optimizer`."""
+def apply(
+    plan: Path, model: str, nproc: int, device: str, optimizer: str, timeout: float
+) -> tuple[dict | None, float, str]:
+    """The plan's own checks plus comms (to compare the collectives with the CPU's), under `optimizer`; a run
+    past `timeout` seconds is killed and reported as such."""
     checks = [c.name for c in shardlang.load(plan).checks]
     checks += [] if "comms" in checks else ["comms"]
     start = time.perf_counter()
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "shardlang",
-            "apply",
-            str(plan.relative_to(ROOT)),
-            model,
-            "--device",
-            device,
-            "--nproc",
-            str(nproc),
-            "--verify",
-            ",".join(checks),
-            "--optimizer",
-            optimizer,
-            "--json",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+    command = [
+        sys.executable,
+        "-m",
+        "shardlang",
+        "apply",
+        str(plan.relative_to(ROOT)),
+        model,
+        "--device",
+        device,
+        "--nproc",
+        str(nproc),
+        "--verify",
+        ",".join(checks),
+        "--optimizer",
+        optimizer,
+        "--json",
+    ]
+    # A session of its own, so that a run past its time is killed with its workers.
+    run = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
+    try:
+        stdout, stderr = run.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(run.pid, signal.SIGKILL)
+        run.communicate()
+        return None, time.perf_counter() - start, f"killed after {timeout:.0f} s"
     wall = time.perf_counter() - start
     try:
-        return json.loads(done.stdout), wall, done.stderr[-800:]
+        return json.loads(stdout), wall, stderr[-800:]
     except json.JSONDecodeError:
-        return None, wall, (done.stdout + done.stderr)[-800:]
+        return None, wall, (stdout + stderr)[-800:]
 
 
 def main() -> None:
@@ -65,6 +77,8 @@ def main() -> None:
     parser.add_argument("--optimizers", nargs="+", default=["adam", "adamw"], choices=["sgd", "adam", "adamw"])
     parser.add_argument("--cpu-reports", metavar="DIR", help="JSON reports of the same runs on the CPU, to compare")
     parser.add_argument("--save", metavar="DIR", help="write each JSON report there")
+    parser.add_argument("--only", metavar="GLOB", help="the plans whose name (hf/gpt2, llama_2d) matches")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds one apply may take (default 300)")
     args = parser.parse_args()
     rows = []
     plans = sorted((ROOT / "plans").glob("*.sl"))
@@ -73,11 +87,13 @@ def main() -> None:
     for plan in plans:
         model = re.search(r"Model: (\S+\.py)", plan.read_text()).group(1)
         name = plan.stem if plan.parent.name == "plans" else f"hf/{plan.stem}"
+        if args.only and not fnmatch.fnmatch(name, args.only):
+            continue
         for nproc in args.nproc:
             if shardlang.load(plan).with_world(nproc):
                 continue
             for optimizer in args.optimizers:
-                report, wall, tail = apply(plan, model, nproc, args.device, optimizer)
+                report, wall, tail = apply(plan, model, nproc, args.device, optimizer, args.timeout)
                 key = f"{name.replace('/', '-')}-{nproc}-{optimizer}"
                 if args.save and report is not None:
                     Path(args.save).mkdir(parents=True, exist_ok=True)

@@ -87,6 +87,45 @@ def _rope(device):
     return rotary_table(llama_1b.DIM // llama_1b.HEADS, llama_1b.SEQ).to(device)
 
 
+def profiled(step, cuda: bool) -> dict:
+    """One step under torch's profiler: the host's ops and, on GPUs, the kernels, by name: {name: [count, us]}."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    kernels, ops = {}, {}
+    for event in prof.events():
+        table = kernels if event.device_type == DeviceType.CUDA else ops
+        count, us = table.get(event.name, (0, 0.0))
+        table[event.name] = (count + 1, us + event.time_range.elapsed_us())
+    return {"kernels": kernels, "ops": ops}
+
+
+def print_profiles(gathered: list) -> None:
+    """Per rank: kernels and host ops in all, then the names whose count or time differs most."""
+    for rank, profiles in enumerate(gathered):
+        print(f"rank {rank}:")
+        for kind in ("kernels", "ops"):
+            ours, theirs = profiles["shardlang"][kind], profiles["hand-written"][kind]
+            total = {
+                name: (sum(c for c, _ in t.values()), sum(u for _, u in t.values()))
+                for name, t in (("ours", ours), ("theirs", theirs))
+            }
+            print(
+                f"  {kind}: shardlang {total['ours'][0]} ({total['ours'][1] / 1000:.1f} ms), "
+                f"hand-written {total['theirs'][0]} ({total['theirs'][1] / 1000:.1f} ms)"
+            )
+            names = set(ours) | set(theirs)
+            differ = sorted(names, key=lambda n: -abs(ours.get(n, (0, 0.0))[1] - theirs.get(n, (0, 0.0))[1]))
+            for name in differ[:8]:
+                (c1, u1), (c2, u2) = ours.get(name, (0, 0.0)), theirs.get(name, (0, 0.0))
+                print(f"    {name[:70]:70} {c1:>6} {u1 / 1000:>8.2f} ms | {c2:>6} {u2 / 1000:>8.2f} ms")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b"))
@@ -95,6 +134,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--dry-run", action="store_true", help="the tiny model on CPU workers (gloo)")
+    parser.add_argument(
+        "--hand-first", action="store_true", help="build the hand-written version first, on meshes of its own"
+    )
+    parser.add_argument("--profile", action="store_true", help="then profile one step of each; print where they differ")
     args = parser.parse_args()
     global llama_1b
     if args.dry_run:
@@ -119,6 +162,21 @@ def main() -> None:
     params = {"schedule": args.schedule, "per_rank": per_rank, "microbatches": args.microbatches}
     plan = shardlang.load(ROOT / "benchmarks" / "plans" / "llama_1b_pp.sl", params, world_size=world)
 
+    num_stages = 2 * per_rank
+    stage_ids = plan.pipeline.stage_ranks(2)
+
+    def build_theirs(mesh):
+        mine = [s for s, r in enumerate(stage_ids) if r == mesh["pp"].get_local_rank()]
+        parts, schedule = handwritten(
+            mesh["pp"], mesh["dp"], mine, num_stages, args.schedule, args.microbatches, device, llama_1b.loss
+        )
+        return parts, schedule, torch.optim.AdamW([p for part in parts for p in part.parameters()], lr=1e-4, fused=cuda)
+
+    if args.hand_first:  # the hand-written model allocated first, on meshes of its own
+        from torch.distributed.device_mesh import init_device_mesh
+
+        own = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("pp", "dp"))
+        parts, theirs, optim_theirs = build_theirs(own)
     torch.manual_seed(0)
     base = torch.cuda.memory_allocated() if cuda else 0
     applied = apply_plan(plan, plan.build(llama_1b.build_model))
@@ -128,14 +186,8 @@ def main() -> None:
     ours = build_pipeline(applied, llama_1b.loss)
     optim_ours = torch.optim.AdamW(applied.model.parameters(), lr=1e-4, fused=cuda)
     params_ours = (torch.cuda.memory_allocated() if cuda else 0) - base
-
-    num_stages = 2 * per_rank
-    stage_ids = plan.pipeline.stage_ranks(2)
-    mine = [s for s, r in enumerate(stage_ids) if r == pp_rank]
-    parts, theirs = handwritten(
-        mesh["pp"], mesh["dp"], mine, num_stages, args.schedule, args.microbatches, device, llama_1b.loss
-    )
-    optim_theirs = torch.optim.AdamW([p for part in parts for p in part.parameters()], lr=1e-4, fused=cuda)
+    if not args.hand_first:
+        parts, theirs, optim_theirs = build_theirs(mesh)
 
     def step_ours():
         ours.step(tokens)
@@ -150,7 +202,7 @@ def main() -> None:
         optim_theirs.step()
         optim_theirs.zero_grad(set_to_none=True)
 
-    def timed(step) -> tuple[float, int]:
+    def timed(step) -> tuple[float, float, int]:
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -158,27 +210,38 @@ def main() -> None:
         dist.barrier()
         start = time.perf_counter()
         step()
+        queued = time.perf_counter() - start  # the host's part: until the last kernel is queued
         if cuda:
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
         peak = (torch.cuda.max_memory_allocated() - before) if cuda else 0
-        return elapsed, peak
+        return elapsed, queued, peak
 
     for _ in range(args.warmup):
         timed(step_ours)
         timed(step_theirs)
     times = {"shardlang": [], "hand-written": []}
+    host = {"shardlang": [], "hand-written": []}
     peaks = {"shardlang": 0, "hand-written": 0}
     for i in range(args.steps):
         order = [("shardlang", step_ours), ("hand-written", step_theirs)]
         for name, step in order if i % 2 == 0 else order[::-1]:
-            elapsed, peak = timed(step)
+            elapsed, queued, peak = timed(step)
             times[name].append(elapsed)
+            host[name].append(queued)
             peaks[name] = max(peaks[name], peak)
+    if args.profile:
+        profiles = {
+            name: profiled(step, cuda) for name, step in (("shardlang", step_ours), ("hand-written", step_theirs))
+        }
+        gathered = [None] * world
+        dist.all_gather_object(gathered, profiles)
+        if rank == 0:
+            print_profiles(gathered)
     # The slowest rank sets the step time: take each step's maximum over the ranks.
     everyone = [None] * world
-    dist.all_gather_object(everyone, (times, peaks))
-    steps = {name: [max(t[name][i] for t, _ in everyone) for i in range(args.steps)] for name in times}
+    dist.all_gather_object(everyone, (times, peaks, host))
+    steps = {name: [max(t[name][i] for t, _, _ in everyone) for i in range(args.steps)] for name in times}
     result = {
         "schedule": args.schedule,
         "world": world,
@@ -187,7 +250,9 @@ def main() -> None:
         "steps": args.steps,
         "microbatches": args.microbatches,
         "params_mem_ours": params_ours,
-        "peak": {name: max(p[name] for _, p in everyone) for name in times},
+        "hand_first": args.hand_first,
+        "peak": {name: max(p[name] for _, p, _ in everyone) for name in times},
+        "host_median_s": {name: statistics.median(host[name]) for name in host},
     }
     dp = world // 2
     for name in steps:
@@ -198,11 +263,18 @@ def main() -> None:
         print(
             f"pp 2 x dp {dp}, {args.schedule}, {args.microbatches} microbatches, on {world} x {result['card']}, torch {result['torch']}"
         )
-        print(f"{'':16}{'step (s)':>10}{'tokens/s':>12}{'step peak (GiB)':>17}")
+        print(f"{'':16}{'step (s)':>10}{'tokens/s':>12}{'step peak (GiB)':>17}{'host (s)':>10}")
         for name in ("shardlang", "hand-written"):
             row = result[name]
-            print(f"{name:16}{row['median_s']:>10.4f}{row['tokens_per_s']:>12.0f}{result['peak'][name] / 2**30:>17.2f}")
+            print(
+                f"{name:16}{row['median_s']:>10.4f}{row['tokens_per_s']:>12.0f}"
+                f"{result['peak'][name] / 2**30:>17.2f}{result['host_median_s'][name]:>10.4f}"
+            )
         print(f"throughput ratio shardlang / hand-written: {ratio:.4f}")
+        print("per rank, median step / median host time until the step's last kernel is queued (ms):")
+        for r, (t, _, h) in enumerate(everyone):
+            cells = [f"{n} {statistics.median(t[n]) * 1e3:.1f} / {statistics.median(h[n]) * 1e3:.1f}" for n in t]
+            print(f"  rank {r}: " + ", ".join(cells))
         print("RESULT " + json.dumps(result))
     dist.destroy_process_group()
 
