@@ -552,3 +552,29 @@ def transformers_styles_shard_as_transformers_does(plan_text: str) -> dict:
     gradients = shardlang.loads("verify gradients").checks
     report = run(Job(plain, {}, str(Path(__file__).parent.parent / "examples" / "fused.py"), None, gradients))
     return {"placements": placements, "plain_colwise": [(c.check, c.status) for c in report.checks]}
+
+
+def gathered_matches_full_tensor() -> list:
+    """runtime.helpers.gather_by_hand (full_tensor by hand, for layouts torch 2.11 cannot redistribute)
+    against full_tensor and the tensor itself, on a 2 x 2 mesh: even and uneven shards, strided shards."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from shardlang.runtime.helpers import gather_by_hand
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    results = []
+    for shape, placements in [
+        ((8, 6), (Shard(1), _StridedShard(0, split_factor=2))),  # FSDP's dim 1 over a packed TP weight
+        ((8, 6), (_StridedShard(0, split_factor=2), Shard(0))),  # FSDP over TP on the same dim
+        ((7, 5), (Shard(0), Shard(1))),  # uneven
+        ((6,), (Replicate(), Shard(0))),
+    ]:
+        whole = torch.randn(shape)
+        tensor = distribute_tensor(whole, mesh, placements)
+        results.append(
+            (str(placements), torch.equal(gather_by_hand(tensor), whole), torch.equal(tensor.full_tensor(), whole))
+        )
+    return results

@@ -254,6 +254,13 @@ def test_loss_parallel_gives_the_unsharded_loss(pools):
     pools(2).run(jobs.loss_parallel_matches_unsharded, plan)
 
 
+def test_checks_gather_by_hand_what_torch_cannot_redistribute(pools):
+    """The checks' fallback for full_tensor (torch 2.11 cannot plan FSDP's Shard(1) over a packed weight's
+    _StridedShard(0)) gives the whole tensor, as full_tensor does where it can."""
+    for placements, by_hand, by_torch in pools(4).run(jobs.gathered_matches_full_tensor)[0]:
+        assert by_hand and by_torch, placements
+
+
 def test_sync_over_makes_replicas_equal(pools):
     """Ranks build the model with different seeds; `sync over` broadcasts rank 0's parameters and buffers
     (FSDP-sharded parameters are left to their shards)."""

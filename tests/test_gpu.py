@@ -47,6 +47,7 @@ def apply_on_gpus(plan: str, model: str, nproc: int = 2):
         ("plans/mlp_tp.sl", "examples/mlp.py"),
         ("plans/llama_2d.sl", "examples/llama.py"),
         ("plans/llama_loss_parallel.sl", "examples/llama.py"),
+        ("plans/llama_fsdp_offload.sl", "examples/llama.py"),
     ],
 )
 def test_apply_with_nccl_passes_all_six_checks(plan, model):

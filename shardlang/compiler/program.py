@@ -139,6 +139,15 @@ class LoadFromRank0:
 
 
 @frozen
+class OffloadToCpu:
+    """A fully_shard unit with `offload = cpu` after `init meta` or `init rank0` on a GPU: the parameters it
+    manages were materialised on the GPU (to be initialised there); FSDP wants them on the CPU."""
+
+    module: Module
+    origin: Span | None = None
+
+
+@frozen
 class Sync:
     mesh: ir.MeshRef
     origin: Span | None = None
@@ -163,6 +172,7 @@ Step = (
     | TakeRank0Values
     | InitOnMesh
     | LoadFromRank0
+    | OffloadToCpu
     | Sync
     | MoveToDevice
 )

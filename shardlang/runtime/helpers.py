@@ -151,6 +151,46 @@ def common_seed():
     return int(seed.item())
 
 
+def whole(tensor):
+    """A DTensor's whole value, on its mesh's device: `full_tensor()`, for a shard kept off that device too (a
+    unit's `offload = cpu` on GPUs), and gathered by hand where torch cannot plan the redistribution (torch
+    2.11: FSDP's Shard(1) over the _StridedShard(0) of a packed weight)."""
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local().detach()
+    if local.device.type != tensor.device_mesh.device_type:  # from_local puts the shard on the mesh's device
+        tensor = DTensor.from_local(
+            local, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+        )
+    try:
+        return tensor.full_tensor()
+    except (ValueError, RuntimeError):
+        return gather_by_hand(tensor)
+
+
+def gather_by_hand(tensor):
+    """`tensor.full_tensor()` for any placements but Partial: every rank learns where its shard's elements sit
+    in the whole tensor (the placements applied to their positions, without communication), then shards and
+    positions are gathered along each mesh dim in turn."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh, local = tensor.device_mesh, tensor.to_local().detach()
+    positions = torch.arange(tensor.numel(), device=local.device).view(tensor.shape)
+    where = distribute_tensor(positions, mesh, tensor.placements, src_data_rank=None).to_local()
+    pieces = [(where.reshape(-1).cpu(), local.reshape(-1).cpu())]
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, pieces, group=group)
+        pieces = [piece for theirs in everyone for piece in theirs]
+    result = torch.empty(tensor.numel(), dtype=tensor.dtype)
+    for at, values in pieces:
+        result[at] = values
+    return result.view(tensor.shape).to(local.device)
+
+
 def init_on_mesh(model, device, method, seed):
     """Materialise a model whose parameters were built on the meta device and sharded: allocate every
     local shard on `device`, put back the buffers the constructor computed, then initialise every module
@@ -202,7 +242,7 @@ def init_on_mesh(model, device, method, seed):
                         if isinstance(tensor, DTensor):
                             sharded.append((store, name, tensor))
                             full = (
-                                tensor.full_tensor()
+                                whole(tensor)
                                 if method is not None or owner is not module
                                 else torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
                             )
@@ -259,6 +299,43 @@ def sync_module_states(model, mesh, dims):
                         continue
                     tensor = tensor.to_local()
                 dist.broadcast(tensor, src=src, group=group)
+
+
+def offload_to_cpu(unit):
+    """Move the parameters fully_shard unit `unit` manages (its subtree's, less those of units nested in it)
+    to the CPU, where its `offload = cpu` policy wants them before the first forward (FSDP pins them there
+    where its policy says so). Tied parameters stay tied."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    def managed(module):
+        yield module
+        for child in module.children():
+            if not isinstance(child, FSDPModule):
+                yield from managed(child)
+
+    moved = {}
+    for module in managed(unit):
+        for param in module._parameters.values():
+            if param is None or id(param) in moved:
+                continue
+            # FSDP may already have moved a pinned unit's shards to the CPU (when the model was materialised), its
+            # DTensors still saying they are on the GPU: FSDP checks what they say.
+            local = param.to_local() if isinstance(param, DTensor) else param
+            if param.device.type == "cpu" and local.device.type == "cpu":
+                continue
+            if isinstance(param, DTensor):
+                # Made as fully_shard makes its sharded parameters, around the shard where it is (DTensor.from_local
+                # would put it back on the mesh's device).
+                copy = DTensor(local.detach().cpu(), param._spec, requires_grad=param.requires_grad)
+            else:
+                copy = param.detach().cpu()
+            moved[id(param)] = torch.nn.Parameter(copy, requires_grad=param.requires_grad)
+    for module in unit.modules():
+        for name, param in module._parameters.items():
+            if param is not None and id(param) in moved:
+                module._parameters[name] = moved[id(param)]
 
 
 def move_to_device(model, device):

@@ -272,6 +272,14 @@ def write_load_from_rank0(step: p.LoadFromRank0, program: p.Program, module: str
     return [f"load_from_rank0(model, {_device_source(step.device)}, full_state, all_buffers)"]
 
 
+def run_offload_to_cpu(step: p.OffloadToCpu, ctx: Running) -> None:
+    helpers.offload_to_cpu(ctx.module(step.module))
+
+
+def write_offload_to_cpu(step: p.OffloadToCpu, program: p.Program, module: str) -> list[str]:
+    return [f"offload_to_cpu({module})"]
+
+
 def run_sync(step: p.Sync, ctx: Running) -> None:
     helpers.sync_module_states(ctx.model, ctx.meshes[step.mesh.mesh], step.mesh.dims)
 
@@ -342,12 +350,17 @@ STEPS: dict[type, StepType] = {
             initialisers.is_hugging_face,
             initialisers.initialiser,
             initialisers.children_first,
+            helpers.gather_by_hand,
+            helpers.whole,
             helpers.init_on_mesh,
         ),
         moves_data=True,
     ),
     p.LoadFromRank0: StepType(
         run_load_from_rank0, write_load_from_rank0, helpers=(helpers.load_from_rank0,), moves_data=True
+    ),
+    p.OffloadToCpu: StepType(
+        run_offload_to_cpu, write_offload_to_cpu, helpers=(helpers.offload_to_cpu,), moves_data=True
     ),
     p.Sync: StepType(run_sync, write_sync, helpers=(helpers.sync_module_states,), moves_data=True),
     p.MoveToDevice: StepType(

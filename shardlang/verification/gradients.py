@@ -33,7 +33,6 @@ import math
 
 import torch
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_optimizer_state_dict,
 )
 
@@ -263,7 +262,7 @@ def _resume(ctx, optim, reference, ref_optim) -> str:
             f"{type(optim).__name__}"
         )
     load_checkpoint(ctx.model, checkpoint, optim, model_state=False)
-    saved = get_optimizer_state_dict(ctx.model, optim, options=StateDictOptions(full_state_dict=True))
+    saved = get_optimizer_state_dict(ctx.model, optim)  # sharded: `full` makes each tensor whole below
     index = {name: i for i, (name, _) in enumerate(reference.named_parameters())}
     state = {
         # Copies: a full state dict hands back the optimizer's own plain tensors (Adam's `step`), which

@@ -27,6 +27,8 @@ def run(ctx, check) -> Outcome:
         want = torch.device("cpu") if is_param and _owner(name) in offloaded else expected
         if not _same(local.device, want):
             wrong.append((name, str(local.device), str(want)))
+        elif not _same(tensor.device, want):  # a DTensor saying it is elsewhere (FSDP believes what it says)
+            wrong.append((name, f"{local.device}, the DTensor saying {tensor.device}", str(want)))
     wrong.sort(key=lambda w: w[1] != "meta")  # what is still on meta first
     data = {
         "device": str(expected),

@@ -15,9 +15,10 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from ..runtime.helpers import whole
 from . import layout as lay
 
 #: How many times the reference's own rounding error a sharded result may be off by. A sharded run
@@ -28,8 +29,8 @@ K = 12.0
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's whole value (a collective on its mesh); a plain tensor as it is."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    """A DTensor's whole value (a collective on its mesh; runtime.helpers.whole); a plain tensor as it is."""
+    return whole(tensor) if isinstance(tensor, DTensor) else tensor
 
 
 def rounding_error(truth: torch.Tensor, same: torch.Tensor | None) -> float:
@@ -182,7 +183,9 @@ def _cast_output(dtype):
 def _unsharded(ctx) -> torch.nn.Module:
     """The unsharded model on this rank, loaded from the sharded model's full state dict, in the dtype of
     the sharded model's parameters."""
-    state = get_model_state_dict(ctx.model, options=StateDictOptions(full_state_dict=True))
+    # Sharded, each tensor made whole by `full` (DCP's own full_state_dict cannot gather every layout torch
+    # 2.11 trains: packed weights under FSDP).
+    state = get_model_state_dict(ctx.model)
     torch.manual_seed(0)
     with torch.device(ctx.device):
         reference = ctx.model_file.build_model()
