@@ -140,9 +140,13 @@ class Pipeline:
         self.last = self.stages[-1] if self.stages[-1].is_last else None
         carry = parts[max(parts)].shardlang_carry
 
-        def stage_loss(output, rows):
-            inputs = tuple(x[rows] if isinstance(x, torch.Tensor) else x for x in self.inputs)
-            return loss(model_output(carry, output), inputs if len(inputs) > 1 else inputs[0])
+        def stage_loss(output, target):
+            # The microbatch's inputs: the schedule splits `target` as it splits the inputs; several inputs
+            # are taken by their rows.
+            if len(self.inputs) == 1:
+                return loss(model_output(carry, output), target)
+            inputs = tuple(x[target] if isinstance(x, torch.Tensor) else x for x in self.inputs)
+            return loss(model_output(carry, output), inputs)
 
         kind = getattr(pipelining, schedule)
         stages = self.stages[0] if len(self.stages) == 1 else self.stages
@@ -151,12 +155,12 @@ class Pipeline:
     def step(self, *inputs):
         self.inputs = inputs
         batch = next(x for x in inputs if isinstance(x, torch.Tensor))
-        rows = torch.arange(batch.shape[0], device=batch.device)
+        target = inputs[0] if len(inputs) == 1 else torch.arange(batch.shape[0], device=batch.device)
         losses = []
         # Positional inputs go to the first stage only (torch 2.11's shape inference refuses them elsewhere);
         # every stage gets them as `shardlang_inputs`.
         first = inputs if any(stage.is_first for stage in self.stages) else ()
-        self.schedule.step(*first, target=rows, losses=losses, shardlang_inputs=inputs)
+        self.schedule.step(*first, target=target, losses=losses, shardlang_inputs=inputs)
         self.inputs = None
         if not losses:
             return None
