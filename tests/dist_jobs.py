@@ -574,7 +574,9 @@ def gathered_matches_full_tensor() -> list:
     ]:
         whole = torch.randn(shape)
         tensor = distribute_tensor(whole, mesh, placements)
-        results.append(
-            (str(placements), torch.equal(gather_by_hand(tensor), whole), torch.equal(tensor.full_tensor(), whole))
-        )
+        try:
+            by_torch = torch.equal(tensor.full_tensor(), whole)
+        except ValueError:  # torch 2.11 cannot plan the first layout's redistribution
+            by_torch = None
+        results.append((str(placements), torch.equal(gather_by_hand(tensor), whole), by_torch))
     return results

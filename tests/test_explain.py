@@ -286,7 +286,8 @@ def test_peak_and_step_time_of_the_1b_plans_are_pinned(name):
 
 
 #: The 1B plan with `offload = cpu` at world 2, batch 4 per replica, on an H100: the accelerator's
-#: peak bytes on rank 0, the bytes it keeps in host memory, the estimated step seconds.
+#: peak bytes on rank 0, the bytes it keeps in host memory, the estimated step seconds. Calibrated on
+#: 2 x H200 (benchmarks/RESULTS.md): GPU peak 0.968 of this, host memory equal to the byte.
 PINNED_1B_OFFLOAD = (14216175624, 7625785932, 0.6506756123727002)
 
 
