@@ -12,6 +12,7 @@ import shardlang
 from shardlang.compiler.lint import lint
 from shardlang.frontend.read import read_file
 from shardlang.launch.job import Job, run
+from shardlang.launch.workers import WorkerError
 
 from .conftest import ROOT
 
@@ -190,10 +191,11 @@ def _faulty(fault: str, job: Job):
             seen = []
 
             def wrong(module, args, kwargs):
-                # The stage is fed the activation of the microbatch before (the first gets the last's).
+                # The stage is fed the activation of the microbatch before (the first its own). The received
+                # one stays in the graph, at zero weight: torch 2.11 refuses a stage that sends no gradient.
                 seen.append(args[0].detach())
                 if receives and len(seen) > 1:
-                    args = (seen[-2].clone().requires_grad_(), *args[1:])
+                    args = (seen[-2] + 0 * args[0], *args[1:])
                 return hook(module, args, kwargs)
 
             return wrong
@@ -335,8 +337,9 @@ def _without_torch_limits(job: Job):
 
 def test_zero_bubble_limit_matches_the_installed_torch(pools, tmp_path):
     """zbv with FSDP over dp 2 is SL301 where torchlimits says torch trains it wrong, and run anyway it
-    fails the gradients check exactly then; without data parallelism it passes."""
-    from shardlang.compiler.torchlimits import ZERO_BUBBLE_DATA_PARALLEL, cannot
+    fails the gradients check exactly then; without data parallelism it passes, where torch can run a V
+    schedule over gloo at all (SL301 and a p2p failure where it cannot: torch 2.11)."""
+    from shardlang.compiler.torchlimits import V_SCHEDULE_GLOO, ZERO_BUBBLE_DATA_PARALLEL, cannot
 
     path = ROOT / "plans" / "llama_pipeline.sl"
     params = {"schedule": "zbv", "per_rank": 2}
@@ -344,8 +347,12 @@ def test_zero_bubble_limit_matches_the_installed_torch(pools, tmp_path):
     claimed = cannot(ZERO_BUBBLE_DATA_PARALLEL)
     assert any(code == "SL301" for code, _ in found) == claimed, found
     checks = tuple(c for c in shardlang.load(path, params).checks if c.name == "gradients")
-    (gradients,) = pools(4).run(_without_torch_limits, Job(str(path), params, MODEL, None, checks))[0].checks
-    assert (gradients.status == "fail") == claimed, gradients.message
+    try:
+        (gradients,) = pools(4).run(_without_torch_limits, Job(str(path), params, MODEL, None, checks))[0].checks
+        passed, message = gradients.status == "pass", gradients.message
+    except WorkerError as e:  # torch 2.11 over gloo does not get as far as a wrong gradient: its p2p fails
+        passed, message = False, str(e)
+    assert passed != claimed, message
 
     alone = tmp_path / "zbv.sl"
     alone.write_text(
@@ -353,5 +360,11 @@ def test_zero_bubble_limit_matches_the_installed_torch(pools, tmp_path):
         "microbatches = 4; stages_per_rank = 2 }\nverify gradients(steps=1, batch=8)\n"
     )
     job = Job(str(alone), {}, MODEL, None, shardlang.load(alone).checks)
+    if cannot(V_SCHEDULE_GLOO):  # torch 2.11 cannot run a V schedule over gloo at all
+        found, _ = _lint(tmp_path, alone.read_text(), world=2)
+        assert [code for code, _ in found] == ["SL301"], found
+        with pytest.raises(WorkerError, match="Pair is not connected"):
+            pools(2).run(_without_torch_limits, job)
+        return
     report = pools(2).run(run, job)[0]
     assert report.ok, [c.message for c in report.checks]

@@ -23,10 +23,16 @@ ROWWISE_UNEVEN_LOCAL_INPUT = "rowwise_uneven_local_input"
 #: on gloo with torch 2.13 and on NCCL with 2.11). Without data parallelism the same schedules are right.
 ZERO_BUBBLE_DATA_PARALLEL = "zero_bubble_data_parallel"
 
+#: A V-shaped schedule (zbv, dualpipe_v: one rank holds the first stage and the last) over gloo: torch
+#: 2.11's schedule sends to the rank itself while its stages learn their shapes, which gloo refuses ("Pair
+#: is not connected"), with or without data parallelism (pp 2 and pp 2 x dp 2, on the CPU). 2.13 runs it.
+V_SCHEDULE_GLOO = "v_schedule_gloo"
+
 #: (major, minor) -> the limits of that release. A release newer than the newest here is assumed to
 #: have that one's limits (no later fix is known); an older one the oldest's.
 LIMITS: dict[tuple[int, int], frozenset[str]] = {
-    (2, 11): frozenset({ROWWISE_UNEVEN_LOCAL_INPUT, ZERO_BUBBLE_DATA_PARALLEL}),  # ZB: 4 x H200, RESULTS.md
+    # ZB: 4 x H200, RESULTS.md; V over gloo: torch 2.11 on the CPU machine (tests/test_pipeline.py)
+    (2, 11): frozenset({ROWWISE_UNEVEN_LOCAL_INPUT, ZERO_BUBBLE_DATA_PARALLEL, V_SCHEDULE_GLOO}),
     (2, 13): frozenset({ROWWISE_UNEVEN_LOCAL_INPUT, ZERO_BUBBLE_DATA_PARALLEL}),  # tested: test_hostile, test_pipeline
 }
 

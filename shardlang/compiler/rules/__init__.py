@@ -4,7 +4,7 @@ from .activations import partial_gradients
 from .coverage import unsynchronised_gradients
 from .devices import mixed_device_meshes, uninitialised_on_meta
 from .matches import duplicate_matches, unit_conflicts
-from .pipelines import stage_count, zero_bubble_with_data_parallelism
+from .pipelines import stage_count, v_schedule_over_gloo, zero_bubble_with_data_parallelism
 from .shards import tied_parameters, uneven_shards, unrunnable_shards
 from .styles import loss_parallel_output, style_module_types
 
@@ -23,4 +23,5 @@ RULES = (
     partial_gradients,
     stage_count,
     zero_bubble_with_data_parallelism,
+    v_schedule_over_gloo,
 )

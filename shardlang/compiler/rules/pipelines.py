@@ -5,7 +5,9 @@ The split itself is checked where it is resolved (stages.py)."""
 from __future__ import annotations
 
 from ...frontend.diagnostics import SL213, SL215, SL301, Diagnostic
-from ..torchlimits import ZERO_BUBBLE_DATA_PARALLEL, cannot
+from ...frontend.ir import V_SCHEDULES
+from ..devices import mesh_device
+from ..torchlimits import V_SCHEDULE_GLOO, ZERO_BUBBLE_DATA_PARALLEL, cannot
 from .common import dim_sizes
 
 #: The schedules that split the backward into an input pass and a weight pass.
@@ -68,5 +70,26 @@ def zero_bubble_with_data_parallelism(plan, resolution, predictions, shapes) -> 
             (
                 "use interleaved_1f1b (or 1f1b, gpipe) with data parallelism; zero-bubble schedules are right without it",
             ),
+        )
+    ]
+
+
+def v_schedule_over_gloo(plan, resolution, predictions, shapes) -> list[Diagnostic]:
+    """SL301: a V-shaped schedule on a CPU mesh (gloo), whose sends to the rank itself the installed torch
+    cannot make (torchlimits.py)."""
+    pipeline = plan.pipeline
+    if pipeline is None or pipeline.schedule not in V_SCHEDULES or not cannot(V_SCHEDULE_GLOO):
+        return []
+    if mesh_device(plan.mesh(pipeline.mesh.mesh).device) != "cpu":
+        return []
+    import torch
+
+    return [
+        Diagnostic(
+            SL301,
+            f"schedule {pipeline.schedule} over gloo: torch {torch.__version__}'s V-shaped schedules send to the "
+            "rank itself, which gloo cannot",
+            pipeline.span,
+            ("use interleaved_1f1b on the CPU, or run on GPUs (NCCL), or torch 2.13 or newer",),
         )
     ]
