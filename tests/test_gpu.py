@@ -37,8 +37,20 @@ def apply_on_gpus(plan: str, model: str, nproc: int = 2):
         text=True,
         timeout=600,
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, _why(done)
     return json.loads(done.stdout)
+
+
+def _why(done) -> str:
+    """What failed, first: the failing checks' messages and the errors (the JSON report's tail would be
+    its last check's data), then the tail of stderr."""
+    try:
+        report = json.loads(done.stdout)
+    except json.JSONDecodeError:
+        return done.stdout[-3000:] + done.stderr[-3000:]
+    failed = [f"{c['check']}: {c['message']}" for c in report["checks"] if c["status"] not in ("pass", "reported")]
+    errors = [d["message"] for d in report["diagnostics"] if d["severity"] == "error"]
+    return "\n".join(failed + errors) + "\n" + done.stderr[-2000:]
 
 
 @pytest.mark.parametrize(
