@@ -53,13 +53,13 @@ def lower(plan: ir.Plan, resolution: Resolution | None, world_size: int | None) 
         steps.append(p.InitOnMesh(device, plan.init.method, plan.init.span))
     elif plan.init.mode == "rank0":
         steps.append(p.LoadFromRank0(device, plan.init.span))
-    if plan.init.mode in ("meta", "rank0") and device != "cpu":
+    steps += [p.Sync(s.mesh, s.span) for s in plan.syncs]
+    if plan.init.mode in ("meta", "rank0") and device != "cpu":  # after the syncs: they broadcast on the GPU
         steps += [
             p.OffloadToCpu(s.module, s.origin)
             for s in steps
             if isinstance(s, p.FullyShard) and any(k == "offload_policy" for k, _ in s.kwargs)
         ]
-    steps += [p.Sync(s.mesh, s.span) for s in plan.syncs]
     if plan.init.mode == "cpu" and device != "cpu":
         steps.append(p.MoveToDevice(device, plan.init.span))
     return p.Program(plan, world_size, tuple(steps))
