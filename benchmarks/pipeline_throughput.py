@@ -4,6 +4,10 @@ plus peak memory and the sends and receives of a step.
 
     torchrun --nproc-per-node 2 benchmarks/pipeline_throughput.py [--schedule 1f1b] [--steps 30]
     torchrun --nproc-per-node 4 benchmarks/pipeline_throughput.py        # pp 2 x dp 2
+    ... [--both-orders | --hand-first] [--profile]
+
+Whichever version is built second in the process has run 1-3% faster (RESULTS.md): `--both-orders`
+measures with each built first in turn and reports each order's ratio and the ratio over both.
 
 The plan is benchmarks/plans/llama_1b_pp.sl (pp 2, FSDP2 over the rest in each stage, bf16 compute with
 fp32 reduction, built on meta). The hand-written version is what a user writes without shardlang: a stage
@@ -15,6 +19,7 @@ reset_parameters, PipelineStage and the schedule class. Fused AdamW; batch 8 x 2
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -137,6 +142,9 @@ def main() -> None:
     parser.add_argument(
         "--hand-first", action="store_true", help="build the hand-written version first, on meshes of its own"
     )
+    parser.add_argument(
+        "--both-orders", action="store_true", help="measure with each version built first in turn, then together"
+    )
     parser.add_argument("--profile", action="store_true", help="then profile one step of each; print where they differ")
     args = parser.parse_args()
     global llama_1b
@@ -172,35 +180,62 @@ def main() -> None:
         )
         return parts, schedule, torch.optim.AdamW([p for part in parts for p in part.parameters()], lr=1e-4, fused=cuda)
 
-    if args.hand_first:  # the hand-written model allocated first, on meshes of its own
-        from torch.distributed.device_mesh import init_device_mesh
+    def phase(hand_first: bool, profile: bool) -> tuple[dict, dict, dict, int]:
+        """Both versions built (the hand-written one first, on meshes of its own, with `hand_first`), warmed up
+        and timed alternately; this rank's step times, host times and peaks, and shardlang's parameter
+        memory. Both models are garbage once it returns."""
+        if hand_first:
+            from torch.distributed.device_mesh import init_device_mesh
 
-        own = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("pp", "dp"))
-        parts, theirs, optim_theirs = build_theirs(own)
-    torch.manual_seed(0)
-    base = torch.cuda.memory_allocated() if cuda else 0
-    applied = apply_plan(plan, plan.build(llama_1b.build_model))
-    mesh = applied.meshes["world"]
-    pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-    tokens = llama_1b.example_input(args.batch, torch.Generator().manual_seed(dp_rank)).to(device)
-    ours = build_pipeline(applied, llama_1b.loss)
-    optim_ours = torch.optim.AdamW(applied.model.parameters(), lr=1e-4, fused=cuda)
-    params_ours = (torch.cuda.memory_allocated() if cuda else 0) - base
-    if not args.hand_first:
-        parts, theirs, optim_theirs = build_theirs(mesh)
+            own = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("pp", "dp"))
+            parts, theirs, optim_theirs = build_theirs(own)
+        torch.manual_seed(0)
+        base = torch.cuda.memory_allocated() if cuda else 0
+        applied = apply_plan(plan, plan.build(llama_1b.build_model))
+        mesh = applied.meshes["world"]
+        pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+        tokens = llama_1b.example_input(args.batch, torch.Generator().manual_seed(dp_rank)).to(device)
+        ours = build_pipeline(applied, llama_1b.loss)
+        optim_ours = torch.optim.AdamW(applied.model.parameters(), lr=1e-4, fused=cuda)
+        params_ours = (torch.cuda.memory_allocated() if cuda else 0) - base
+        if not hand_first:
+            parts, theirs, optim_theirs = build_theirs(mesh)
 
-    def step_ours():
-        ours.step(tokens)
-        optim_ours.step()
-        optim_ours.zero_grad(set_to_none=True)
+        def step_ours():
+            ours.step(tokens)
+            optim_ours.step()
+            optim_ours.zero_grad(set_to_none=True)
 
-    def step_theirs():
-        if pp_rank == 0:
-            theirs.step(tokens, target=tokens)
-        else:
-            theirs.step(target=tokens)
-        optim_theirs.step()
-        optim_theirs.zero_grad(set_to_none=True)
+        def step_theirs():
+            if pp_rank == 0:
+                theirs.step(tokens, target=tokens)
+            else:
+                theirs.step(target=tokens)
+            optim_theirs.step()
+            optim_theirs.zero_grad(set_to_none=True)
+
+        for _ in range(args.warmup):
+            timed(step_ours)
+            timed(step_theirs)
+        times = {"shardlang": [], "hand-written": []}
+        host = {"shardlang": [], "hand-written": []}
+        peaks = {"shardlang": 0, "hand-written": 0}
+        for i in range(args.steps):
+            order = [("shardlang", step_ours), ("hand-written", step_theirs)]
+            for name, step in order if i % 2 == 0 else order[::-1]:
+                elapsed, queued, peak = timed(step)
+                times[name].append(elapsed)
+                host[name].append(queued)
+                peaks[name] = max(peaks[name], peak)
+        if profile:
+            profiles = {
+                name: profiled(step, cuda) for name, step in (("shardlang", step_ours), ("hand-written", step_theirs))
+            }
+            gathered = [None] * world
+            dist.all_gather_object(gathered, profiles)
+            if rank == 0:
+                print_profiles(gathered)
+        return times, host, peaks, params_ours
 
     def timed(step) -> tuple[float, float, int]:
         if cuda:
@@ -217,31 +252,27 @@ def main() -> None:
         peak = (torch.cuda.max_memory_allocated() - before) if cuda else 0
         return elapsed, queued, peak
 
-    for _ in range(args.warmup):
-        timed(step_ours)
-        timed(step_theirs)
+    # The version built second has run 1-3% faster (RESULTS.md): --both-orders measures each order in turn.
+    orders = [False, True] if args.both_orders else [args.hand_first]
     times = {"shardlang": [], "hand-written": []}
     host = {"shardlang": [], "hand-written": []}
     peaks = {"shardlang": 0, "hand-written": 0}
-    for i in range(args.steps):
-        order = [("shardlang", step_ours), ("hand-written", step_theirs)]
-        for name, step in order if i % 2 == 0 else order[::-1]:
-            elapsed, queued, peak = timed(step)
-            times[name].append(elapsed)
-            host[name].append(queued)
-            peaks[name] = max(peaks[name], peak)
-    if args.profile:
-        profiles = {
-            name: profiled(step, cuda) for name, step in (("shardlang", step_ours), ("hand-written", step_theirs))
-        }
-        gathered = [None] * world
-        dist.all_gather_object(gathered, profiles)
-        if rank == 0:
-            print_profiles(gathered)
+    per_order = []
+    for n, hand_first in enumerate(orders):
+        t, h, k, params_ours = phase(hand_first, args.profile and n == 0)
+        gc.collect()  # the phase's models (their hooks make cycles) and their memory
+        if cuda:
+            torch.cuda.empty_cache()
+        per_order.append((hand_first, t))
+        for name in times:
+            times[name] += t[name]
+            host[name] += h[name]
+            peaks[name] = max(peaks[name], k[name])
     # The slowest rank sets the step time: take each step's maximum over the ranks.
     everyone = [None] * world
-    dist.all_gather_object(everyone, (times, peaks, host))
-    steps = {name: [max(t[name][i] for t, _, _ in everyone) for i in range(args.steps)] for name in times}
+    dist.all_gather_object(everyone, (times, peaks, host, per_order))
+    count = len(times["shardlang"])
+    steps = {name: [max(e[0][name][i] for e in everyone) for i in range(count)] for name in times}
     result = {
         "schedule": args.schedule,
         "world": world,
@@ -250,8 +281,8 @@ def main() -> None:
         "steps": args.steps,
         "microbatches": args.microbatches,
         "params_mem_ours": params_ours,
-        "hand_first": args.hand_first,
-        "peak": {name: max(p[name] for _, p, _ in everyone) for name in times},
+        "orders": ["hand-written first" if h else "shardlang first" for h in orders],
+        "peak": {name: max(e[1][name] for e in everyone) for name in times},
         "host_median_s": {name: statistics.median(host[name]) for name in host},
     }
     dp = world // 2
@@ -271,8 +302,16 @@ def main() -> None:
                 f"{result['peak'][name] / 2**30:>17.2f}{result['host_median_s'][name]:>10.4f}"
             )
         print(f"throughput ratio shardlang / hand-written: {ratio:.4f}")
+        if len(orders) > 1:
+            for n, hand_first in enumerate(orders):
+                ratio_n = [
+                    statistics.median([max(e[3][n][1][name][i] for e in everyone) for i in range(args.steps)])
+                    for name in ("hand-written", "shardlang")
+                ]
+                first = "hand-written" if hand_first else "shardlang"
+                print(f"  built {first} first: ratio {ratio_n[0] / ratio_n[1]:.4f}")
         print("per rank, median step / median host time until the step's last kernel is queued (ms):")
-        for r, (t, _, h) in enumerate(everyone):
+        for r, (t, _, h, _) in enumerate(everyone):
             cells = [f"{n} {statistics.median(t[n]) * 1e3:.1f} / {statistics.median(h[n]) * 1e3:.1f}" for n in t]
             print(f"  rank {r}: " + ", ".join(cells))
         print("RESULT " + json.dumps(result))
