@@ -164,7 +164,7 @@ def whole(tensor):
         )
     try:
         return tensor.full_tensor()
-    except (ValueError, RuntimeError):
+    except ValueError:  # torch could not plan it (a failing collective raises RuntimeError, and stays raised)
         return gather_by_hand(tensor)
 
 

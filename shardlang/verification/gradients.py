@@ -32,9 +32,7 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    get_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from ..frontend import ir
 from . import layout as lay
@@ -265,7 +263,7 @@ def _resume(ctx, optim, reference, ref_optim) -> str:
     saved = get_optimizer_state_dict(ctx.model, optim)  # sharded: `full` makes each tensor whole below
     index = {name: i for i, (name, _) in enumerate(reference.named_parameters())}
     state = {
-        # Copies: a full state dict hands back the optimizer's own plain tensors (Adam's `step`), which
+        # Copies: the state dict hands back the optimizer's own plain tensors (Adam's `step`), which
         # the two optimizers would otherwise share and each advance.
         index[k]: {n: full(v).detach().clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
         for k, s in saved["state"].items()

@@ -181,8 +181,8 @@ def _cast_output(dtype):
 
 
 def _unsharded(ctx) -> torch.nn.Module:
-    """The unsharded model on this rank, loaded from the sharded model's full state dict, in the dtype of
-    the sharded model's parameters."""
+    """The unsharded model on this rank, loaded from the sharded model's state dict made whole, in the dtype
+    of the sharded model's parameters."""
     # Sharded, each tensor made whole by `full` (DCP's own full_state_dict cannot gather every layout torch
     # 2.11 trains: packed weights under FSDP).
     state = get_model_state_dict(ctx.model)
