@@ -261,6 +261,12 @@ def test_checks_gather_by_hand_what_torch_cannot_redistribute(pools):
         assert by_hand and by_torch is not False, placements
 
 
+def test_scatter_from_rank0_loads_what_torch_loads(pools):
+    """`init rank0`'s own load (for offloaded shards, which torch's broadcast_from_rank0 cannot load on
+    GPUs) gives every rank the shards torch gives it."""
+    assert all(pools(4).run(jobs.scatter_matches_torchs_broadcast))
+
+
 def test_sync_over_makes_replicas_equal(pools):
     """Ranks build the model with different seeds; `sync over` broadcasts rank 0's parameters and buffers
     (FSDP-sharded parameters are left to their shards)."""

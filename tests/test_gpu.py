@@ -72,6 +72,17 @@ def test_apply_with_nccl_passes_all_six_checks(plan, model):
     assert init["data"]["device"].startswith("cuda:")
 
 
+def test_init_rank0_loads_into_offloaded_shards(tmp_path):
+    """`init rank0` under `offload = cpu`: FSDP pins the unit's shards in CPU memory when they are
+    allocated, and rank 0's weights are scattered into them there."""
+    plan = tmp_path / "llama_fsdp_offload_rank0.sl"
+    plan.write_text((ROOT / "plans" / "llama_fsdp_offload.sl").read_text().replace("\ninit meta\n", "\ninit rank0\n"))
+    assert "init rank0" in plan.read_text()
+    report = apply_on_gpus(str(plan), "examples/llama.py")
+    statuses = {c["check"]: c["status"] for c in report["checks"]}
+    assert report["ok"] and statuses["init"] == statuses["init_device"] == "pass", statuses
+
+
 def shards_on_cuda_are_distinct(plan_text: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor

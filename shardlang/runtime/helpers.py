@@ -218,15 +218,6 @@ def init_on_mesh(model, device, method, seed):
             init = initialiser(model, module, method)
             if init is None:
                 continue
-            # On CUDA DTensor's RNG initialises each shard itself; where torch cannot run an initialiser on
-            # the shards (torch 2.11 fails on some indexing of strided shards), it runs in full as on the CPU.
-            try:
-                if torch.device(device).type != "cpu":
-                    init()
-                    continue
-            except (RuntimeError, ValueError, NotImplementedError):
-                pass
-            sharded = []
             hugging_face = is_hugging_face(model)
             # transformers' init_weights (a METHOD the plan names, on the root) initialises the whole
             # subtree, and its _init_weights(module) may set the tensors of the module's children too
@@ -235,7 +226,19 @@ def init_on_mesh(model, device, method, seed):
             # initialisers set their module's own tensors (a user method that writes local shards
             # itself sees them as they are).
             subtree = method is not None and hugging_face
-            owners = module.modules() if subtree else [module, *(module.children() if hugging_face else ())]
+            owners = list(module.modules() if subtree else [module, *(module.children() if hugging_face else ())])
+            # On CUDA DTensor's RNG initialises each shard itself. It runs in full as on the CPU where torch
+            # cannot run an initialiser on the shards (torch 2.11 fails on some indexing of strided shards),
+            # and where a shard is already on the CPU (`to_empty` let FSDP pin an offloading unit's shards):
+            # the RNG would follow the GPU's offsets and draw from the CPU's generator, the same values on
+            # every rank.
+            try:
+                if torch.device(device).type != "cpu" and not _shards_on_cpu(owners):
+                    init()
+                    continue
+            except (RuntimeError, ValueError, NotImplementedError):
+                pass
+            sharded = []
             for owner in owners:
                 for store in (owner._parameters, owner._buffers):
                     for name, tensor in store.items():
@@ -259,6 +262,22 @@ def init_on_mesh(model, device, method, seed):
                     tensor.to_local().copy_(shard.to_local())
 
 
+def _shards_on_cpu(modules) -> bool:
+    """Whether any of `modules`' own DTensors holds its shard on the CPU."""
+    return any(
+        _shard_on_cpu(tensor)
+        for module in modules
+        for store in (module._parameters, module._buffers)
+        for tensor in store.values()
+    )
+
+
+def _shard_on_cpu(tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor) and tensor.to_local().device.type == "cpu"
+
+
 def load_from_rank0(model, device, full_state, all_buffers):
     """Materialise a sharded meta model from rank 0's full CPU model: allocate the shards on `device`,
     scatter rank 0's state dict, and broadcast the buffers a state dict leaves out (non-persistent)."""
@@ -267,9 +286,22 @@ def load_from_rank0(model, device, full_state, all_buffers):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.tensor import DTensor
 
-    model.to_empty(device=device)
-    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    kept = set(model.state_dict().keys())
+    on_gpus = torch.device(device).type != "cpu"
+    if on_gpus and _shards_on_cpu(model.modules()):
+        # An offloading unit's shards, in pinned CPU memory where rank 0 built its model on the CPU, stay there:
+        # torch refuses to move a DTensor's storage to another device in place.
+        model._apply(lambda t: t if _shard_on_cpu(t) else torch.empty_like(t, device=device))
+    else:
+        model.to_empty(device=device)
+    if on_gpus and _shards_on_cpu(model.modules()):
+        # Those `to_empty` allocated, FSDP pinned in CPU memory too; torch's broadcast_from_rank0 would load
+        # them on the GPU.
+        scatter_from_rank0(model, device, full_state)
+    else:
+        set_model_state_dict(
+            model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        )
+    kept = set(model.state_dict(keep_vars=True))  # (detaching a shard FSDP pinned fails on torch 2.11)
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name in kept:
@@ -278,6 +310,30 @@ def load_from_rank0(model, device, full_state, all_buffers):
             if dist.get_rank() == 0:
                 local.copy_(all_buffers[name])
             dist.broadcast(local, src=0)
+
+
+def scatter_from_rank0(model, device, full_state):
+    """Load rank 0's full state dict `full_state` (empty elsewhere) into the model's tensors, sharded or not,
+    wherever their shards are: each tensor is broadcast whole on `device`, then every rank copies its shard."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        # keep_vars: detaching a DTensor that says cuda, its shard pinned on the CPU by FSDP, fails.
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            if dist.get_rank() == 0:
+                full = full_state[name].detach().to(device=device, dtype=tensor.dtype)
+            else:
+                full = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+            dist.broadcast(full, src=0)
+            if isinstance(tensor, DTensor):
+                shard = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None)
+                tensor.to_local().copy_(shard.to_local())
+            else:
+                tensor.copy_(full)
 
 
 def sync_module_states(model, mesh, dims):
