@@ -15,7 +15,7 @@ LISTED = 8
 def run(ctx, check) -> Outcome:
     expected = ctx.device
     offloaded = _offloaded(ctx)
-    wrong, seen = [], set()
+    wrong, seen, on_cpu = [], set(), 0
     tensors = [(n, t, True) for n, t in ctx.model.named_parameters()] + [
         (n, t, False) for n, t in ctx.model.named_buffers()
     ]
@@ -25,6 +25,7 @@ def run(ctx, check) -> Outcome:
         seen.add(id(tensor))
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         want = torch.device("cpu") if is_param and _owner(name) in offloaded else expected
+        on_cpu += want != expected
         if not _same(local.device, want):
             wrong.append((name, str(local.device), str(want)))
         elif not _same(tensor.device, want):  # a DTensor saying it is elsewhere (FSDP believes what it says)
@@ -33,9 +34,13 @@ def run(ctx, check) -> Outcome:
     data = {
         "device": str(expected),
         "tensors": len(seen),
+        "offloaded": on_cpu,
         "wrong": [{"name": n, "device": d, "expected": e} for n, d, e in wrong],
     }
     if not wrong:
+        if on_cpu:
+            where = f"{len(seen) - on_cpu} on {expected}, the {on_cpu} parameters of units with `offload = cpu` on cpu"
+            return Outcome(PASS, f"all {len(seen)} parameters and buffers placed: {where}", data)
         return Outcome(PASS, f"all {len(seen)} parameters and buffers on {expected}", data)
     on_meta = [n for n, d, _ in wrong if d == "meta"]
     listed = ", ".join(f"{n} ({d})" for n, d, _ in wrong[:LISTED]) + (
