@@ -304,6 +304,7 @@ def test_failed_apply_leaves_the_model_exactly_as_it_was(pools, plan, expect):
         ("hsdp", "examples.llama:build_model", 4),
         ("llama_custom_styles", "examples.llama:build_model", 4),
         ("mlp_tp", "examples.mlp:build_model", 2),
+        ("llama_fsdp_offload", "examples.llama:build_model", 2),  # init meta
     ],
 )
 @pytest.mark.parametrize("with_model", [True, False], ids=["for-the-model", "for-any-model"])
@@ -312,6 +313,43 @@ def test_emitted_python_gives_the_same_placements(pools, plan_name, model, world
 
     text = (ROOT / "plans" / f"{plan_name}.sl").read_text()
     assert pools(world).run(jobs.emitted_code_matches_apply, text, model, world, with_model)[0]
+
+
+def test_every_pasted_helper_comes_with_the_helpers_it_calls():
+    """`compile --emit python` pastes the helpers of each step the program has (runtime.steps' table): a
+    helper that calls another of shardlang's helpers the same step does not paste would be a NameError in
+    the printed program."""
+    import inspect
+    import types
+
+    from shardlang.compiler import initialisers
+    from shardlang.runtime import helpers
+    from shardlang.runtime.steps import STEPS
+
+    ours = {
+        f.__name__
+        for module in (helpers, initialisers)
+        for _, f in inspect.getmembers(module, inspect.isfunction)
+        if f.__module__ == module.__name__
+    }
+
+    def called(code) -> set[str]:
+        names = set(code.co_names)
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                names |= called(const)
+        return names
+
+    always = {"build_for", "parameters_on_meta"}
+    missing = {}
+    for step_type, kind in STEPS.items():
+        pasted = {h.__name__ for h in kind.helpers} | always
+        for helper in kind.helpers:
+            codes = [f.__code__ for _, f in inspect.getmembers(helper, inspect.isfunction)] or [helper.__code__]
+            lacking = (set().union(*map(called, codes)) & ours) - pasted - {helper.__name__}
+            if lacking:
+                missing[f"{step_type.__name__}: {helper.__name__}"] = sorted(lacking)
+    assert not missing, missing
 
 
 def test_worker_failure_names_the_rank(pools):

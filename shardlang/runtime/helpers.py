@@ -203,7 +203,7 @@ def init_on_mesh(model, device, method, seed):
     model would be, and each rank keeps its shard.
     """
     import torch
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     computed = {n: b for n, b in model.named_buffers() if not b.is_meta and not isinstance(b, DTensor)}
     model.to_empty(device=device)
@@ -233,7 +233,7 @@ def init_on_mesh(model, device, method, seed):
             # the RNG would follow the GPU's offsets and draw from the CPU's generator, the same values on
             # every rank.
             try:
-                if torch.device(device).type != "cpu" and not _shards_on_cpu(owners):
+                if torch.device(device).type != "cpu" and not shards_on_cpu(owners):
                     init()
                     continue
             except (RuntimeError, ValueError, NotImplementedError):
@@ -258,21 +258,29 @@ def init_on_mesh(model, device, method, seed):
                 for store, name, tensor in sharded:
                     full = store[name]
                     store[name] = tensor
-                    shard = distribute_tensor(full.detach(), tensor.device_mesh, tensor.placements, src_data_rank=None)
-                    tensor.to_local().copy_(shard.to_local())
+                    fill_shard(tensor, full)
 
 
-def _shards_on_cpu(modules) -> bool:
+def fill_shard(tensor, full):
+    """Copy this rank's slice of `full` (DTensor `tensor`'s whole value, the same on every rank) into its shard,
+    wherever the shard is."""
+    from torch.distributed.tensor import distribute_tensor
+
+    shard = distribute_tensor(full.detach(), tensor.device_mesh, tensor.placements, src_data_rank=None)
+    tensor.to_local().copy_(shard.to_local())
+
+
+def shards_on_cpu(modules) -> bool:
     """Whether any of `modules`' own DTensors holds its shard on the CPU."""
     return any(
-        _shard_on_cpu(tensor)
+        shard_on_cpu(tensor)
         for module in modules
         for store in (module._parameters, module._buffers)
         for tensor in store.values()
     )
 
 
-def _shard_on_cpu(tensor) -> bool:
+def shard_on_cpu(tensor) -> bool:
     from torch.distributed.tensor import DTensor
 
     return isinstance(tensor, DTensor) and tensor.to_local().device.type == "cpu"
@@ -287,15 +295,12 @@ def load_from_rank0(model, device, full_state, all_buffers):
     from torch.distributed.tensor import DTensor
 
     on_gpus = torch.device(device).type != "cpu"
-    if on_gpus and _shards_on_cpu(model.modules()):
-        # An offloading unit's shards, in pinned CPU memory where rank 0 built its model on the CPU, stay there:
-        # torch refuses to move a DTensor's storage to another device in place.
-        model._apply(lambda t: t if _shard_on_cpu(t) else torch.empty_like(t, device=device))
-    else:
-        model.to_empty(device=device)
-    if on_gpus and _shards_on_cpu(model.modules()):
-        # Those `to_empty` allocated, FSDP pinned in CPU memory too; torch's broadcast_from_rank0 would load
-        # them on the GPU.
+    # model.to_empty(device=device), except that the shards of an offloading unit that rank 0 built stay in
+    # pinned CPU memory, where FSDP put them: torch refuses to move a DTensor's storage to another device in place.
+    model._apply(lambda t: t if on_gpus and shard_on_cpu(t) else torch.empty_like(t, device=device))
+    if on_gpus and shards_on_cpu(model.modules()):
+        # FSDP pins in CPU memory the offloading units' shards allocated here too; torch's broadcast_from_rank0
+        # would load them on the GPU.
         scatter_from_rank0(model, device, full_state)
     else:
         set_model_state_dict(
@@ -317,7 +322,7 @@ def scatter_from_rank0(model, device, full_state):
     wherever their shards are: each tensor is broadcast whole on `device`, then every rank copies its shard."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     with torch.no_grad():
         # keep_vars: detaching a DTensor that says cuda, its shard pinned on the CPU by FSDP, fails.
@@ -330,8 +335,7 @@ def scatter_from_rank0(model, device, full_state):
                 full = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
             dist.broadcast(full, src=0)
             if isinstance(tensor, DTensor):
-                shard = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None)
-                tensor.to_local().copy_(shard.to_local())
+                fill_shard(tensor, full)
             else:
                 tensor.copy_(full)
 

@@ -352,12 +352,24 @@ STEPS: dict[type, StepType] = {
             initialisers.children_first,
             helpers.gather_by_hand,
             helpers.whole,
+            helpers.fill_shard,
+            helpers.shard_on_cpu,
+            helpers.shards_on_cpu,
             helpers.init_on_mesh,
         ),
         moves_data=True,
     ),
     p.LoadFromRank0: StepType(
-        run_load_from_rank0, write_load_from_rank0, helpers=(helpers.load_from_rank0,), moves_data=True
+        run_load_from_rank0,
+        write_load_from_rank0,
+        helpers=(
+            helpers.fill_shard,
+            helpers.shard_on_cpu,
+            helpers.shards_on_cpu,
+            helpers.scatter_from_rank0,
+            helpers.load_from_rank0,
+        ),
+        moves_data=True,
     ),
     p.OffloadToCpu: StepType(
         run_offload_to_cpu, write_offload_to_cpu, helpers=(helpers.offload_to_cpu,), moves_data=True
