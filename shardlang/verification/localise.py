@@ -106,7 +106,7 @@ def _record(model, step) -> _Recording:
     """Run `step(model, stop)` with a forward hook on every module; `stop()` ends the forward phase."""
     recording = _Recording()
     calls: Counter = Counter()
-    handles = [m.register_forward_hook(_hook(recording, _plain(n), calls)) for n, m in model.named_modules()]
+    handles = [m.register_forward_hook(_hook(recording, plain_name(n), calls)) for n, m in model.named_modules()]
     try:
         step(model, lambda: setattr(recording, "forward", False))
     finally:
@@ -147,7 +147,7 @@ def _reference_step(ctx, model, inputs, stop) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def _plain(name: str) -> str:
+def plain_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
 
 
@@ -255,8 +255,9 @@ def _found(ctx, key: str, what: str, ratio: float | None) -> dict[str, Any]:
     }
 
 
-def governing(ctx, fqn: str) -> list[dict[str, Any]]:
-    """The plan statements that govern module `fqn`: parallelize rules on it, then on its ancestors
+def governing(ctx, fqn: str, inside: bool = False) -> list[dict[str, Any]]:
+    """The plan statements that govern module `fqn`: parallelize rules on it, with `inside` those on its
+    submodules (whose outputs its own code reads: a forward that raised), then on its ancestors
     (nearest first), the fully_shard or replicate unit holding it, and activation checkpointing."""
     from ..compiler.predict import enclosing, units_by_module
 
@@ -279,8 +280,10 @@ def governing(ctx, fqn: str) -> list[dict[str, Any]]:
             )
 
     rules = [m for m in resolution.rules if m.fqn == fqn or fqn.startswith(m.fqn + ".") or not m.fqn]
-    for match in sorted(rules, key=lambda m: -len(m.fqn)):
-        add(match.rule.span, "the parallelize rule on it" if match.fqn == fqn else f"a rule on {match.fqn or 'root'}")
+    below = [m for m in resolution.rules if inside and m.fqn.startswith(fqn + "." if fqn else "")]
+    for match in [*(m for m in rules if m.fqn == fqn), *below, *sorted(rules, key=lambda m: -len(m.fqn))]:
+        what = "the parallelize rule on it" if match.fqn == fqn else f"a rule on {match.fqn or 'root'}"
+        add(match.rule.span, what if match in rules else f"a rule inside it, on {match.fqn}")
     unit = enclosing(fqn, units_by_module(resolution))
     if unit is not None:
         block = plan.units[unit.block]
