@@ -5,6 +5,8 @@ library's `shardlang.verify`."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import time
 import warnings
 from pathlib import Path
@@ -135,12 +137,14 @@ def _run(job: Job) -> Report:
         running.append(name)
         progress(f"check {name}")
 
+    finished: dict[str, int] = {}  # when each module of the sharded model last finished its forward
     try:
-        results = run_checks(ctx, job.checks, progress=starting)
+        with _watching(applied.model, finished):
+            results = run_checks(ctx, job.checks, progress=starting)
     except ModelFileError:
         raise  # example_input or loss is unusable: the launcher says so (exit status 2)
     except Exception as e:
-        raise _raised(ctx, running[-1] if running else "?", job.checks, e) from e
+        raise _raised(ctx, running[-1] if running else "?", job.checks, e, finished) from e
     checks = tuple(combine(gather(results)))
     failures = tuple(d for c in checks if c.status == FAIL for d in _failure(c, job.checks))
     # `init` has nothing to compare after --load (the weights were loaded, not initialised): that was the
@@ -221,7 +225,29 @@ def _failure(result, checks) -> tuple[Diagnostic, ...]:
     return tuple(found)
 
 
-def _raised(ctx: Context, name: str, checks, error: Exception) -> CheckRaised:
+@contextlib.contextmanager
+def _watching(model: torch.nn.Module, finished: dict[str, int]):
+    """Keep in `finished` when each module of `model` last finished its forward, in calls counted (one
+    global hook, which ignores the references' modules): where a forward raises, the submodule whose
+    output its code was reading, the last to finish, is the likeliest to have been sharded wrong."""
+    from ..verification.localise import plain_name
+
+    names = {id(m): plain_name(n) for n, m in model.named_modules()}
+    ticks = itertools.count()
+
+    def hook(module, args, output) -> None:
+        name = names.get(id(module))
+        if name is not None:
+            finished[name] = next(ticks)
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _raised(ctx: Context, name: str, checks, error: Exception, finished: dict[str, int]) -> CheckRaised:
     """SL400 at the check's statement for a check that raised, with the user's frames as help; and where
     a module of the sharded model was running (its forward or its hooks), SL400 at the plan statement
     that governs it, with the line of its code that was running and the package that code belongs to."""
@@ -245,7 +271,7 @@ def _raised(ctx: Context, name: str, checks, error: Exception) -> CheckRaised:
     diagnostics = [Diagnostic(SL400, summary, span, help)]
     if found is not None:
         fqn, module, frame = found
-        statements = governing(ctx, fqn, inside=True)
+        statements = governing(ctx, fqn, inside=True, finished=finished)
         spans = [Span(s["file"], s["line"], s["col"], s["end_line"], s["end_col"]) for s in statements]
         running = "forward" if frame.name == "forward" else f"call ({frame.name}: its hooks)"
         diagnostics.append(

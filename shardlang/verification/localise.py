@@ -255,9 +255,10 @@ def _found(ctx, key: str, what: str, ratio: float | None) -> dict[str, Any]:
     }
 
 
-def governing(ctx, fqn: str, inside: bool = False) -> list[dict[str, Any]]:
+def governing(ctx, fqn: str, inside: bool = False, finished: dict[str, int] | None = None) -> list[dict[str, Any]]:
     """The plan statements that govern module `fqn`: parallelize rules on it, with `inside` those on its
-    submodules (whose outputs its own code reads: a forward that raised), then on its ancestors
+    submodules (whose outputs its own code reads: a forward that raised), the one whose module finished
+    last first (`finished`: when each module's forward last finished), then rules on its ancestors
     (nearest first), the fully_shard or replicate unit holding it, and activation checkpointing."""
     from ..compiler.predict import enclosing, units_by_module
 
@@ -281,6 +282,7 @@ def governing(ctx, fqn: str, inside: bool = False) -> list[dict[str, Any]]:
 
     rules = [m for m in resolution.rules if m.fqn == fqn or fqn.startswith(m.fqn + ".") or not m.fqn]
     below = [m for m in resolution.rules if inside and m.fqn.startswith(fqn + "." if fqn else "")]
+    below.sort(key=lambda m: -(finished or {}).get(m.fqn, -1))
     for match in [*(m for m in rules if m.fqn == fqn), *below, *sorted(rules, key=lambda m: -len(m.fqn))]:
         what = "the parallelize rule on it" if match.fqn == fqn else f"a rule on {match.fqn or 'root'}"
         add(match.rule.span, what if match in rules else f"a rule inside it, on {match.fqn}")
