@@ -497,12 +497,13 @@ def run_apply(args: argparse.Namespace) -> int:
     except UsageError as e:
         out.failed(UNUSABLE, {"kind": "usage", "message": str(e)})
         raise
-    except KeyboardInterrupt:
-        out.failed(130, {"kind": "interrupted", "message": "interrupted (Ctrl-C); no worker is left running"})
+    except KeyboardInterrupt as e:
+        message = "interrupted (Ctrl-C); no worker is left running"
+        out.failed(130, {"kind": "interrupted", "message": message}, ranks=getattr(e, "ranks", None))
         raise
     except Terminated as e:
         message = f"stopped by {e.name}; no worker is left running"
-        out.failed(128 + e.signum, {"kind": "terminated", "message": message})
+        out.failed(128 + e.signum, {"kind": "terminated", "message": message}, ranks=getattr(e, "ranks", None))
         raise
     except Exception as e:
         # A bug of shardlang's own: the traceback follows on stderr, and Python exits with status 1.

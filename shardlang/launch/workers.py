@@ -338,6 +338,14 @@ def in_fresh_process(fn: Callable[..., Any], *args: Any, timeout_s: float = 600.
     return value
 
 
+def _tell_ranks(error: BaseException, ranks: list[dict[str, Any]]) -> None:
+    """What every rank last said, on an exception that stops the pool (a WorkerError, or Ctrl-C or a
+    forwarded SIGTERM arriving while it waits): `error.ranks`, for a report printed on the way out."""
+    if not getattr(error, "ranks", None):
+        with contextlib.suppress(AttributeError, TypeError):
+            error.ranks = ranks
+
+
 def _error(rank: int, failure: dict[str, Any]) -> WorkerError:
     return WorkerError(rank, failure["message"], failure["details"], failure["user"], failure["diagnostics"])
 
@@ -416,8 +424,9 @@ class WorkerPool:
                 for proc in self._procs:
                     proc.start()
             self._collect(None, self.start_timeout_s, "ready")
-        except BaseException:
+        except BaseException as e:
             self.kill()
+            _tell_ranks(e, self.ranks())
             raise
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 600.0, **kwargs: Any) -> list[Any]:
@@ -434,8 +443,9 @@ class WorkerPool:
             values = self._collect(self._next, timeout_s, "ok")
         except WorkerError:
             raise
-        except BaseException:  # Ctrl-C, a forwarded SIGTERM: stop every worker now, not after the job
+        except BaseException as e:  # Ctrl-C, a forwarded SIGTERM: stop every worker now, not after the job
             self.kill()
+            _tell_ranks(e, self.ranks())
             raise
         return [pickle.loads(v) for v in values]
 
@@ -450,8 +460,8 @@ class WorkerPool:
 
     def ranks(self) -> list[dict[str, Any]]:
         """What each rank said in the current job (or start-up): its last progress message, and how it ended
-        where it did: `done`, `raised` (with its error), `died` (with its exit code); else `running`, or
-        `starting` for a rank that never joined. For a report that must say what every rank was doing."""
+        where it did: `done` (`ready` at start-up), `raised` (with its error), `died` (with its exit code);
+        else `running`, or `starting` for a rank that has not joined. For a report that must say what every rank was doing."""
         return [
             {
                 "rank": r,
@@ -489,7 +499,7 @@ class WorkerPool:
                 self._ended[rank] = {"state": "raised", "error": value["message"]}
                 raise self._root_cause(_error(rank, value))
             values[rank] = value
-            self._ended[rank] = {"state": "done"}
+            self._ended[rank] = {"state": "done" if job_id is not None else "ready"}
             if job_id is None:
                 self._doing[rank] = "ready"
         return [values[r] for r in range(self.world_size)]
