@@ -177,6 +177,28 @@ FAULTS = {
         ["net1.weight: ranks 0 and 1 hold identical shards"],
         None,
     ),
+    "a bias counted on every TP rank, in bf16 only a little over its tolerance until a mean makes it large": (
+        2,
+        "tests/faults/pooled_bf16.py",
+        "gradients",
+        MLP_USE.format(style="rowwise_bias_every_rank") + "parallelize on world.tp { proj : colwise; out : odd }\n"
+        "verify gradients(steps=1)\n",
+        MLP_USE.format(style="rowwise_bias_once") + "parallelize on world.tp { proj : colwise; out : odd }\n"
+        "verify gradients(steps=1)\n",
+        ["step 0: loss"],
+        "out",  # not `pool`, which is far over its tolerance only because it carries out's error
+    ),
+    "a user style whose hook averages the input's gradient over the TP group, where it must sum": (
+        2,
+        "tests/faults/seq_norm.py",
+        "gradients",
+        MLP_USE.format(style="ColwiseAveragingInHook") + "parallelize on world.tp { mlp.w1 : odd; mlp.w2 : rowwise }\n"
+        "verify gradients(steps=1)\n",
+        MLP_USE.format(style="ColwiseReducingInHook") + "parallelize on world.tp { mlp.w1 : odd; mlp.w2 : rowwise }\n"
+        "verify gradients(steps=1)\n",
+        ["gradient of norm.weight"],
+        "mlp.w1",  # not `norm`, whose gradient is wrong because mlp.w1's hook sent it back wrong
+    ),
 }
 
 
@@ -236,3 +258,28 @@ def test_check_without_example_input_is_not_run_and_not_passed(pools, tmp_path):
     assert all(c.status == "pass" for c in report.ran) and report.ok
     assert report.summary == "4 passed, 2 skipped"
     assert "example_input" in report.skipped[0].message
+
+
+def test_the_departure_rule_by_example():
+    """localise.first_departure's examples: a module that departs under CLEAR is named before the one
+    that carries its error over CLEAR; nothing is named where nothing is CLEAR times over."""
+    import doctest
+
+    from shardlang.verification import localise
+
+    found = doctest.testmod(localise)
+    assert found.failed == 0 and found.attempted >= 4
+
+
+def test_a_replicated_gradient_is_not_read_as_partial():
+    """Equal pieces on every TP rank are a replicated tensor: summing them would make a gradient that a
+    style averaged instead of summed look right."""
+    import torch
+
+    from shardlang.verification.localise import _readings
+
+    same = torch.ones(2, 3)
+    assert len(_readings(same, [(same, None), (same.clone(), None)])) == 1 + 2  # as it is, two concatenations
+    other = torch.zeros(2, 3)
+    sums = [r for r in _readings(same, [(same, None), (other, None)]) if r.shape == same.shape]
+    assert len(sums) == 2 and torch.equal(sums[1], same)
