@@ -82,7 +82,13 @@ def localise(ctx, references, inputs: tuple, where, args: dict, failing_params: 
         if named is not None:
             key, ratio = named
             call, _, role = key.partition(" ")
-            return _found(ctx, call, _WHAT[backward, role.split()[0]], ratio)
+            what = _WHAT[backward, role.split()[0]]
+            if backward and role == "out":
+                # A gradient given wrong, that no module sent back wrong: the loss's (where it is the first
+                # to arrive), to the innermost module whose output the outer ones passed on unchanged.
+                call = sharded.innermost(call)
+                what += ", as the loss sent it back" if key == records[0][0] else ""
+            return _found(ctx, call, what, ratio)
     return _by_parameter(
         ctx,
         failing_params,
@@ -173,6 +179,15 @@ class _Recording:
         self.forward = True
         self.calls: Counter = Counter()
         self.running: dict[int, list[str]] = {}  # id(module) -> the keys of its calls still running
+        self.made: dict[int, tuple[str, torch.Tensor]] = {}  # id(output view) -> (the call, the view)
+        self.passes: dict[str, str] = {}  # a call -> the call whose output it returned unchanged
+
+    def innermost(self, call: str) -> str:
+        """The innermost call whose output `call` returned unchanged (a model's root returning its output
+        layer's), or `call` itself."""
+        while call in self.passes:
+            call = self.passes[call]
+        return call
 
     def flow(self, key: str, tensor: torch.Tensor, replace: bool = True) -> torch.Tensor:
         """Record `tensor` under `key` and return it as a new identity view whose gradient is recorded as it
@@ -239,10 +254,15 @@ def _made(recording: _Recording):
         tensor = _first_tensor(output)
         if tensor is None:
             return None
+        if recording.forward and id(tensor) in recording.made:
+            recording.passes[key] = recording.made[id(tensor)][0]
         if output is tensor:
-            return recording.flow(f"{key} out", tensor)
+            tapped = recording.flow(f"{key} out", tensor)
+            recording.made[id(tapped)] = (key, tapped)  # kept alive with it: ids are not reused meanwhile
+            return tapped
         if type(output) in (tuple, list) and any(item is tensor for item in output):
             tapped = recording.flow(f"{key} out", tensor)
+            recording.made[id(tapped)] = (key, tapped)
             return type(output)(tapped if item is tensor else item for item in output)
         recording.flow(f"{key} out", tensor, replace=False)  # a dict, a ModelOutput, a nested tensor
         return None
