@@ -316,3 +316,27 @@ def test_json_when_interrupted_says_what_each_rank_was_doing(signum, status, kin
 
 
 APPLY_HANGS = ("apply", "plans/mlp_tp.sl", "tests/fixtures/hostile/forward_hangs.py", "--nproc", "2")
+
+
+def test_json_under_torchrun_when_a_check_raises():
+    """Under torchrun no launcher collects the ranks: rank 0 prints the object, saying what it did itself."""
+    from shardlang.launch.workers import free_port
+
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"),
+            *("--master-addr", "127.0.0.1", "--master-port", str(free_port())),
+            *("-m", "shardlang", "apply", f"{RAISES}/heads.sl", f"{RAISES}/heads.py", "--device", "cpu", "--json"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 1, done.stderr
+    report = one_object(done.stdout)
+    assert report["exit_status"] == 1 and report["failure"]["kind"] == "raised" and report["failure"]["rank"] == 0
+    (rank,) = report["ranks"]
+    assert rank["rank"] == 0 and rank["said"] == "check gradients" and rank["state"] == "raised", rank
+    assert report["diagnostics"][1]["message"].startswith("raised in module 'block' (Heads), in its forward")

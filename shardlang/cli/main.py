@@ -12,6 +12,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -30,6 +31,8 @@ from ..runtime.modelfile import ModelFile, ModelFileError, load_model_file
 
 #: Exit statuses (docs/language.md §5).
 OK, FOUND, UNUSABLE = 0, 1, 2
+#: Under torchrun, how long a failing rank other than 0 waits before it exits (see run_apply).
+RANK0_GRACE_S = 10.0
 
 
 class UsageError(Exception):
@@ -572,11 +575,19 @@ def _apply(args: argparse.Namespace, out: _Out) -> int:
     console = Console(file=sys.stderr, highlight=False)
     warnings: list[str] = []
     if torchrun:
+        rank = int(os.environ["RANK"])
+        out.json = out.json and rank == 0  # rank 0 prints the object; under torchrun it knows only itself
         try:
-            report = _run_under_torchrun(job, device, console)
-        except WorkerError as e:  # this rank's own failure; rank 0 also prints the JSON object
-            out.json = out.json and int(os.environ["RANK"]) == 0
-            _exit_now(_worker_failed(e, sources, args.debug, out))
+            # torchrun stops the other ranks with SIGTERM when one fails: rank 0 still prints its object
+            with _terminable():
+                report = _run_under_torchrun(job, device, console)
+        except WorkerError as e:  # this rank's own failure
+            status = _worker_failed(e, sources, args.debug, out)
+            if rank != 0:
+                # torchrun stops every rank once one exits: rank 0, likely failing alike, gets a moment to
+                # say so in its object before it is stopped
+                time.sleep(RANK0_GRACE_S)
+            _exit_now(status)
         _exit_now(OK if report is None else _show_report(report, warnings, sources, args, out))  # None: not rank 0
     try:
         with _terminable():
