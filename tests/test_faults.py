@@ -283,3 +283,18 @@ def test_a_replicated_gradient_is_not_read_as_partial():
     other = torch.zeros(2, 3)
     sums = [r for r in _readings(same, [(same, None), (other, None)]) if r.shape == same.shape]
     assert len(sums) == 2 and torch.equal(sums[1], same)
+
+
+def test_an_additive_mask_with_infinities_agrees_with_itself():
+    """Inputs are recorded too, and an additive attention mask holds -inf: equal infinities agree (their
+    difference would be nan, read as infinitely wrong), a finite value where -inf belongs does not."""
+    import math
+
+    import torch
+
+    from shardlang.verification.localise import _ratio
+
+    mask = torch.tensor([[0.0, -math.inf], [0.0, 0.0]])
+    rounded = mask + torch.tensor([[1e-3, 0.0], [0.0, 0.0]])
+    assert _ratio([mask.clone()], mask, rounded, 12) == 0.0
+    assert _ratio([torch.zeros(2, 2)], mask, rounded, 12) == math.inf

@@ -372,16 +372,22 @@ def _ratio(readings, truth: torch.Tensor | None, same: torch.Tensor | None, k: f
     if s.shape != t.shape:
         return None
     n = max(t.numel(), 1)
-    rms = float(t.norm()) / math.sqrt(n)
-    allowed = k * float((s - t).norm()) + k * torch.finfo(torch.float32).eps * rms * math.sqrt(n)
+    finite = t.isfinite()  # an additive attention mask holds -inf: those places agree where they are equal
+    rms = float(t[finite].norm()) / math.sqrt(n)
+    allowed = k * float(_difference(s, t).norm()) + k * torch.finfo(torch.float32).eps * rms * math.sqrt(n)
     best = None
     for reading in readings:
         if reading.shape != t.shape:
             continue
-        error = float((reading.detach().to(t.device).double() - t).norm())
+        error = float(_difference(reading.detach().to(t.device).double(), t).norm())
         ratio = math.inf if not math.isfinite(error) else error / allowed if allowed > 0 else (error > 0) * math.inf
         best = ratio if best is None else min(best, ratio)
     return best
+
+
+def _difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a - b, 0 where they are equal (infinities included: inf - inf would be nan)."""
+    return torch.where(a == b, torch.zeros_like(a), a - b)
 
 
 def _found(ctx, key: str, what: str, ratio: float | None) -> dict[str, Any]:
