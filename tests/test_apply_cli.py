@@ -340,3 +340,27 @@ def test_json_under_torchrun_when_a_check_raises():
     (rank,) = report["ranks"]
     assert rank["rank"] == 0 and rank["said"] == "check gradients" and rank["state"] == "raised", rank
     assert report["diagnostics"][1]["message"].startswith("raised in module 'block' (Heads), in its forward")
+
+
+def test_frames_are_told_apart_by_package_and_version():
+    """What a check that raised says of a frame that is not the user's: the package and its version, and
+    the path inside the package; the user's own files (a model file under the project) are nobody's."""
+    import torch
+    import torch.nn.functional as F
+
+    from shardlang.launch import job
+    from shardlang.launch.workers import package_of
+
+    assert package_of(F.__file__) == (f"torch {torch.__version__}", "torch/nn/functional.py")
+    assert package_of(job.__file__)[1] == "shardlang/launch/job.py"
+    assert package_of(job.__file__)[0].startswith("shardlang ")
+    assert package_of(json.__file__) == (f"python {sys.version_info[0]}.{sys.version_info[1]}", "json/__init__.py")
+    assert package_of(str(ROOT / RAISES / "heads.py")) is None
+    if HAS_TRANSFORMERS:
+        import transformers
+        from transformers.models.llama import modeling_llama
+
+        assert package_of(modeling_llama.__file__) == (
+            f"transformers {transformers.__version__}",
+            "transformers/models/llama/modeling_llama.py",
+        )
