@@ -116,17 +116,28 @@ def observe_steps(
     copy of that module, in a forked child holding a simulated world of `world_size` (rank 0) with the
     program's meshes on the CPU, through the same runtime.steps entries apply runs; the layout each step
     left on every tensor below its module, in the order of `steps`."""
-    if not steps:
-        return []
     names = [_style_name(s) for s in steps]
-    copies = [meta_copy(model.get_submodule(s.module) if s.module else model) for s in steps]
+    copies: list[nn.Module | Observed] = []  # a meta copy to run, or why there is none; then what it showed
+    for step, name in zip(steps, names):
+        try:
+            copies.append(meta_copy(model.get_submodule(step.module) if step.module else model))
+        except Exception as e:  # noqa: BLE001 - a module that cannot be copied to meta is not predicted
+            copies.append(Observed(name, failure=f"its module cannot be copied to the meta device: {_why(e)}"))
+    runnable = [i for i, c in enumerate(copies) if isinstance(c, nn.Module)]
+    if not runnable:
+        return copies
     meshes = {m.name: m.dim_names for m in plan.meshes}
-    status, payload = in_fork(
-        lambda: _run_steps(program, steps, names, copies, imported, world_size, meshes), timeout_s
-    )
-    if status != "ok":
-        return [Observed(name, failure=payload) for name in names]
-    return payload
+    chosen = [(steps[i], names[i], copies[i]) for i in runnable]
+    status, payload = in_fork(lambda: _run_steps(program, chosen, imported, world_size, meshes), timeout_s)
+    ran = payload if status == "ok" else [Observed(names[i], failure=payload) for i in runnable]
+    for i, seen in zip(runnable, ran):
+        copies[i] = seen
+    return copies
+
+
+def _why(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
 
 
 def _style_name(step) -> str:
@@ -137,7 +148,7 @@ def _style_name(step) -> str:
     return "distribute"
 
 
-def _run_steps(program, steps, names, copies, imported, world_size, meshes) -> list[Observed]:
+def _run_steps(program, chosen, imported, world_size, meshes) -> list[Observed]:
     """In the child: leave the real world, start a fake one, make the meshes, run every step."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -152,12 +163,11 @@ def _run_steps(program, steps, names, copies, imported, world_size, meshes) -> l
                 if None in shape:
                     shape = tuple(n if n is not None else world_size // ir.fixed_size(shape) for n in shape)
                 made[step.name] = init_device_mesh("cpu", shape, mesh_dim_names=step.dims)
-        for step, name, module in zip(steps, names, copies):
+        for step, name, module in chosen:
             try:
                 STEPS[type(step)].run(attrs.evolve(step, module=""), Running(module, made, dict(imported)))
             except Exception as e:  # noqa: BLE001 - a style that cannot run on meta is not predicted
-                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                observed.append(Observed(name, failure=f"{type(e).__name__}: {first}".rstrip(": ")))
+                observed.append(Observed(name, failure=_why(e)))
                 continue
             observed.append(Observed(name, _layouts(module, step.mesh, name, meshes[step.mesh.mesh])))
     return observed
@@ -205,7 +215,12 @@ def in_fork(fn: Callable[[], Any], timeout_s: float) -> tuple[str, Any]:
     import torch.testing._internal.distributed.fake_pg  # noqa: F401 - imported before the fork, not in the child
 
     read, write = os.pipe()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError as e:
+        os.close(read)
+        os.close(write)
+        return "failed", f"cannot fork: {_why(e)}"
     if pid == 0:  # the child
         try:
             os.close(read)
@@ -215,7 +230,7 @@ def in_fork(fn: Callable[[], Any], timeout_s: float) -> tuple[str, Any]:
             try:
                 result = ("ok", fn())
             except BaseException as e:  # noqa: BLE001 - reported to the parent
-                result = ("failed", f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+                result = ("failed", _why(e))
             data = pickle.dumps(result)
             view = memoryview(data)
             while view:
