@@ -7,7 +7,8 @@ layout it leaves on every tensor (predict.Observed). apply runs inside a real pr
 second `init_process_group` would clash with and whose collectives must not see meta tensors, so the
 styles run in a forked child that sets the real world aside (kept alive, never destroyed, never called)
 and starts a fake one of the same size: the parent's process group, its communicators and DTensor's
-caches are not touched, and a style that hangs or crashes costs its prediction, not the run.
+caches are not touched, and a style that hangs or crashes costs its prediction, not the run. This lives
+in runtime, not explain, because apply needs it and no stage imports a later one.
 """
 
 from __future__ import annotations
