@@ -207,6 +207,9 @@ def _tp(plan, rules, resolution, owner, name, is_param, observed) -> Placed:
     if not placers:
         return PLAIN
     if len(placers) > 1 and any(user for _, user, _ in placers):
+        unrun = next((placed for _, user, placed in placers if user and not placed.known), None)
+        if unrun is not None:  # a use style above another rule, not run: it may place the tensor too
+            return unrun
         where = " and ".join(f"'{m or 'root'}'" for m, _, _ in placers)
         return unknown(f"the rules on {where} would both place it, one of them a `use` style")
     return placers[0][2]
@@ -219,7 +222,8 @@ def _by_rule(plan, match: RuleMatch, resolution, probe, owner, name, is_param, o
     if style.use is not None:
         seen = observed.get(probe)
         if seen is None:  # plain lint imports no style and runs none
-            return unknown(f"placed by the `use` style '{style.name}', which only apply runs")
+            where = "placed by" if probe == owner else f"below '{probe or 'root'}' and its"
+            return unknown(f"{where} `use` style '{style.name}', which only apply runs")
         if seen.failure is not None:
             return unknown(f"the `use` style '{style.name}' could not be run in a simulated world: {seen.failure}")
         tensor = f"{owner}.{name}" if owner else name
