@@ -195,6 +195,32 @@ def test_a_use_style_that_hangs_costs_its_prediction_not_the_run():
     assert seen.failure == "no result within 2 s"
 
 
+def colwise_every_linear_below(module, mesh):
+    """A `use` style (for test_a_tensor_two_rules_would_place_is_not_predicted): every nn.Linear child column-wise."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    for child in module.children():
+        if isinstance(child, nn.Linear):
+            parallelize_module(child, mesh, ColwiseParallel())
+
+
+def test_a_tensor_two_rules_would_place_is_not_predicted():
+    """Which of a `use` style above and a built-in rule below places a tensor depends on their order."""
+    model = _model("tests.models:seq_mlp")
+    plan = shardlang.loads(
+        "use tests.test_predict.colwise_every_linear_below as below\nmesh world = cpu[tp=auto]\n"
+        "parallelize on world.tp { mlp : below; mlp.w1 : rowwise }\n"
+    )
+    predicted = _observed_lint(plan, model, 2).predictions
+    assert not predicted["mlp.w1.weight"].known
+    assert (
+        predicted["mlp.w1.weight"].note
+        == "the rules on 'mlp.w1' and 'mlp' would both place it, one of them a `use` style"
+    )
+    assert predicted["mlp.w2.weight"].placements == (ir.Shard(0),)
+    assert predicted["norm.weight"] == PLAIN
+
+
 TIED = "{uses}mesh world = cpu[tp=auto]\nparallelize on world.tp {{ embedding : colwise; fc : {fc} }}\n"
 
 
