@@ -2,6 +2,8 @@
 parameters, placements, local shards, outputs and gradients as the hand-written torch calls, and
 the placements the compiler predicted."""
 
+import importlib.util
+
 import pytest
 
 from shardlang.launch.workers import WorkerError
@@ -356,3 +358,47 @@ def test_worker_failure_names_the_rank(pools):
     with pytest.raises(WorkerError) as raised:
         pools(2).run(jobs.failing_apply_leaves_model_unchanged, "mesh world = cpu[dp=auto]\n", "tests.models:units")
     assert "apply did not fail" in str(raised.value)
+
+
+GPT2_TP = """use {colwise} as colwise_c1d
+use examples.styles.RowwiseConv1D as rowwise_c1d
+mesh world = cpu[tp=auto]
+parallelize transformer.h.* on world.tp {{
+    attn.c_attn : colwise_c1d(output_layouts=replicate)
+    attn.c_proj : rowwise_c1d(input_layouts=replicate)
+    mlp.c_fc    : colwise_c1d
+    mlp.c_proj  : rowwise_c1d
+}}
+init cpu
+verify placements
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs pip install -e '.[hf]'")
+def test_placements_of_use_styles_for_gpt2_conv1d_are_what_the_styles_do(pools, tmp_path):
+    """ColwiseParallel/RowwiseParallel subclasses for GPT-2's Conv1D (weight [in, out]): every tensor is
+    predicted (by running the styles in a simulated world) and placed so; a style that leaves one rank's
+    bias plain fails the check on that rank."""
+    import shardlang
+    from shardlang.launch.job import Job, run
+
+    from .conftest import ROOT
+
+    reports = {}
+    for name, colwise in [
+        ("correct", "examples.styles.ColwiseConv1D"),
+        ("wrong", "tests.faults.styles.ColwiseConv1DBiasPlainOnRank1"),
+    ]:
+        path = tmp_path / f"{name}.sl"
+        path.write_text(GPT2_TP.format(colwise=colwise))
+        job = Job(str(path), {}, str(ROOT / "examples" / "hf_gpt2.py"), None, shardlang.load(path).checks)
+        (reports[name],) = [r.checks for r in pools(2).run(run, job)[:1]]
+    (correct,), (wrong,) = reports["correct"], reports["wrong"]
+    assert correct.status == "pass" and "not predicted" not in correct.message, correct.message
+    tensors = int(correct.message.split()[0])
+    assert (
+        tensors == 2 + 2 * 12 + 2 + 1
+    )  # wte, wpe; per block ln_1, c_attn, c_proj, ln_2, c_fc, c_proj (x2 each); ln_f; lm_head
+    assert wrong.status == "fail", wrong.message
+    for words in ("rank 1", "transformer.h.0.attn.c_attn.bias: predicted world[tp] (Shard(0))", "got plain tensor"):
+        assert words in wrong.message, wrong.message

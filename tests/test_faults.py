@@ -61,15 +61,15 @@ FAULTS = {
         ["net1.bias (meta)", "still on meta"],
         None,
     ),
-    "a style placing tensors other than predicted": (
+    "a use style placing a parameter differently on one rank": (
         2,
-        "tests/faults/seq_norm.py",
+        "examples/mlp.py",
         "placements",
-        "use tests.faults.styles.ShardingSequenceParallel as sp\nmesh world = cpu[tp=auto]\n"
-        "parallelize on world.tp { norm : sp; mlp.w1 : colwise; mlp.w2 : rowwise }\nverify placements\n",
-        "use tests.faults.styles.PlainSequenceParallel as sp\nmesh world = cpu[tp=auto]\n"
-        "parallelize on world.tp { norm : sp; mlp.w1 : colwise; mlp.w2 : rowwise }\nverify placements\n",
-        ["norm.weight", "predicted world[tp] (Replicate())", "(Shard(0))"],
+        MLP_USE.format(style="colwise_bias_plain_on_rank1") + "parallelize on world.tp { net1 : odd; net2 : rowwise }\n"
+        "verify placements\n",
+        MLP_USE.format(style="colwise_from_local") + "parallelize on world.tp { net1 : odd; net2 : rowwise }\n"
+        "verify placements\n",
+        ["rank 1", "net1.bias: predicted world[tp] (Shard(0))", "in a simulated world", "got plain tensor"],
         None,
     ),
     "a wrong collective count": (

@@ -14,7 +14,7 @@ from attrs import frozen
 from ..frontend import ir
 from ..frontend.diagnostics import SL301, Diagnostic
 from ..frontend.static_checks import check_world
-from .predict import Placed, mesh_shapes, predict
+from .predict import Observed, Placed, mesh_shapes, predict
 from .resolve import Resolution, resolve
 from .rules import RULES
 from .rules.common import pipeline_size
@@ -37,12 +37,13 @@ def lint(
     plan: ir.Plan,
     model: nn.Module,
     world_size: int,
-    user_kinds: Mapping[str, str] | None = None,
+    observed: Mapping[str, Observed] | None = None,
     strided_shard: bool = True,
     runs: bool = True,
 ) -> Linted:
     """Resolve `plan` on `model`, predict placements at `world_size` and run every SL2xx check.
-    `user_kinds` and `strided_shard` are what apply knows of the installed torch (see predict).
+    `observed` and `strided_shard` are what apply knows of the `use` styles (run in a simulated world)
+    and of the installed torch (see predict); without `observed`, what `use` styles place is not predicted.
     `runs` False leaves out SL301 (what the installed torch cannot run): explain lays out a plan in a
     simulated world without running it, and says in a note when its step fails."""
     found = list(check_world(plan, world_size))
@@ -50,7 +51,7 @@ def lint(
         return Linted(None, None, tuple(found))
     shapes = mesh_shapes(plan, world_size)
     resolution, found = resolve(plan, model, pipeline_size(plan, shapes))
-    predictions = predict(plan, resolution, shapes, user_kinds, strided_shard)
+    predictions = predict(plan, resolution, shapes, observed, strided_shard)
     for rule in RULES:
         found += rule(plan, resolution, predictions, shapes)
     if not runs:

@@ -15,7 +15,7 @@ from collections import defaultdict
 from ..frontend import ir
 from . import program as p
 from .devices import mesh_device
-from .predict import owned
+from .predict import owned, packs_for_fsdp
 from .resolve import Resolution, UnitMatch
 from .styles import OURS, Constructor, Reference, constructor
 
@@ -157,7 +157,7 @@ def _fsdp_kwargs(plan: ir.Plan, block: ir.Units, get) -> tuple:
         if not mp.cast_forward_inputs:
             args += (("cast_forward_inputs", False),)
         kwargs.append(("mp_policy", Constructor(f"{FSDP}.MixedPrecisionPolicy", args)))
-    if any(r.style.name == "packed_colwise" and r.style.use is None for b in plan.parallelize for r in b.rules):
+    if packs_for_fsdp(plan):
         # FSDP shards a packed weight on dim 1: its Shard(0) of rows that TP took part by part would be
         # mislabelled (runtime.tpstyles.fsdp_shard_placement; predict._fsdp says the same)
         kwargs.append(("shard_placement_fn", Reference(f"{OURS}.fsdp_shard_placement")))

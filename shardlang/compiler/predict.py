@@ -1,10 +1,13 @@
 """The compiler's prediction of where every parameter and buffer ends up: mesh, dims and placements.
 
 This is what the `placements` check compares against, what SL203/SL204 reason about, and what
-`explain` shows. It is derived from the plan's styles and units, not by running them, so a style that
-shards differently from what it claims is caught. Predictions follow the installed torch where it
-matters (`strided_shard`, which apply takes from runtime.torchcompat.fsdp_strided_shard), so this
-module needs no process group and imports nothing of torch.distributed.
+`explain` shows. Built-in styles are predicted from a table of what each does (tests run every one in a
+simulated world and compare), not by running them, so a built-in style that shards differently from
+the table is caught. A `use` style has no table: its tensors are predicted from what it did when apply
+ran it on a meta copy of its module in a simulated world (`observed`, runtime.simulated), and are "not
+predicted" where it was not run (plain lint) or could not be. Predictions follow the installed torch
+where it matters (`strided_shard`, which apply takes from runtime.torchcompat.fsdp_strided_shard), so
+this module needs no process group and imports nothing of torch.distributed.
 """
 
 from __future__ import annotations
@@ -12,13 +15,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 import torch.nn as nn
-from attrs import frozen
+from attrs import field, frozen
 
 from ..frontend import ir
 from .resolve import Resolution, RuleMatch, UnitMatch
 from .styles import expand
 
-#: TP styles by what they do to parameters; user styles are mapped by their torch base class.
+#: Built-in TP styles by what they do to parameters.
 SHARDING_STYLES = (
     "colwise",
     "rowwise",
@@ -35,17 +38,20 @@ INPUT_OUTPUT_STYLES = ("prepare_input", "prepare_output")
 
 @frozen
 class Placed:
-    """A tensor's predicted layout. `mesh` None: a plain tensor. `known` False: a user style shardlang
-    cannot see into placed it, so there is no prediction to check against."""
+    """A tensor's predicted layout. `mesh` None: a plain tensor. `known` False: no prediction to check
+    against, and `note` says why (a `use` style that was not or could not be run); a known layout's
+    `note` says how it was predicted when not from the table of built-in styles. Two layouts are equal
+    when mesh, dims and placements are, however they were predicted."""
 
     mesh: str | None = None
     dims: tuple[str, ...] = ()
     placements: tuple = ()
     known: bool = True
+    note: str = field(default="", eq=False)
 
     def __str__(self) -> str:
         if not self.known:
-            return "unknown (user style)"
+            return f"not predicted ({self.note})" if self.note else "not predicted"
         if self.mesh is None:
             return "plain tensor"
         return f"{self.mesh}[{', '.join(self.dims)}] ({', '.join(map(_placement_text, self.placements))})"
@@ -58,22 +64,38 @@ def _placement_text(p) -> str:
 
 
 PLAIN = Placed()
-UNKNOWN = Placed(known=False)
 
 
-def style_kind(style: ir.Style, user_kinds: Mapping[str, str] | None = None) -> str:
-    """`colwise`, `rowwise`, `sequence_parallel`, `distribute`, `prepare_input`, `prepare_output` or `unknown`.
-    A `use` style has the kind `user_kinds` gives its alias (runtime.values.style_kinds, from the
-    imported class's torch base class), else `unknown`."""
-    if style.use is None:
-        return style.name
-    return (user_kinds or {}).get(style.name, "unknown")
+def unknown(note: str) -> Placed:
+    """No prediction, and why."""
+    return Placed(known=False, note=note)
 
 
-def tp_placement(style: ir.Style, kind: str, module: nn.Module, name: str):
-    """The placement a TP style gives a module's own tensor `name` on its 1-D mesh; None if it does not
-    shard it (torch's distribute_module then replicates it)."""
-    kind = expand(style).name if style.use is None else kind
+@frozen
+class Observed:
+    """What one `use` style did when run on a meta copy of its module in a simulated world of the plan's
+    shape (runtime.simulated): the layout it left on each parameter and buffer below that module, by
+    name relative to it. `failure`: why it could not be run; nothing it places is predicted then."""
+
+    style: str
+    tensors: tuple[tuple[str, Placed], ...] = ()
+    failure: str | None = None
+
+    def placed(self, name: str) -> Placed | None:
+        """The layout the style left on `name`; None if the style removed or renamed it."""
+        return dict(self.tensors).get(name)
+
+
+def style_kind(style: ir.Style) -> str:
+    """A built-in style's name (`colwise`, `rowwise`, `sequence_parallel`, `distribute`, ...); `unknown`
+    for a `use` style, which may place anything below its module."""
+    return style.name if style.use is None else "unknown"
+
+
+def tp_placement(style: ir.Style, module: nn.Module, name: str):
+    """The placement a built-in TP style gives a module's own tensor `name` on its 1-D mesh; None if it
+    does not shard it (torch's distribute_module then replicates it)."""
+    kind = expand(style).name
     if kind == "packed_colwise":
         # each part split on its own: rank k holds the k-th slice of every part; a bias stays whole
         return {"weight": ir.StridedShard(0, style.get("parts", 2)), "bias": ir.Replicate()}.get(name)
@@ -135,14 +157,22 @@ def mesh_shapes(plan: ir.Plan, world_size: int) -> dict[str, tuple[int, ...]]:
     return {m.name: m.shape(world_size) for m in plan.meshes}
 
 
+def packs_for_fsdp(plan: ir.Plan) -> bool:
+    """Whether the plan's fully_shard calls get `shard_placement_fn=fsdp_shard_placement` (lower.py), which
+    shards a packed (`_StridedShard`) weight on dim 1: only where a built-in packed_colwise is used."""
+    return any(r.style.name == "packed_colwise" and r.style.use is None for b in plan.parallelize for r in b.rules)
+
+
 def predict(
     plan: ir.Plan,
     resolution: Resolution,
     mesh_sizes: Mapping[str, tuple[int, ...]],
-    user_kinds: Mapping[str, str] | None = None,
+    observed: Mapping[str, Observed] | None = None,
     strided_shard: bool = True,
 ) -> dict[str, Placed]:
     """Every parameter's and buffer's predicted layout by FQN. `mesh_sizes` maps each mesh to its shape;
+    `observed`: what each `use` style did when run in a simulated world, by the FQN of its module
+    (runtime.simulated.observe_user_styles; without it their tensors are not predicted);
     `strided_shard`: FSDP marks its shard of a dim TP already shards as `_StridedShard`, as every torch
     shardlang supports does (runtime.torchcompat.fsdp_strided_shard)."""
     rules = rules_by_module(resolution)
@@ -150,7 +180,7 @@ def predict(
     predictions = {}
     for fqn, owner, name, tensor in owned(resolution.modules):
         is_param = isinstance(tensor, nn.Parameter)
-        placed = _tp(plan, rules, resolution, owner, name, is_param, user_kinds)
+        placed = _tp(plan, rules, resolution, owner, name, is_param, observed or {})
         if is_param:
             unit = enclosing(owner, units)
             if unit is not None and unit.kind(plan.units[unit.block]) == "fully_shard" and placed.known:
@@ -159,25 +189,57 @@ def predict(
     return predictions
 
 
-def _tp(plan, rules, resolution, owner, name, is_param, user_kinds) -> Placed:
-    """The layout after tensor parallelism: from the rule on the owner, or a recursive rule above it."""
+def _tp(plan, rules, resolution, owner, name, is_param, observed) -> Placed:
+    """The layout after tensor parallelism: from the rule on the owner, or a recursive rule above it.
+    Where a `use` style and another rule would both place the tensor, which one wins depends on the
+    order they run in: no prediction."""
+    placers = []  # (rule's module, is a use style, layout), nearest first
     probe = owner
     while True:
         match = rules.get(probe)
         if match is not None:
-            kind = style_kind(match.rule.style, user_kinds)
-            mesh = plan.parallelize[match.block].mesh
-            if probe == owner and kind in SHARDING_STYLES:
-                # what the style does not shard, distribute_module replicates (an embedding's scale buffer)
-                placement = tp_placement(match.rule.style, kind, resolution.modules[owner], name) or ir.Replicate()
-                return Placed(mesh.mesh, mesh.dims, (placement,))
-            if kind in REPLICATING_STYLES and is_param or kind == "distribute":
-                return Placed(mesh.mesh, mesh.dims, (ir.Replicate(),))
-            if kind == "unknown":  # a user style may place anything below it
-                return UNKNOWN
+            placed = _by_rule(plan, match, resolution, probe, owner, name, is_param, observed)
+            if placed is not None:
+                placers.append((probe, match.rule.style.use is not None, placed))
         if not probe:
-            return PLAIN
+            break
         probe = probe.rpartition(".")[0]
+    if not placers:
+        return PLAIN
+    if len(placers) > 1 and any(user for _, user, _ in placers):
+        unrun = next((placed for _, user, placed in placers if user and not placed.known), None)
+        if unrun is not None:  # a use style above another rule, not run: it may place the tensor too
+            return unrun
+        where = " and ".join(f"'{m or 'root'}'" for m, _, _ in placers)
+        return unknown(f"the rules on {where} would both place it, one of them a `use` style")
+    return placers[0][2]
+
+
+def _by_rule(plan, match: RuleMatch, resolution, probe, owner, name, is_param, observed) -> Placed | None:
+    """The layout the rule on module `probe` gives `owner`'s tensor `name`; None if it leaves it alone."""
+    style = match.rule.style
+    mesh = plan.parallelize[match.block].mesh
+    if style.use is not None:
+        seen = observed.get(probe)
+        if seen is None:  # plain lint imports no style and runs none
+            where = "placed by" if probe == owner else f"below '{probe or 'root'}' and its"
+            return unknown(f"{where} `use` style '{style.name}', which only apply runs")
+        if seen.failure is not None:
+            return unknown(f"the `use` style '{style.name}' could not be run in a simulated world: {seen.failure}")
+        tensor = f"{owner}.{name}" if owner else name
+        relative = tensor[len(probe) + 1 :] if probe else tensor
+        placed = seen.placed(relative)
+        if placed is None:
+            return unknown(f"the `use` style '{style.name}' removed or renamed it")
+        return placed if placed.mesh is not None else None
+    kind = style.name
+    if probe == owner and kind in SHARDING_STYLES:
+        # what the style does not shard, distribute_module replicates (an embedding's scale buffer)
+        placement = tp_placement(style, resolution.modules[owner], name) or ir.Replicate()
+        return Placed(mesh.mesh, mesh.dims, (placement,))
+    if kind in REPLICATING_STYLES and is_param or kind == "distribute":
+        return Placed(mesh.mesh, mesh.dims, (ir.Replicate(),))
+    return None
 
 
 def _fsdp(
@@ -192,8 +254,12 @@ def _fsdp(
     replicate_dims = dp.dims[:-1]  # HSDP: [replicate, shard]
     dims = tuple(d for d in mesh.dim_names if d in dp.dims or d in tp_dims)
     if tp.mesh is not None and tp.mesh != dp.mesh:
-        return UNKNOWN
+        return unknown(f"tensor parallel on mesh '{tp.mesh}' and fully_shard on mesh '{dp.mesh}'")
+    if any(not isinstance(p, (ir.Shard, ir.StridedShard, ir.Replicate)) for p in tp_dims.values()):
+        return unknown(f"fully_shard over {', '.join(map(_placement_text, tp.placements))} a `use` style left")
     packed = any(isinstance(p, ir.StridedShard) for p in tp_dims.values())
+    if packed and not packs_for_fsdp(plan):
+        return unknown("fully_shard over the _StridedShard a `use` style left, without packed_colwise's placement fn")
     placements = []
     for i, d in enumerate(dims):
         if d in tp_dims:
@@ -209,7 +275,8 @@ def _fsdp(
                 factor *= sizes[j]
             strided = factor > 1 and strided_shard
             placements.append(ir.StridedShard(0, factor) if strided else ir.Shard(0))
-    return Placed(dp.mesh, dims, tuple(placements))
+    note = f"{tp.note}, then fully_shard's own" if tp.note else ""
+    return Placed(dp.mesh, dims, tuple(placements), note=note)
 
 
 def _shards_dim0(placement) -> bool:

@@ -10,12 +10,10 @@ collective, its mesh dim and its size. Nothing is allocated: an 80-layer, 8192-w
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import warnings
 from collections import Counter, defaultdict
-from collections.abc import Iterator
 
 import attrs
 import numpy as np
@@ -30,8 +28,8 @@ from ..frontend import ir
 from ..frontend.diagnostics import PlanError
 from ..runtime.apply import apply_plan
 from ..runtime.modelfile import ModelFile
+from ..runtime.simulated import placed_as, simulated_world
 from ..runtime.torchcompat import local_shape_and_offset
-from ..verification.placements import actual
 from .fakestep import Collective, Peak, by_key, count_tokens, group_names, quiet, recording_fake_mode, warm_adamw
 from .pipelined import PipelineReport, pipeline_report, pp_coordinates, pp_size
 from .timing import Fit, Hardware, StepTime, Tally, step_time
@@ -117,20 +115,6 @@ class Explanation:
 
 
 # --- the simulated world ---------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def simulated_world(world_size: int, rank: int) -> Iterator[None]:
-    """Torch's fake process group as rank `rank` of `world_size`, for the length of the block."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise RuntimeError("explain simulates its own world: call it outside an initialised process group")
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def on_cpu(plan: ir.Plan) -> ir.Plan:
@@ -297,7 +281,7 @@ def _tensors_and_ranks(
                     kind,
                     tuple(tensor.shape),
                     str(tensor.dtype).removeprefix("torch."),
-                    actual(tensor).dims,
+                    placed_as(tensor).dims,
                     tuple(str(p) for p in placements),
                     tuple(local.shape),
                     local.numel() * element,

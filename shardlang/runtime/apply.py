@@ -27,10 +27,11 @@ from ..compiler.predict import Placed
 from ..frontend import ir
 from ..frontend.diagnostics import SL300, Diagnostic, PlanError, few
 from . import helpers, pipeline
+from .simulated import observe_user_styles
 from .snapshot import Snapshot
 from .steps import STEPS, Running, torch_device
 from .torchcompat import fsdp_strided_shard
-from .values import import_path, style_kinds
+from .values import import_path
 
 
 @define
@@ -81,13 +82,20 @@ def apply_plan(plan: ir.Plan, model: nn.Module, pp_rank: int | None = None) -> A
     world_size = dist.get_world_size()
     imported = _import_uses(plan, sources)
     # In a simulated world (explain) nothing runs: what torch cannot run shows as explain's failed step.
-    linted = lint(plan, model, world_size, style_kinds(imported), fsdp_strided_shard(), runs=not simulated())
+    linted = lint(plan, model, world_size, None, fsdp_strided_shard(), runs=not simulated())
     if not linted.ok:
         raise PlanError(linted.diagnostics, sources)
     problems = [] if simulated() else _check_devices(plan, model)
     if problems:
         raise PlanError(problems, sources)
     program = lower(plan, linted.resolution, world_size)
+    if any(isinstance(step, p.UserStyle) for step in program.steps):
+        # What `use` styles place is seen by running them in a simulated world; lint again with it, so that
+        # SL203/SL204 and the placements check see their tensors too.
+        observed = _on_rank0(lambda: observe_user_styles(plan, program, model, imported, world_size))
+        linted = lint(plan, model, world_size, observed, fsdp_strided_shard(), runs=not simulated())
+        if not linted.ok:
+            raise PlanError(linted.diagnostics, sources)
     applied = Applied(model, {}, program, linted, imported)
     snapshot = Snapshot.take(model)
     failure, details = None, ""
@@ -131,6 +139,16 @@ def build_pipeline(applied: Applied, loss, scale_grads: bool = True) -> pipeline
     schedule, _ = ir.SCHEDULES[spec.schedule]
     n = spec.n_microbatches(mesh.size())
     return pipeline.Pipeline(applied.parts, stages.count, schedule, n, mesh.get_group(), device, loss, scale_grads)
+
+
+def _on_rank0(compute):
+    """`compute()` on rank 0, its result on every rank: one answer however each rank's run went. (A
+    simulated world is one process: it computes it itself.)"""
+    if simulated():
+        return compute()
+    box = [compute() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _agree(failure: Diagnostic | None) -> Diagnostic | None:

@@ -7,7 +7,6 @@ prints and the objects apply builds cannot disagree.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
 from typing import Any
 
 from ..compiler.styles import Constructor, Reference
@@ -55,28 +54,6 @@ def build(ctor: Constructor, imported: dict[str, Any] | None = None) -> Any:
     """Call the constructor: the torch object apply hands to parallelize_module."""
     target = (imported or {}).get(ctor.path) or import_path(ctor.path)
     return target(**{k: to_torch(v) for k, v in ctor.kwargs})
-
-
-def style_kinds(imported: Mapping[str, Any]) -> dict[str, str]:
-    """The kind of each imported `use` style class, by its torch base class (colwise, rowwise,
-    sequence_parallel, prepare_input, prepare_output): what the compiler predicts placements from.
-    Styles that are not ParallelStyle subclasses (callables) are left out: their kind is unknown."""
-    from torch.distributed.tensor import parallel as tp
-
-    bases = [
-        (tp.ColwiseParallel, "colwise"),
-        (tp.RowwiseParallel, "rowwise"),
-        (tp.SequenceParallel, "sequence_parallel"),
-        (tp.PrepareModuleInput, "prepare_input"),
-        (tp.PrepareModuleOutput, "prepare_output"),
-    ]
-    if hasattr(tp, "PrepareModuleInputOutput"):
-        bases.append((tp.PrepareModuleInputOutput, "prepare_input"))
-    kinds = {}
-    for alias, obj in imported.items():
-        if isinstance(obj, type):
-            kinds[alias] = next((kind for base, kind in bases if issubclass(obj, base)), "unknown")
-    return kinds
 
 
 # --- reading 2: source ----------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""A norm in front of an MLP over (batch, seq, dim), for the placements fault."""
+"""A norm in front of an MLP over (batch, seq, dim): sequence-parallel styles (tests/test_predict.py, SL210)."""
 
 import torch
 

@@ -6,6 +6,8 @@ import torch.nn as nn
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel, parallelize_module
 
+from examples.styles import ColwiseConv1D
+
 
 def colwise_off_on_rank1(module, mesh):
     """Column-wise, but rank 1's output is 1% too large: a forward that is wrong on one rank."""
@@ -25,8 +27,40 @@ def colwise_bias_on_meta(module, mesh):
     module.bias = nn.Parameter(torch.empty(module.bias.shape, device="meta"))
 
 
+def _colwise_from_local(module, mesh, plain_bias_on_rank=None):
+    """Column-wise by hand, each rank wrapping its own rows (DTensor.from_local: no collective), the bias
+    left a plain tensor on global rank `plain_bias_on_rank`."""
+    from torch.distributed.tensor import DTensor
+
+    for name in ("weight", "bias"):
+        if name == "bias" and dist.get_rank() == plain_bias_on_rank:
+            continue
+        param = getattr(module, name)
+        rows = param.detach().chunk(mesh.size(), dim=0)[mesh.get_local_rank()].clone()
+        setattr(module, name, nn.Parameter(DTensor.from_local(rows, mesh, [Shard(0)], run_check=False)))
+
+
+def colwise_bias_plain_on_rank1(module, mesh):
+    """Column-wise, but rank 1 keeps its whole bias as a plain tensor (a branch meant for one rank that
+    wraps too much): the ranks disagree about the layout of one parameter."""
+    _colwise_from_local(module, mesh, plain_bias_on_rank=1)
+
+
+def colwise_from_local(module, mesh):
+    """The fixed twin of colwise_bias_plain_on_rank1."""
+    _colwise_from_local(module, mesh)
+
+
+def colwise_reading_values(module, mesh):
+    """Column-wise only if the weight has no zero row: it reads the values, which a meta copy has none of."""
+    if bool((module.weight == 0).all(dim=1).any()):
+        raise ValueError("a zero row")
+    parallelize_module(module, mesh, ColwiseParallel())
+
+
 class ShardingSequenceParallel(SequenceParallel):
-    """Claims to be sequence parallel (parameters replicated) but shards them on dim 0."""
+    """Subclasses sequence parallel (parameters replicated) but shards them on dim 0: predicted as what
+    it does, not as its base class (tests/test_predict.py)."""
 
     def _replicate_module_fn(self, name, module, device_mesh):
         for p_name, param in module.named_parameters():
@@ -34,7 +68,7 @@ class ShardingSequenceParallel(SequenceParallel):
 
 
 class PlainSequenceParallel(SequenceParallel):
-    """The fixed twin: a subclass that keeps SequenceParallel's replication."""
+    """A subclass that keeps SequenceParallel's replication."""
 
 
 # --- faults users shipped (issue: verdicts) ---------------------------------------------------------
@@ -166,3 +200,15 @@ class ColwiseAveragingInHook(ColwiseReducingInHook):
 
     def __init__(self):
         super().__init__(average=True)
+
+
+class ColwiseConv1DBiasPlainOnRank1(ColwiseConv1D):
+    """examples.styles.ColwiseConv1D (GPT-2's Conv1D), but global rank 1 then keeps its bias shard as a
+    plain tensor (a branch meant for one rank that unwraps too much; no collective follows, so nothing
+    waits on it): the ranks disagree about the layout of one parameter."""
+
+    def _apply(self, module, device_mesh):
+        module = super()._apply(module, device_mesh)
+        if dist.get_rank() == 1:
+            module.bias = nn.Parameter(module.bias.to_local())
+        return module

@@ -150,7 +150,9 @@ def _origin(plan, rules, units, owner, mesh, dim) -> tuple[Span, str] | None:
 
 
 def tied_parameters(plan, resolution, predictions, shapes) -> list[Diagnostic]:
-    """SL204: one Parameter under several names that the plan would place differently or shard in two units."""
+    """SL204: one Parameter under several names that the plan would place differently or shard in two units.
+    Placements are compared only where both are predicted: a `use` style's are known once apply has run
+    it in a simulated world (predict.Observed), and plain lint, which runs none, says nothing of them."""
     groups = defaultdict(list)
     for fqn, owner, _name, tensor in owned(resolution.modules, buffers=False):
         groups[id(tensor)].append((fqn, owner))
@@ -164,7 +166,7 @@ def tied_parameters(plan, resolution, predictions, shapes) -> list[Diagnostic]:
         for other, other_owner in rest:
             a, b = predictions[first], predictions[other]
             span = _span_for(plan, rules, units, other_owner) or _span_for(plan, rules, units, first_owner)
-            if a != b:
+            if a.known and b.known and a != b:
                 found.append(
                     Diagnostic(
                         SL204,
