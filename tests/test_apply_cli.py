@@ -364,3 +364,16 @@ def test_frames_are_told_apart_by_package_and_version():
             f"transformers {transformers.__version__}",
             "transformers/models/llama/modeling_llama.py",
         )
+
+
+def test_a_job_past_its_time_is_a_timeout_with_what_each_rank_said():
+    """The launcher's side of --timeout, which `apply --json` reports as `failure.kind` and `ranks` (the
+    path to the object is that of a worker that died, above)."""
+    from shardlang.launch.workers import WorkerError, WorkerPool
+
+    pool = WorkerPool(1, timeout_s=120)
+    with pytest.raises(WorkerError) as raised:
+        pool.run(time.sleep, 60, timeout_s=1)
+    assert raised.value.kind == "timeout" and "timed out after 1 s: rank 0 still running" in raised.value.headline
+    assert raised.value.ranks == [{"rank": 0, "said": "running its job", "state": "running"}]
+    assert pool.broken
