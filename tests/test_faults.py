@@ -26,6 +26,16 @@ parallelize on world.tp {{
 verify gradients(steps=1, input=shard(1), output=shard(1))
 """
 MLP_USE = "use tests.faults.styles.{style} as odd\nmesh world = cpu[tp=auto]\n"
+FEED_FORWARD = """use torch.distributed.tensor.parallel.PrepareModuleInputOutput as prepare_io
+mesh world = cpu[tp=auto]
+parallelize layers.* on world.tp {{
+    feed_forward : prepare_io(input_layouts=replicate, desired_input_layouts=replicate,
+                              output_layouts=partial, desired_output_layouts=replicate)
+    feed_forward.{{w1,w3}} : colwise
+    feed_forward.w2      : {w2}
+}}
+verify gradients(steps=1)
+"""
 
 FAULTS = {
     # name: (world, model or (faulty model, fixed model), check, faulty plan, fixed plan,
@@ -199,7 +209,20 @@ FAULTS = {
         ["gradient of norm.weight"],
         "mlp.w1",  # not `norm`, whose gradient is wrong because mlp.w1's hook sent it back wrong
     ),
+    "a block's hook all-reducing as partial an output that a rule inside it already reduced": (
+        2,
+        "examples/llama.py",
+        "gradients",
+        FEED_FORWARD.format(w2="rowwise"),
+        FEED_FORWARD.format(w2="rowwise(output=partial)"),
+        ["step 0: loss"],
+        "layers.0.feed_forward",  # its hook doubled it; the help lists the rule on w2 inside it
+    ),
 }
+
+
+#: Rules inside the localised module that its diagnostic's help must list, where the fault needs them.
+INSIDE = {"a block's hook all-reducing as partial an output that a rule inside it already reduced": ["feed_forward.w2"]}
 
 
 def _job(tmp_path, name: str, text: str, model: str) -> Job:
@@ -233,6 +256,9 @@ def test_planted_fault_fails_its_check_and_the_fix_passes(pools, tmp_path, fault
         assert f"module '{module}'" in located.message
         if where["statements"]:
             assert located.span is not None and located.span.line == where["statements"][0]["line"]
+        inside = [s["what"] for s in where["statements"] if s["what"].startswith("a rule inside it")]
+        assert all(module != "root" and s.startswith(f"a rule inside it, on {module}.") for s in inside), inside
+        assert all(any(word in s for s in inside) for word in INSIDE.get(fault, ())), inside
     report = pools(world).run(run, _job(tmp_path, "fixed", fixed, fixed_model))[0]
     (result,) = report.checks
     assert result.status == "pass", result.message

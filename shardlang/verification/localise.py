@@ -399,7 +399,9 @@ def _found(ctx, key: str, what: str, ratio: float | None) -> dict[str, Any]:
         "call": int(call),
         "what": what,
         "ratio": ratio,
-        "statements": governing(ctx, fqn),
+        # Rules inside it too: a module that departs while every module inside it agrees made its error
+        # in its own code or hooks, from their outputs, whose layouts those rules set.
+        "statements": governing(ctx, fqn, inside=bool(fqn)),
     }
 
 
