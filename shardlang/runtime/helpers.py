@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 
 from ..compiler.devices import mesh_device
-from ..compiler.initialisers import children_first, initialiser, is_hugging_face
+from ..compiler.initialisers import initialisation_calls, is_hugging_face
 from ..frontend.patterns import depth, modules_matching, named_units_win
 
 
@@ -193,14 +193,16 @@ def gather_by_hand(tensor):
 
 def init_on_mesh(model, device, method, seed):
     """Materialise a model whose parameters were built on the meta device and sharded: allocate every
-    local shard on `device`, put back the buffers the constructor computed, then initialise every module
-    (children first) with `initialiser` (the plan's `method`, or the model's own), with the same seed on
-    every rank.
+    local shard on `device`, put back the buffers the constructor computed, then make the calls
+    `initialisation_calls` lists, with the same seed on every rank: without `method`, the model's own
+    initialiser on every module (children first), each setting its module's own tensors; with `method`,
+    that method once on each outermost module that defines it, setting its whole subtree.
 
-    On CUDA, DTensor's random number generator gives each shard its own values. On the CPU it would
-    repeat the same values in every shard, so there (and on CUDA for a module whose initialiser torch
-    cannot run on its shards) each module's own sharded tensors are initialised in full, as an unsharded
-    model would be, and each rank keeps its shard.
+    On CUDA, DTensor's random number generator gives each shard its own values, and a call runs on the
+    shards. On the CPU it would repeat the same values in every shard, so there (and on CUDA where torch
+    cannot run the call on the shards, or where FSDP keeps them on the CPU) every sharded tensor the call
+    sets is made whole for the call, as in an unsharded model, and each rank then keeps its slice. A
+    tensor the call replaces (a buffer recomputed, a weight re-tied) is sliced from its new value.
     """
     import torch
     from torch.distributed.tensor import DTensor
@@ -212,20 +214,13 @@ def init_on_mesh(model, device, method, seed):
             owner, _, leaf = name.rpartition(".")
             model.get_submodule(owner)._buffers[leaf] = buffer.to(device)
     devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
+    hugging_face = is_hugging_face(model)
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         torch.manual_seed(seed)
-        for module in children_first(model):
-            init = initialiser(model, module, method)
-            if init is None:
-                continue
-            hugging_face = is_hugging_face(model)
-            # transformers' init_weights (a METHOD the plan names, on the root) initialises the whole
-            # subtree, and its _init_weights(module) may set the tensors of the module's children too
-            # (GPT-2 rescales `c_proj.weight` from its attention and MLP modules): every tensor it
-            # reaches is whole while it runs, the children's holding their current values. Other
-            # initialisers set their module's own tensors (a user method that writes local shards
-            # itself sees them as they are).
-            subtree = method is not None and hugging_face
+        for module, init, subtree in initialisation_calls(model, method):
+            # A subtree call reaches every tensor below its module. transformers' _init_weights(module) may
+            # set the tensors of the module's children too (GPT-2 rescales `c_proj.weight` from its attention
+            # and MLP modules). Other per-module initialisers set their module's own tensors.
             owners = list(module.modules() if subtree else [module, *(module.children() if hugging_face else ())])
             # On CUDA DTensor's RNG initialises each shard itself. It runs in full as on the CPU where torch
             # cannot run an initialiser on the shards (torch 2.11 fails on some indexing of strided shards),
@@ -238,27 +233,35 @@ def init_on_mesh(model, device, method, seed):
                     continue
             except (RuntimeError, ValueError, NotImplementedError):
                 pass
-            sharded = []
+            made, entries = {}, []
             for owner in owners:
                 for store in (owner._parameters, owner._buffers):
                     for name, tensor in store.items():
-                        if isinstance(tensor, DTensor):
-                            sharded.append((store, name, tensor))
-                            full = (
+                        if not isinstance(tensor, DTensor):
+                            continue
+                        if id(tensor) not in made:  # a tied tensor is made whole once, and stays tied
+                            # Whole with its current values where the call may read or leave them (a subtree,
+                            # a child); new memory where the module's own initialiser sets them all.
+                            whole_value = (
                                 whole(tensor)
-                                if method is not None or owner is not module
+                                if subtree or owner is not module
                                 else torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
                             )
-                            store[name] = (
-                                torch.nn.Parameter(full, tensor.requires_grad) if store is owner._parameters else full
-                            )
+                            if store is owner._parameters:
+                                whole_value = torch.nn.Parameter(whole_value, tensor.requires_grad)
+                            made[id(tensor)] = whole_value
+                        entries.append((store, name, tensor))
+                        store[name] = made[id(tensor)]
             try:
                 init()
             finally:
-                for store, name, tensor in sharded:
-                    full = store[name]
+                filled = set()
+                for store, name, tensor in entries:
+                    now = store[name]
                     store[name] = tensor
-                    fill_shard(tensor, full)
+                    if id(tensor) not in filled and now is not None:
+                        filled.add(id(tensor))
+                        fill_shard(tensor, whole(now) if isinstance(now, DTensor) else now)
 
 
 def fill_shard(tensor, full):

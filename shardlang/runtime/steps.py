@@ -349,6 +349,7 @@ STEPS: dict[type, StepType] = {
             initialisers.is_hugging_face,
             initialisers.initialiser,
             initialisers.children_first,
+            initialisers.initialisation_calls,
             helpers.gather_by_hand,
             helpers.whole,
             helpers.fill_shard,
