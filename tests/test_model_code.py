@@ -148,3 +148,68 @@ def test_a_checkpoint_holds_the_hooked_names_and_loads_back_under_another_plan(p
         assert loaded.keys() == saved.keys()
         for name, value in saved.items():
             assert torch.equal(loaded[name], value), f"rank {rank}: {name} differs from what was saved"
+
+
+# --- init meta: the model's own initialisation, recursive initialisers ---------------------------------
+
+TITAN_META = {
+    # torchtitan's build_model initialises with init_states (trunc_normal std 0.02, depth-scaled): init meta
+    # without it gave kaiming-uniform weights 3-5x as wide, and the init check passed them
+    "init meta": ("fail", ["layers.0.attention.qkv_linear.wqkv.weight: standard deviation", "init_states"]),
+    # init_states on the root recurses into every child: called on every module, children already sharded,
+    # it filled every shard on a CPU mesh with the same values
+    "init meta with init_states": ("pass", []),
+}
+
+
+@pytest.mark.parametrize("init", sorted(TITAN_META))
+def test_torchtitan_init_states_under_init_meta(pools, tmp_path, init):
+    _titan_or_skip(TITAN)
+    status, words = TITAN_META[init]
+    report = apply(pools, tmp_path, 4, TITAN_2D + f"{init}\nverify init\n", TITAN)
+    (result,) = report.checks
+    assert result.status == status, result.message
+    for word in words:
+        assert word in result.message, f"{word!r} not in {result.message!r}"
+
+
+@pytest.mark.parametrize("method", ["init_weights", "init_weights_per_rank"])
+def test_a_method_on_the_root_is_called_once_with_whole_tensors_on_a_cpu_mesh(pools, tmp_path, method):
+    """tests/faults/shard_init.py's methods fill whatever tensors they are given: called once on the root with
+    every sharded tensor whole, each rank keeps its own slice, even where every rank drew the same values."""
+    text = (
+        "mesh world = cpu[dp=2, tp=2]\nparallelize on world.tp { net1 : colwise; net2 : rowwise }\n"
+        f"fully_shard on world.dp {{ each net1; each net2 }}\ninit meta with {method}\nverify init, gradients(steps=1)\n"
+    )
+    assert_all_pass(apply(pools, tmp_path, 4, text, "tests/faults/shard_init.py"))
+
+
+def test_initialisation_calls_call_a_method_once_on_each_outermost_module():
+    import torch.nn as nn
+
+    from shardlang.compiler.initialisers import initialisation_calls
+
+    class Leaf(nn.Linear):
+        def init_weights(self):
+            pass
+
+    class Inner(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Leaf(2, 2), Leaf(2, 2)
+
+        def init_weights(self):
+            pass
+
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner, self.alone, self.plain = Inner(), Leaf(2, 2), nn.Linear(2, 2)
+            self.shared = self.inner.a  # also under `inner`, which covers it
+
+    root = Root()
+    calls = initialisation_calls(root, "init_weights")
+    assert [(m, subtree) for m, _, subtree in calls] == [(root.inner, True), (root.alone, True)]
+    own = initialisation_calls(root)
+    assert [m for m, _, _ in own] == [root.inner.a, root.inner.b, root.alone, root.plain]
+    assert not any(subtree for _, _, subtree in own)
