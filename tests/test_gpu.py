@@ -159,10 +159,11 @@ def test_meta_init_method_on_cuda_shards(tmp_path, offload):
 
 def test_meta_init_discarding_the_models_own_init_fails_on_cuda(tmp_path):
     """tests/faults/own_init.py on GPUs: `init meta` without the model's init_weights fails, with it passes."""
-    text = "mesh world = cuda[dp=auto]\nfully_shard on world.dp { each net1; each net2 }\ninit meta{m}\nverify init\n"
-    check = apply_init_on_gpus(tmp_path, text.format(m=""), "tests/faults/own_init.py")
+    text = "mesh world = cuda[dp=auto]\nfully_shard on world.dp { each net1; each net2 }\ninit meta\nverify init\n"
+    check = apply_init_on_gpus(tmp_path, text, "tests/faults/own_init.py")
     assert check["status"] == "fail" and "net1.weight: standard deviation" in check["message"], check["message"]
-    check = apply_init_on_gpus(tmp_path, text.format(m=" with init_weights"), "tests/faults/own_init.py")
+    fixed = text.replace("init meta", "init meta with init_weights")
+    check = apply_init_on_gpus(tmp_path, fixed, "tests/faults/own_init.py")
     assert check["status"] == "pass", check["message"]
 
 
