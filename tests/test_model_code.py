@@ -88,23 +88,26 @@ def test_every_check_runs_on_a_model_whose_state_dict_hooks_rename_tensors(pools
     assert_all_pass(apply(pools, tmp_path, 4, text, model))
 
 
-def save_under(plan_text: str, model: str, directory: str) -> dict:
-    """Apply the plan to a model built with seed 0, save it; every parameter and buffer, whole, by name."""
+def save_under(plan_text: str, model: str, directory: str, form: str) -> dict:
+    """Apply the plan to a model built with seed 0, save it as a DCP checkpoint or Hugging Face weights;
+    every parameter and buffer, whole, by name."""
     from shardlang.checkpoints.dcp import save_checkpoint
+    from shardlang.checkpoints.hf import save_hf_weights
 
     module = _applied(plan_text, model, seed=0)
-    save_checkpoint(module, directory)
+    (save_checkpoint if form == "dcp" else save_hf_weights)(module, directory)
     return _named_whole(module)
 
 
-def load_under(plan_text: str, model: str, directory: str) -> dict:
+def load_under(plan_text: str, model: str, directory: str, form: str) -> dict:
     """Apply the plan to a model built with another seed on every rank, load `directory`; as save_under."""
     import torch.distributed as dist
 
     from shardlang.checkpoints.dcp import load_checkpoint
+    from shardlang.checkpoints.hf import load_hf_weights
 
     module = _applied(plan_text, model, seed=1 + dist.get_rank())
-    load_checkpoint(module, directory)
+    (load_checkpoint if form == "dcp" else load_hf_weights)(module, directory)
     return _named_whole(module)
 
 
@@ -128,23 +131,28 @@ def _named_whole(module) -> dict:
     return {n: full(t.detach()).cpu().clone() for n, t in [*module.named_parameters(), *module.named_buffers()]}
 
 
+@pytest.mark.parametrize("form", ["dcp", "hf"])
 @pytest.mark.parametrize("which", sorted(HOOKED))
-def test_a_checkpoint_holds_the_hooked_names_and_loads_back_under_another_plan(pools, tmp_path, which):
+def test_a_checkpoint_holds_the_hooked_names_and_loads_back_under_another_plan(pools, tmp_path, which, form):
     """Saved and loaded through the model's own state-dict hooks, as torchtitan's checkpointer does: the
-    checkpoint holds `wq`/`wk`/`wv`, and a model sharded another way on another world loads it bitwise."""
+    checkpoint (DCP, or Hugging Face safetensors) holds `wq`/`wk`/`wv`, and a model sharded another way on
+    another world loads it bitwise."""
     import torch
 
     from shardlang.checkpoints.dcp import read_checkpoint
+    from shardlang.checkpoints.hf import read_hf_weights
 
     model, plan, fused = HOOKED[which]
     _titan_or_skip(model)
+    if form == "hf":
+        pytest.importorskip("safetensors")
     spec = model.removesuffix(".py").replace("/", ".") + ":build_model"
     directory = str(tmp_path / "ck")
-    saved = pools(4).run(save_under, plan, spec, directory)[0]
-    keys = set(read_checkpoint(directory).model)
+    saved = pools(4).run(save_under, plan, spec, directory, form)[0]
+    keys = set(read_checkpoint(directory).model if form == "dcp" else read_hf_weights(directory).tensors)
     assert {f"{fused}.wq.weight", f"{fused}.wk.weight", f"{fused}.wv.weight"} <= keys
     assert f"{fused}.wqkv.weight" not in keys
-    for rank, loaded in enumerate(pools(2).run(load_under, FSDP, spec, directory)):
+    for rank, loaded in enumerate(pools(2).run(load_under, FSDP, spec, directory, form)):
         assert loaded.keys() == saved.keys()
         for name, value in saved.items():
             assert torch.equal(loaded[name], value), f"rank {rank}: {name} differs from what was saved"
@@ -155,7 +163,7 @@ def test_a_checkpoint_holds_the_hooked_names_and_loads_back_under_another_plan(p
 TITAN_META = {
     # torchtitan's build_model initialises with init_states (trunc_normal std 0.02, depth-scaled): init meta
     # without it gave kaiming-uniform weights 3-5x as wide, and the init check passed them
-    "init meta": ("fail", ["layers.0.attention.qkv_linear.wqkv.weight: standard deviation", "init_states"]),
+    "init meta": ("fail", ["layers.0.attention.qkv_linear.wqkv.weight: standard deviation", "with init_states"]),
     # init_states on the root recurses into every child: called on every module, children already sharded,
     # it filled every shard on a CPU mesh with the same values
     "init meta with init_states": ("pass", []),
@@ -173,13 +181,13 @@ def test_torchtitan_init_states_under_init_meta(pools, tmp_path, init):
         assert word in result.message, f"{word!r} not in {result.message!r}"
 
 
-@pytest.mark.parametrize("method", ["init_weights", "init_weights_per_rank"])
-def test_a_method_on_the_root_is_called_once_with_whole_tensors_on_a_cpu_mesh(pools, tmp_path, method):
-    """tests/faults/shard_init.py's methods fill whatever tensors they are given: called once on the root with
-    every sharded tensor whole, each rank keeps its own slice, even where every rank drew the same values."""
+def test_a_method_on_the_root_is_called_once_with_whole_tensors_on_a_cpu_mesh(pools, tmp_path):
+    """tests/faults/shard_init.py's init_weights fills whatever tensors it is given from one seed: called once
+    on the root with every sharded tensor whole, each rank keeps its own slice and replicas agree."""
     text = (
         "mesh world = cpu[dp=2, tp=2]\nparallelize on world.tp { net1 : colwise; net2 : rowwise }\n"
-        f"fully_shard on world.dp {{ each net1; each net2 }}\ninit meta with {method}\nverify init, gradients(steps=1)\n"
+        "fully_shard on world.dp { each net1; each net2 }\ninit meta with init_weights\n"
+        "verify init, module_states, gradients(steps=1)\n"
     )
     assert_all_pass(apply(pools, tmp_path, 4, text, "tests/faults/shard_init.py"))
 

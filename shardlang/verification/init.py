@@ -59,7 +59,7 @@ def run(ctx, check) -> Outcome:
     data = {"init": mode, "compared": len(tensors), "how": how, "wrong": wrong[:20]}
     if wrong:
         more = f" (and {len(wrong) - LISTED} more)" if len(wrong) > LISTED else ""
-        why = _why_meta(ctx.plan.init.method) if mode == "meta" and len(wrong) > len(duplicated) else ""
+        why = _why_meta(ctx.plan.init.method, ctx.model) if mode == "meta" and len(wrong) > len(duplicated) else ""
         return Outcome(FAIL, f"`init {mode}`: " + "; ".join(wrong[:LISTED]) + more + why, data)
     if not tensors:
         return Outcome(SKIPPED, "nothing compared: the model has no parameters or buffers", data)
@@ -79,14 +79,20 @@ def _unsharded(ctx, mode: str) -> torch.nn.Module:
             return ctx.model_file.build_model()
 
 
-def _why_meta(method: str | None) -> str:
+#: Names under which models commonly keep the function that initialises their whole tree.
+WHOLE_MODEL_INITIALISERS = ("init_weights", "init_states", "initialize_weights", "init_parameters")
+
+
+def _why_meta(method: str | None, model) -> str:
     """The likely causes of `init meta` values unlike build_model()'s, in words."""
     if method is None:
+        found = [n for n in WHOLE_MODEL_INITIALISERS if callable(getattr(type(model), n, None))]
+        name = " or ".join(f"`init meta with {n}`" for n in found) or "`init meta with METHOD`"
         return (
             ". `init meta` initialises each module its own way (reset_parameters, a transformers model's "
-            "_init_weights), which is not how build_model() initialised these: if the model initialises itself "
-            "with a function of its own, name it (`init meta with init_weights`); else an initialiser reads a "
-            "shard's local shape (its fan-in)"
+            "_init_weights), which is not how build_model() initialised these: if build_model() initialises the "
+            f"model with a function of its own, name it ({name}); else an initialiser reads a shard's local "
+            "shape (its fan-in)"
         )
     return (
         f". `init meta with {method}` does not initialise these as build_model() does (is {method} the function "
