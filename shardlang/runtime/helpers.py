@@ -335,9 +335,9 @@ def load_from_rank0(model, device, full_state):
 def scatter_from_rank0(model, device, full_state):
     """Load rank 0's `full_state` ({name: whole tensor} for every parameter and buffer name; empty elsewhere)
     into the model's tensors, sharded or not, wherever their shards are (FSDP pins an offloading unit's in CPU
-    memory): each tensor is broadcast whole on `device`, then every rank copies its shard. Every name, shape
-    and dtype is checked on rank 0 first, and every rank raises the same ValueError before anything is
-    copied if one does not fit."""
+    memory): each tensor is broadcast whole on `device` (in the model's dtype), then every rank copies its
+    shard. Every name and shape is checked on rank 0 first, and every rank raises the same ValueError before
+    anything is copied if one does not fit."""
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
