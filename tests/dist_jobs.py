@@ -584,25 +584,25 @@ def gathered_matches_full_tensor() -> list:
 
 def scatter_matches_torchs_broadcast() -> bool:
     """runtime.helpers.scatter_from_rank0 (for shards FSDP pinned on the CPU of a GPU mesh) loads what
-    torch's set_model_state_dict(broadcast_from_rank0) loads, on a 2 x 2 mesh with FSDP over TP."""
-    import copy
-
+    torch's set_model_state_dict(broadcast_from_rank0) loads, on a 2 x 2 mesh with FSDP over TP (ours is
+    handed rank0_values, every parameter and buffer by name; torch the state dict)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.tensor import DTensor
 
     import shardlang
     from examples.llama import build_model
-    from shardlang.runtime.helpers import scatter_from_rank0
+    from shardlang.runtime.helpers import rank0_values, scatter_from_rank0
 
     torch.manual_seed(0)
-    full = build_model().state_dict()
+    built = build_model()
+    full = built.state_dict()
     plan = "mesh world = cpu[dp=2, tp=2]\nparallelize on world.tp { layers.*.attention.wq : colwise }\n"
     plan += "fully_shard on world.dp { each layers.* }\n"
     ours, theirs = shardlang.loads(plan).apply(build_model()), shardlang.loads(plan).apply(build_model())
     if not any(isinstance(t, DTensor) for t in ours.state_dict().values()):
         return False
     given = full if dist.get_rank() == 0 else {}
-    scatter_from_rank0(ours, "cpu", copy.deepcopy(given))
+    scatter_from_rank0(ours, "cpu", rank0_values(built) if dist.get_rank() == 0 else {})
     set_model_state_dict(theirs, given, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     mine, torchs = ours.state_dict(), theirs.state_dict()
     local = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in mine.items()}

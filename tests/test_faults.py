@@ -176,15 +176,15 @@ FAULTS = {
         ["step 0: gradient of net2.weight"],
         "net2",
     ),
-    "an init method that fills every shard alike": (
-        2,
-        "tests/faults/shard_init.py",
+    "init meta discards the model's own initialisation": (
+        4,
+        "tests/faults/own_init.py",
         "init",
-        "mesh world = cpu[dp=auto]\nfully_shard on world.dp { each net1; each net2 }\ninit meta with init_weights\n"
-        "verify init\n",
-        "mesh world = cpu[dp=auto]\nfully_shard on world.dp { each net1; each net2 }\n"
-        "init meta with init_weights_per_rank\nverify init\n",
-        ["net1.weight: ranks 0 and 1 hold identical shards"],
+        "mesh world = cpu[dp=auto, tp=2]\nparallelize on world.tp { net1 : colwise; net2 : rowwise }\n"
+        "fully_shard on world.dp { each net1; each net2 }\ninit meta\nverify init\n",
+        "mesh world = cpu[dp=auto, tp=2]\nparallelize on world.tp { net1 : colwise; net2 : rowwise }\n"
+        "fully_shard on world.dp { each net1; each net2 }\ninit meta with init_weights\nverify init\n",
+        ["net1.weight: standard deviation", "net1.bias: not bitwise equal", "(`init meta with init_weights`)"],
         None,
     ),
     "a bias counted on every TP rank, in bf16 only a little over its tolerance until a mean makes it large": (

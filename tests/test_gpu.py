@@ -119,6 +119,54 @@ def test_meta_init_on_cuda_gives_every_shard_its_own_values():
     assert distinct and all(n == 2 for n in distinct.values()), distinct
 
 
+def apply_init_on_gpus(tmp_path, text: str, model: str, offload: bool = False) -> dict:
+    """`verify init` of a plan on 2 GPUs: the init check's result, whatever it is."""
+    plan = tmp_path / "init.sl"
+    plan.write_text(text)
+    done = subprocess.run(
+        [sys.executable, "-m", "shardlang", "apply", str(plan), model, "--device", "cuda", "--nproc", "2", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    report = json.loads(done.stdout)
+    (check,) = report["checks"]
+    return check
+
+
+SHARD_INIT = (
+    "mesh world = cuda[dp=auto]\nfully_shard on world.dp {{ each net1; each net2{offload} }}\ninit meta with {m}\n"
+)
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["on-gpu", "offload"])
+def test_meta_init_method_on_cuda_shards(tmp_path, offload):
+    """`init meta with METHOD` on CUDA runs the method once on the root, on the DTensors: a method that fills
+    each local shard from one seed fills every shard alike (the init check says so), its per-rank twin
+    passes. Under `offload = cpu` the shards are on the CPU: the method is given whole tensors, and both pass."""
+    extra = "; offload = cpu" if offload else ""
+    text = SHARD_INIT.format(offload=extra, m="init_weights") + "verify init\n"
+    alike = apply_init_on_gpus(tmp_path, text, "tests/faults/shard_init.py")
+    if offload:
+        assert alike["status"] == "pass", alike["message"]
+    else:
+        assert alike["status"] == "fail" and "identical shards" in alike["message"], alike["message"]
+    text = SHARD_INIT.format(offload=extra, m="init_weights_per_rank") + "verify init\n"
+    per_rank = apply_init_on_gpus(tmp_path, text, "tests/faults/shard_init.py")
+    assert per_rank["status"] == "pass", per_rank["message"]
+
+
+def test_meta_init_discarding_the_models_own_init_fails_on_cuda(tmp_path):
+    """tests/faults/own_init.py on GPUs: `init meta` without the model's init_weights fails, with it passes."""
+    text = "mesh world = cuda[dp=auto]\nfully_shard on world.dp { each net1; each net2 }\ninit meta\nverify init\n"
+    check = apply_init_on_gpus(tmp_path, text, "tests/faults/own_init.py")
+    assert check["status"] == "fail" and "net1.weight: standard deviation" in check["message"], check["message"]
+    fixed = text.replace("init meta", "init meta with init_weights")
+    check = apply_init_on_gpus(tmp_path, fixed, "tests/faults/own_init.py")
+    assert check["status"] == "pass", check["message"]
+
+
 def test_checkpoint_of_cuda_shards_loads_bitwise_under_other_plans(tmp_path):
     """Saved from (dp 2 x tp 2) on GPUs when there are 4 (else tp 2), loaded under tp 2 on 2 GPUs and in
     one process on the CPU: every model and Adam tensor bit for bit (as the CPU tests check on gloo)."""

@@ -2,7 +2,8 @@
 `torch.distributed.checkpoint` (DCP), whatever plan and world size wrote or reads them.
 
 A checkpoint is a plain DCP directory: `{"model": <model state dict>, "optimizer": <optimizer state
-dict>}` keyed by parameter names (the FQNs `get_state_dict` gives, wrappers removed), so DCP reshards
+dict>}`, the model's keyed as its `state_dict()` keys it (through its state-dict hooks, wrappers removed),
+the optimizer's by parameter names (the FQNs `get_state_dict` gives), so DCP reshards
 it onto any layout, and `dcp.load` reads it without shardlang. Beside DCP's files lies
 `shardlang.json`, what wrote it (plan, world size, optimizer class); a DCP directory without one
 (written by hand-written code) loads all the same, with the model state at the top level or under
@@ -60,9 +61,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
     get_optimizer_state_dict,
-    set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
@@ -564,7 +563,7 @@ def load_checkpoint(
             optimizer.load_state_dict(before)
         raise
     if model_state:
-        set_model_state_dict(model, target["model"])
+        _load_model_state(model, target["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, target["optimizer"])
     nbytes = sum(_nbytes(m) for m in checkpoint.model.values()) if model_state else 0
@@ -681,10 +680,28 @@ def _read_error(checkpoint: Checkpoint, e: Exception) -> PlanError:
     return _error(SL501, f"cannot read the checkpoint at {checkpoint.path}: {_first_line(e)}")
 
 
+#: Module names that wrappers insert into state-dict keys (activation checkpointing's, FSDP1's,
+#: torch.compile's): a checkpoint's keys leave them out, as torch's get_model_state_dict does.
+WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod"})
+
+
+def _plain_key(key: str) -> str:
+    return ".".join(part for part in key.split(".") if part not in WRAPPER_SEGMENTS)
+
+
 def _model_state(model: torch.nn.Module) -> dict[str, Any]:
-    if any(p.is_meta for p in model.parameters()):
-        return dict(model.state_dict())  # a meta model (the CLI's pre-check): plain names and global shapes
-    return get_model_state_dict(model)
+    """The model's state as a checkpoint holds it: `model.state_dict()`, through the model's own state-dict
+    hooks (torchtitan's fused QKV saves `wqkv` as `wq`, `wk`, `wv`; torchtitan's checkpointer saves this
+    dict with DCP), keys without wrapper segments. (torch's get_model_state_dict maps every key back to a
+    parameter by attribute and fails on a key a hook made.) On a meta model too: global shapes."""
+    return {_plain_key(key): value for key, value in model.state_dict().items()}
+
+
+def _load_model_state(model: torch.nn.Module, state: Mapping[str, Any]) -> None:
+    """Copy `state` (keyed as _model_state keys it) into the model through `load_state_dict`, whose hooks
+    turn hooked keys back into the model's tensors (torchtitan's merges `wq`, `wk`, `wv` into `wqkv`)."""
+    keys = {_plain_key(key): key for key in model.state_dict(keep_vars=True)}
+    model.load_state_dict({keys.get(key, key): value for key, value in state.items()})
 
 
 def _empty_like(value: Any) -> Any:
@@ -749,7 +766,7 @@ def save_checkpoint(
     directory that is not a checkpoint (SL501: it is never overwritten). `info` is added to
     shardlang.json."""
     start = time.perf_counter()
-    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    state: dict[str, Any] = {"model": _model_state(model)}
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
     written = _write(

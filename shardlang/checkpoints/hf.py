@@ -384,10 +384,21 @@ def load_hf_weights(model: torch.nn.Module, weights: str | os.PathLike | HFWeigh
     problem = _agree(problem)
     if problem is not None:
         raise problem
+    own = {id(t) for t in [*model.parameters(), *model.buffers()]}
     with torch.no_grad():
         for key, block in read.items():
             value = state[key]
             (value.to_local() if isinstance(value, DTensor) else value).copy_(block)
+    # A key a state-dict hook made (torchtitan's fused QKV saves `wqkv` as `wq`, `wk`, `wv`) holds a tensor of
+    # the hook's, not the model's: the model's load_state_dict hooks turn such keys back into its tensors.
+    hooked = {key: state[key] for key in read if id(state[key]) not in own}
+    if hooked:
+        left = model.load_state_dict(hooked, strict=False).unexpected_keys
+        if left:  # the model's load hooks do not take back what its save hooks give: nothing would load them
+            raise _error(
+                SL500,
+                f"the model's state-dict hooks save {', '.join(left[:3])} but its load_state_dict does not take them",
+            )
     return Transfer(
         str(weights.path),
         len(pairs),

@@ -1,8 +1,15 @@
-"""Which call initialises a module's own parameters under `init meta`: the plan's METHOD, or the model's
-own way (a Hugging Face model's `_init_weights`, else `reset_parameters`, else `_reset_parameters`).
+"""Which calls initialise a model under `init meta`, on which modules, in which order.
 
-Lint (SL209), apply (runtime.helpers.init_on_mesh, which the printed program pastes with this) and the
-init check ask the same question here. Duck-typed: no torch import.
+Without METHOD, each module that has one gets the model's own per-module initialiser, children before
+parents: a Hugging Face model's `_init_weights(module)`, else `reset_parameters`, else `_reset_parameters`.
+With `init meta with METHOD`, METHOD is called once on each outermost module that defines it (the root, for
+transformers' `init_weights` or torchtitan's `init_states`), and must initialise that module's whole
+subtree: such methods recurse into their children, and calling them again on a descendant would only
+repeat the work (on a CPU mesh, on shards it cannot tell apart). Descendants of a module METHOD is called
+on are not called again.
+
+Lint (SL209), apply (runtime.helpers.init_on_mesh, which the printed program pastes with this) ask the
+same questions here. Duck-typed: no torch import.
 """
 
 from __future__ import annotations
@@ -29,6 +36,31 @@ def initialiser(root, module, method=None):
         if callable(found):
             return found
     return None
+
+
+def initialisation_calls(root, method=None):
+    """The calls `init meta` makes on `root`, in order: (module, call, subtree), `subtree` telling whether
+    the call initialises the module's whole subtree (METHOD, once per outermost module defining it) or its
+    own tensors (the model's own way, per module, children first)."""
+    if method is None:
+        found = ((module, initialiser(root, module)) for module in children_first(root))
+        return [(module, call, False) for module, call in found if call is not None]
+    calls, seen = [], set()
+
+    def visit(module):
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        call = initialiser(root, module, method)
+        if call is not None:
+            calls.append((module, call, True))
+            seen.update(id(m) for m in module.modules())  # a descendant shared elsewhere is covered too
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(root)
+    return calls
 
 
 def is_hugging_face(root) -> bool:

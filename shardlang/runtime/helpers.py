@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 
 from ..compiler.devices import mesh_device
-from ..compiler.initialisers import children_first, initialiser, is_hugging_face
+from ..compiler.initialisers import initialisation_calls, is_hugging_face
 from ..frontend.patterns import depth, modules_matching, named_units_win
 
 
@@ -193,14 +193,16 @@ def gather_by_hand(tensor):
 
 def init_on_mesh(model, device, method, seed):
     """Materialise a model whose parameters were built on the meta device and sharded: allocate every
-    local shard on `device`, put back the buffers the constructor computed, then initialise every module
-    (children first) with `initialiser` (the plan's `method`, or the model's own), with the same seed on
-    every rank.
+    local shard on `device`, put back the buffers the constructor computed, then make the calls
+    `initialisation_calls` lists, with the same seed on every rank: without `method`, the model's own
+    initialiser on every module (children first), each setting its module's own tensors; with `method`,
+    that method once on each outermost module that defines it, setting its whole subtree.
 
-    On CUDA, DTensor's random number generator gives each shard its own values. On the CPU it would
-    repeat the same values in every shard, so there (and on CUDA for a module whose initialiser torch
-    cannot run on its shards) each module's own sharded tensors are initialised in full, as an unsharded
-    model would be, and each rank keeps its shard.
+    On CUDA, DTensor's random number generator gives each shard its own values, and a call runs on the
+    shards. On the CPU it would repeat the same values in every shard, so there (and on CUDA where torch
+    cannot run the call on the shards, or where FSDP keeps them on the CPU) every sharded tensor the call
+    sets is made whole for the call, as in an unsharded model, and each rank then keeps its slice. A
+    tensor the call replaces (a buffer recomputed, a weight re-tied) is sliced from its new value.
     """
     import torch
     from torch.distributed.tensor import DTensor
@@ -212,20 +214,13 @@ def init_on_mesh(model, device, method, seed):
             owner, _, leaf = name.rpartition(".")
             model.get_submodule(owner)._buffers[leaf] = buffer.to(device)
     devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
+    hugging_face = is_hugging_face(model)
     with torch.random.fork_rng(devices=devices), torch.no_grad():
         torch.manual_seed(seed)
-        for module in children_first(model):
-            init = initialiser(model, module, method)
-            if init is None:
-                continue
-            hugging_face = is_hugging_face(model)
-            # transformers' init_weights (a METHOD the plan names, on the root) initialises the whole
-            # subtree, and its _init_weights(module) may set the tensors of the module's children too
-            # (GPT-2 rescales `c_proj.weight` from its attention and MLP modules): every tensor it
-            # reaches is whole while it runs, the children's holding their current values. Other
-            # initialisers set their module's own tensors (a user method that writes local shards
-            # itself sees them as they are).
-            subtree = method is not None and hugging_face
+        for module, init, subtree in initialisation_calls(model, method):
+            # A subtree call reaches every tensor below its module. transformers' _init_weights(module) may
+            # set the tensors of the module's children too (GPT-2 rescales `c_proj.weight` from its attention
+            # and MLP modules). Other per-module initialisers set their module's own tensors.
             owners = list(module.modules() if subtree else [module, *(module.children() if hugging_face else ())])
             # On CUDA DTensor's RNG initialises each shard itself. It runs in full as on the CPU where torch
             # cannot run an initialiser on the shards (torch 2.11 fails on some indexing of strided shards),
@@ -238,27 +233,35 @@ def init_on_mesh(model, device, method, seed):
                     continue
             except (RuntimeError, ValueError, NotImplementedError):
                 pass
-            sharded = []
+            made, entries = {}, []
             for owner in owners:
                 for store in (owner._parameters, owner._buffers):
                     for name, tensor in store.items():
-                        if isinstance(tensor, DTensor):
-                            sharded.append((store, name, tensor))
-                            full = (
+                        if not isinstance(tensor, DTensor):
+                            continue
+                        if id(tensor) not in made:  # a tied tensor is made whole once, and stays tied
+                            # Whole with its current values where the call may read or leave them (a subtree,
+                            # a child); new memory where the module's own initialiser sets them all.
+                            whole_value = (
                                 whole(tensor)
-                                if method is not None or owner is not module
+                                if subtree or owner is not module
                                 else torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
                             )
-                            store[name] = (
-                                torch.nn.Parameter(full, tensor.requires_grad) if store is owner._parameters else full
-                            )
+                            if store is owner._parameters:
+                                whole_value = torch.nn.Parameter(whole_value, tensor.requires_grad)
+                            made[id(tensor)] = whole_value
+                        entries.append((store, name, tensor))
+                        store[name] = made[id(tensor)]
             try:
                 init()
             finally:
-                for store, name, tensor in sharded:
-                    full = store[name]
+                filled = set()
+                for store, name, tensor in entries:
+                    now = store[name]
                     store[name] = tensor
-                    fill_shard(tensor, full)
+                    if id(tensor) not in filled and now is not None:
+                        filled.add(id(tensor))
+                        fill_shard(tensor, whole(now) if isinstance(now, DTensor) else now)
 
 
 def fill_shard(tensor, full):
@@ -286,49 +289,78 @@ def shard_on_cpu(tensor) -> bool:
     return isinstance(tensor, DTensor) and tensor.to_local().device.type == "cpu"
 
 
-def load_from_rank0(model, device, full_state, all_buffers):
-    """Materialise a sharded meta model from rank 0's full CPU model: allocate the shards on `device`,
-    scatter rank 0's state dict, and broadcast the buffers a state dict leaves out (non-persistent)."""
+def rank0_values(model):
+    """Rank 0's side of `init rank0`, before sharding: every parameter's and buffer's value by name (each
+    name of a tied tensor), kept on the CPU; the model then moves to the meta device like the other ranks'.
+    Keyed by `named_parameters()`/`named_buffers()`, not `state_dict()`: a model's state-dict hooks may
+    rename or split its tensors (a fused QKV saved as wq/wk/wv), and the shards are filled by name.
+    `model.to` would untie tensors shared by several modules (each module's copy moved on its own): the
+    other ranks built theirs tied, and FSDP would then shard another list of parameters on rank 0."""
     import torch
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.tensor import DTensor
+
+    values = {}
+    shared = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for store in (module._parameters, module._buffers):
+            for name, tensor in store.items():
+                if tensor is not None:
+                    full = f"{module_name}.{name}" if module_name else name
+                    values[full] = tensor.detach()
+                    shared.setdefault(id(tensor), []).append(full)
+    model.to("meta")
+    for names in shared.values():
+        first, *others = names
+        owner, _, leaf = first.rpartition(".")
+        module = model.get_submodule(owner)
+        tensor = module._parameters[leaf] if leaf in module._parameters else module._buffers[leaf]
+        for other in others:
+            owner, _, leaf = other.rpartition(".")
+            store = model.get_submodule(owner)
+            (store._parameters if leaf in store._parameters else store._buffers)[leaf] = tensor
+    return {name: value.cpu() if isinstance(value, torch.Tensor) else value for name, value in values.items()}
+
+
+def load_from_rank0(model, device, full_state):
+    """Materialise a sharded meta model from rank 0's values (`rank0_values`; empty elsewhere): allocate the
+    shards on `device`, then broadcast each parameter and buffer whole from rank 0 and copy its shard."""
+    import torch
 
     on_gpus = torch.device(device).type != "cpu"
     # model.to_empty(device=device), except that the shards of an offloading unit that rank 0 built stay in
     # pinned CPU memory, where FSDP put them: torch refuses to move a DTensor's storage to another device in place.
     model._apply(lambda t: t if on_gpus and shard_on_cpu(t) else torch.empty_like(t, device=device))
-    if on_gpus and shards_on_cpu(model.modules()):
-        # FSDP pins in CPU memory the offloading units' shards allocated here too; torch's broadcast_from_rank0
-        # would load them on the GPU.
-        scatter_from_rank0(model, device, full_state)
-    else:
-        set_model_state_dict(
-            model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        )
-    kept = set(model.state_dict(keep_vars=True))  # (detaching a shard FSDP pinned fails on torch 2.11)
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if name in kept:
-                continue
-            local = buffer.to_local() if isinstance(buffer, DTensor) else buffer
-            if dist.get_rank() == 0:
-                local.copy_(all_buffers[name])
-            dist.broadcast(local, src=0)
+    scatter_from_rank0(model, device, full_state)
 
 
 def scatter_from_rank0(model, device, full_state):
-    """Load rank 0's full state dict `full_state` (empty elsewhere) into the model's tensors, sharded or not,
-    wherever their shards are: each tensor is broadcast whole on `device`, then every rank copies its shard."""
+    """Load rank 0's `full_state` ({name: whole tensor} for every parameter and buffer name; empty elsewhere)
+    into the model's tensors, sharded or not, wherever their shards are (FSDP pins an offloading unit's in CPU
+    memory): each tensor is broadcast whole on `device` (in the model's dtype), then every rank copies its
+    shard. Every name and shape is checked on rank 0 first, and every rank raises the same ValueError before
+    anything is copied if one does not fit."""
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
+    seen, tensors = set(), []
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            tensors.append((name, tensor))
+    problems = []
+    if dist.get_rank() == 0:
+        for name, tensor in tensors:
+            have = full_state.get(name)
+            if not isinstance(have, torch.Tensor):
+                problems.append(f"{name}: not among rank 0's tensors")
+            elif tuple(have.shape) != tuple(tensor.shape):
+                problems.append(f"{name}: {tuple(have.shape)} on rank 0, {tuple(tensor.shape)} sharded")
+    verdict = [problems]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise ValueError("rank 0's model does not fit the sharded one: " + "; ".join(verdict[0][:5]))
     with torch.no_grad():
-        # keep_vars: detaching a DTensor that says cuda, its shard pinned on the CPU by FSDP, fails.
-        for name, tensor in model.state_dict(keep_vars=True).items():
-            if not isinstance(tensor, torch.Tensor):
-                continue
+        for name, tensor in tensors:
             if dist.get_rank() == 0:
                 full = full_state[name].detach().to(device=device, dtype=tensor.dtype)
             else:

@@ -34,7 +34,6 @@ class Running:
     meshes: dict[str, Any]
     imported: dict[str, Any]
     full_state: dict = field(factory=dict)
-    all_buffers: dict = field(factory=dict)
     #: This rank's pipeline stages {stage: module}, once SplitStages has run; `model` is then the one a
     #: step is running on.
     parts: dict | None = None
@@ -78,7 +77,7 @@ def mesh_expr(ref: ir.MeshRef, program: p.Program) -> str:
 
 def mesh_var(mesh: str) -> str:
     """A mesh's Python variable: its plan name, unless that would shadow a name the program uses."""
-    return f"{mesh}_mesh" if mesh in {"model", "torch", "dist", "name", "full_state", "all_buffers"} else mesh
+    return f"{mesh}_mesh" if mesh in {"model", "torch", "dist", "name", "full_state"} else mesh
 
 
 def _kwargs(kwargs: tuple[tuple[str, Any], ...]) -> str:
@@ -243,16 +242,14 @@ def write_replicate(step: p.Replicate, program: p.Program, module: str) -> list[
 
 def run_take_rank0_values(step: p.TakeRank0Values, ctx: Running) -> None:
     if dist.get_rank() == 0:
-        ctx.full_state, ctx.all_buffers = ctx.model.state_dict(), dict(ctx.model.named_buffers())
-        ctx.model.to("meta")
+        ctx.full_state = helpers.rank0_values(ctx.model)
 
 
 def write_take_rank0_values(step: p.TakeRank0Values, program: p.Program, module: str) -> list[str]:
     return [
-        "full_state, all_buffers = {}, {}",
+        "full_state = {}",
         "if dist.get_rank() == 0:  # rank 0 built the full model: keep its values, shard it as a meta model",
-        "    full_state, all_buffers = model.state_dict(), dict(model.named_buffers())",
-        '    model.to("meta")',
+        "    full_state = rank0_values(model)",
     ]
 
 
@@ -265,11 +262,11 @@ def write_init_on_mesh(step: p.InitOnMesh, program: p.Program, module: str) -> l
 
 
 def run_load_from_rank0(step: p.LoadFromRank0, ctx: Running) -> None:
-    helpers.load_from_rank0(ctx.model, torch_device(step.device), ctx.full_state, ctx.all_buffers)
+    helpers.load_from_rank0(ctx.model, torch_device(step.device), ctx.full_state)
 
 
 def write_load_from_rank0(step: p.LoadFromRank0, program: p.Program, module: str) -> list[str]:
-    return [f"load_from_rank0(model, {_device_source(step.device)}, full_state, all_buffers)"]
+    return [f"load_from_rank0(model, {_device_source(step.device)}, full_state)"]
 
 
 def run_offload_to_cpu(step: p.OffloadToCpu, ctx: Running) -> None:
@@ -340,7 +337,9 @@ STEPS: dict[type, StepType] = {
         names=_value_names,
         private_import="from torch.distributed._composable import replicate  # composable DDP",
     ),
-    p.TakeRank0Values: StepType(run_take_rank0_values, write_take_rank0_values, moves_data=True),
+    p.TakeRank0Values: StepType(
+        run_take_rank0_values, write_take_rank0_values, helpers=(helpers.rank0_values,), moves_data=True
+    ),
     p.InitOnMesh: StepType(
         run_init_on_mesh,
         write_init_on_mesh,
@@ -350,6 +349,7 @@ STEPS: dict[type, StepType] = {
             initialisers.is_hugging_face,
             initialisers.initialiser,
             initialisers.children_first,
+            initialisers.initialisation_calls,
             helpers.gather_by_hand,
             helpers.whole,
             helpers.fill_shard,

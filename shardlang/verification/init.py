@@ -1,6 +1,7 @@
-"""init: the sharded model starts where an unsharded model would (docs/language.md §10).
+"""init: the sharded model starts where an unsharded model would (docs/language.md §7).
 
-Runs before anything trains. An unsharded model is built from the model file with the job's seed:
+Runs before anything trains. An unsharded model is built from the model file with the job's seed, as
+`build_model()` returns it (initialised by the model's own code), and compared tensor by tensor, by name:
 - `init cpu`, `init rank0`, `init auto`: every parameter's and buffer's full tensor is bitwise equal to
   the unsharded model's (they are built by the same code from the same random numbers).
 - `init meta`: each shard draws its own random values, so equality is in distribution: each
@@ -18,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..compiler.initialisers import children_first, initialiser
 from .outcome import FAIL, PASS, SKIPPED, Outcome
 from .reference import full
 
@@ -59,27 +59,45 @@ def run(ctx, check) -> Outcome:
     data = {"init": mode, "compared": len(tensors), "how": how, "wrong": wrong[:20]}
     if wrong:
         more = f" (and {len(wrong) - LISTED} more)" if len(wrong) > LISTED else ""
-        return Outcome(FAIL, f"`init {mode}`: " + "; ".join(wrong[:LISTED]) + more, data)
+        why = _why_meta(ctx.plan.init.method, ctx.model) if mode == "meta" and len(wrong) > len(duplicated) else ""
+        return Outcome(FAIL, f"`init {mode}`: " + "; ".join(wrong[:LISTED]) + more + why, data)
     if not tensors:
         return Outcome(SKIPPED, "nothing compared: the model has no parameters or buffers", data)
     return Outcome(PASS, f"`init {mode}`: {len(tensors)} tensors match an unsharded model's, {how}", data)
 
 
 def _unsharded(ctx, mode: str) -> torch.nn.Module:
-    """The unsharded model, built where the sharded one was built (same random generator), with its seed."""
+    """What `build_model()` returns with the job's seed, built where the sharded model was built (the same
+    random generator): the model as its own code initialises it. Under `init meta` the sharded model was
+    initialised by shardlang's calls instead (compiler.initialisers), so comparing with a model that they
+    re-initialised would pass an `init meta` that discards the model's own initialisation."""
     device = ctx.device if mode == "auto" else torch.device("cpu")
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(ctx.seed)
         with torch.device(device):
-            model = ctx.model_file.build_model()
-        if mode == "meta":  # the unsharded model initialised as apply initialises the sharded one
-            with torch.no_grad():
-                for module in children_first(model):
-                    init = initialiser(model, module, ctx.plan.init.method)
-                    if init is not None:
-                        init()
-    return model
+            return ctx.model_file.build_model()
+
+
+#: Names under which models commonly keep the function that initialises their whole tree.
+WHOLE_MODEL_INITIALISERS = ("init_weights", "init_states", "initialize_weights", "init_parameters")
+
+
+def _why_meta(method: str | None, model) -> str:
+    """The likely causes of `init meta` values unlike build_model()'s, in words."""
+    if method is None:
+        found = [n for n in WHOLE_MODEL_INITIALISERS if callable(getattr(type(model), n, None))]
+        name = " or ".join(f"`init meta with {n}`" for n in found) or "`init meta with METHOD`"
+        return (
+            ". `init meta` initialises each module its own way (reset_parameters, a transformers model's "
+            "_init_weights), which is not how build_model() initialised these: if build_model() initialises the "
+            f"model with a function of its own, name it ({name}); else an initialiser reads a shard's local "
+            "shape (its fan-in)"
+        )
+    return (
+        f". `init meta with {method}` does not initialise these as build_model() does (is {method} the function "
+        "build_model() calls?), or an initialiser reads a shard's local shape (its fan-in)"
+    )
 
 
 def _dtype(tensor: torch.Tensor) -> str:
@@ -111,7 +129,7 @@ def _distribution(got: torch.Tensor, want: torch.Tensor) -> str:
     if abs(vg - vw) > Z * var_se:
         return (
             f"standard deviation {math.sqrt(vg):.4g}, unsharded {math.sqrt(vw):.4g} (variances more than {Z:g} "
-            f"standard errors apart: an init that sees the local shard's shape, such as its fan-in?)"
+            f"standard errors apart)"
         )
     return ""
 

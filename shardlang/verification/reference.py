@@ -15,7 +15,6 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 from ..runtime.helpers import whole
@@ -181,18 +180,48 @@ def _cast_output(dtype):
 
 
 def _unsharded(ctx) -> torch.nn.Module:
-    """The unsharded model on this rank, loaded from the sharded model's state dict made whole, in the dtype
-    of the sharded model's parameters."""
-    # Sharded, each tensor made whole by `full` (DCP's own full_state_dict cannot gather every layout torch
-    # 2.11 trains: packed weights under FSDP).
-    state = get_model_state_dict(ctx.model)
+    """The unsharded model on this rank, holding the sharded model's parameters and persistent buffers made
+    whole, in the dtype of the sharded model's parameters."""
     torch.manual_seed(0)
     with torch.device(ctx.device):
         reference = ctx.model_file.build_model()
-    missing, unexpected = reference.load_state_dict({k: full(v) for k, v in state.items()}, strict=False)
-    if unexpected:
-        raise ValueError(f"the sharded model's state dict has names the unsharded one lacks: {unexpected[:5]}")
+    copy_named_tensors(ctx.model, reference)
     return reference
+
+
+def copy_named_tensors(sharded: torch.nn.Module, unsharded: torch.nn.Module) -> None:
+    """Copy each parameter and persistent buffer of `sharded`, made whole by `full`, into the tensor of the
+    same name in `unsharded`. By name, as `named_parameters()` and `named_buffers()` give them, not by
+    `state_dict()` keys: a model's state-dict hooks may rename or split its tensors (torchtitan's fused QKV
+    saves `wqkv` as `wq`, `wk`, `wv`), and torch's get_model_state_dict cannot map such keys back to
+    parameters. Non-persistent buffers keep what the constructor computed, as a state dict leaves them.
+    ValueError, before anything is copied, for a name the unsharded model lacks or another shape."""
+    wanted = dict(unsharded.named_parameters(remove_duplicate=False))
+    wanted.update(unsharded.named_buffers(remove_duplicate=False))
+    pairs, unexpected = [], []
+    for name, tensor in [*sharded.named_parameters(), *persistent_buffers(sharded)]:
+        target = wanted.get(name)
+        if target is None or tuple(target.shape) != tuple(tensor.shape):
+            unexpected.append(
+                name if target is None else f"{name} {tuple(tensor.shape)}, unsharded {tuple(target.shape)}"
+            )
+        else:
+            pairs.append((target, tensor))
+    if unexpected:
+        raise ValueError(f"the sharded model has tensors the unsharded one lacks: {unexpected[:5]}")
+    with torch.no_grad():
+        for target, tensor in pairs:
+            target.copy_(full(tensor.detach()).to(target.device))
+
+
+def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """`model.named_buffers()` less the non-persistent ones (those a state dict leaves out)."""
+    found = []
+    for module_name, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if name not in module._non_persistent_buffers_set:
+                found.append((f"{module_name}.{name}" if module_name else name, buffer))
+    return found
 
 
 def shape_mismatch(ctx) -> str:

@@ -1,7 +1,9 @@
 """An MLP with user init methods for `init meta with METHOD`, called on the root, which reach the
-sharded parameters of every layer. `init_weights` is the planted fault: it seeds every rank alike and
-fills each local shard, so every shard holds the same values. `init_weights_per_rank` is its fixed
-twin: each rank draws its own values from the same distribution."""
+parameters of every layer; build_model() initialises with `init_weights`. `init_weights` seeds every rank
+alike and fills each tensor it is given: where it is given shards (on CUDA, where `init meta` runs a call
+on the DTensors) every shard holds the same values, the planted fault; on a CPU mesh it is given whole
+tensors and each rank keeps its slice. `init_weights_per_rank` is its fixed twin: each rank draws its
+own values from the same distribution."""
 
 import torch
 import torch.distributed as dist
@@ -24,4 +26,6 @@ class InitMLP(MLP):
 
 
 def build_model():
-    return InitMLP()
+    model = InitMLP()
+    model.init_weights()
+    return model
