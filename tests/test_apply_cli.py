@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -87,6 +88,7 @@ def test_json_report_is_the_only_stdout():
     assert checks["comms"]["data"]["counts"] == {"all_reduce": 1}
     assert all(set(c) == {"check", "status", "ok", "message", "seconds", "data"} for c in report["checks"])
     assert checks["gradients"]["data"]["worst"][0]["tensor"]
+    assert report["exit_status"] == 0 and report["failure"] is None and report["ranks"] == []
 
 
 def test_failed_check_exits_1_with_sl400(tmp_path):
@@ -197,3 +199,181 @@ def test_abort_during_teardown_after_results_is_a_warning():
     report = json.loads(done.stdout)
     assert report["ok"] is True
     assert "rank 1 exited with code 3 during teardown, after its results arrived" in report["warnings"]
+
+
+# --- a check that raises inside model code, and --json on every way out ------------------------------
+
+RAISES = "tests/fixtures/raises"
+
+
+def one_object(stdout: str) -> dict:
+    """stdout holds exactly one JSON object, and nothing else."""
+    report, end = json.JSONDecoder().raw_decode(stdout.lstrip())
+    assert stdout.lstrip()[end:].strip() == "", stdout
+    return report
+
+
+def test_check_raising_in_a_modules_forward_names_the_module_and_its_rule():
+    """Heads.forward reshapes to a hard-coded width that colwise halves: the module whose forward raised,
+    the rule inside it whose output it was reading, and its own line, in the text and in the JSON."""
+    done = shardlang_apply(f"{RAISES}/heads.sl", f"{RAISES}/heads.py", "--nproc", "2", "--json")
+    assert done.returncode == 1, done.stderr
+    report = one_object(done.stdout)
+    assert report["exit_status"] == 1 and report["ok"] is False
+    assert report["failure"]["kind"] == "raised" and report["failure"]["rank"] in (0, 1)
+    check, module = report["diagnostics"]
+    assert check["code"] == module["code"] == "SL400" and check["line"] == 7
+    assert "check gradients raised on rank" in check["message"] and "is invalid for input of size" in check["message"]
+    assert module["message"].startswith("raised in module 'block' (Heads), in its forward: RuntimeError: shape")
+    assert (module["file"], module["line"], module["col"]) == (f"{RAISES}/heads.sl", 4, 5)  # block.proj : colwise
+    assert f"in {RAISES}/heads.py:17 in forward: h = h.view(" in module["help"]
+    assert "a rule inside it, on block.out" in module["help"]
+    assert [r["rank"] for r in report["ranks"]] == [0, 1]
+    assert all(r["said"] == "check gradients" for r in report["ranks"]), report["ranks"]
+    assert any(r["state"] == "raised" and "is invalid" in r["error"] for r in report["ranks"])
+    # stderr says the same in text, without a traceback
+    assert "error[SL400] raised in module 'block' (Heads)" in done.stderr
+    assert "a rule inside it, on block.proj" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs pip install -e '.[hf]'")
+def test_check_raising_in_transformers_code_names_the_decoder_layer_and_the_package():
+    """o_proj column-wise leaves the attention's output half as wide as the residual: the add inside
+    transformers' LlamaDecoderLayer.forward raises. Named: that layer, o_proj's rule, transformers' line
+    and version; not 'raised inside torch or shardlang'."""
+    import transformers
+
+    done = shardlang_apply(f"{RAISES}/hf_llama_o_colwise.sl", "examples/hf_llama.py", "--nproc", "2", timeout=400)
+    assert done.returncode == 1, done.stderr
+    assert done.stdout == ""
+    assert "The size of tensor a (64) must match the size of tensor b (32) at non-singleton dimension 2" in done.stderr
+    assert (
+        f"{RAISES}/hf_llama_o_colwise.sl:6:5: error[SL400] raised in module 'model.layers.0' (LlamaDecoderLayer), "
+        "in its forward" in done.stderr
+    ), done.stderr
+    assert "a rule inside it, on model.layers.0.self_attn.o_proj" in done.stderr
+    assert re.search(
+        rf"= help: in transformers/models/llama/modeling_llama\.py:\d+ in forward, transformers "
+        rf"{re.escape(transformers.__version__)}: hidden_states = residual \+ hidden_states",
+        done.stderr,
+    ), done.stderr
+    assert "not in your files" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_json_when_a_worker_dies_by_a_signal():
+    done = shardlang_apply(
+        "plans/mlp_tp.sl", "tests/faults/dies.py", "--nproc", "2", "--json", env={"SHARDLANG_TEST_FAULT": "kill"}
+    )
+    assert done.returncode == 2
+    report = one_object(done.stdout)
+    assert report["exit_status"] == 2 and report["ok"] is False and report["checks"] == []
+    assert report["failure"]["kind"] == "died" and report["failure"]["rank"] == 1
+    assert "killed by signal 9" in report["failure"]["message"]
+    dead = report["ranks"][1]
+    # its last word: what it had started (a message sent just before the kill may not have left its queue)
+    assert dead["state"] == "died" and dead["exit_code"] == -9, dead
+    assert dead["said"] in ("loading the model file", "building the model"), dead
+    assert "rank 1 died" in done.stderr
+
+
+def test_json_when_the_workers_do_not_start_in_time():
+    done = shardlang_apply("plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--json", "--timeout", "0.2")
+    assert done.returncode == 2
+    report = one_object(done.stdout)
+    assert report["exit_status"] == 2 and report["failure"]["kind"] == "startup"
+    assert "start-up timed out after 0.2 s" in report["failure"]["message"]
+    assert report["world_size"] == 2 and report["device"] == "cpu (gloo)"
+    assert {r["state"] for r in report["ranks"]} <= {"starting", "done"}
+
+
+def test_json_for_a_usage_error(tmp_path):
+    """A usage error found before any worker starts: the same one object, exit 2."""
+    done = shardlang_apply("plans/mlp_tp.sl", "--nproc", "2", "--json")
+    assert done.returncode == 2
+    report = one_object(done.stdout)
+    assert report["exit_status"] == 2 and report["failure"]["kind"] == "usage"
+    assert report["failure"]["message"].startswith("apply needs a model")
+    assert report["ranks"] == [] and "shardlang: error: apply needs a model" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "signum, status, kind", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]
+)
+def test_json_when_interrupted_says_what_each_rank_was_doing(signum, status, kind):
+    from .test_hostile import Run, assert_clean
+
+    run = Run(*APPLY_HANGS, "--json", send=signum, to_group=signum == signal.SIGINT, after_s=15)
+    assert_clean(run, status)
+    report = one_object(run.stdout)
+    assert report["exit_status"] == status and report["failure"]["kind"] == kind, report
+    # The signal comes while the workers start or once they run the hanging forward (a loaded machine)
+    assert [r["rank"] for r in report["ranks"]] == [0, 1], report
+    for rank in report["ranks"]:
+        assert rank["state"] in ("starting", "ready", "running"), rank
+        said = ("running its job", "loading the model file", "building the model", "applying the plan", "check ")
+        assert rank["said"].startswith(said if rank["state"] == "running" else ("starting", "ready")), rank
+    assert len(run.stderr.strip().splitlines()) == 1  # main's one line, as without --json
+
+
+APPLY_HANGS = ("apply", "plans/mlp_tp.sl", "tests/fixtures/hostile/forward_hangs.py", "--nproc", "2")
+
+
+def test_json_under_torchrun_when_a_check_raises():
+    """Under torchrun no launcher collects the ranks: rank 0 prints the object, saying what it did itself."""
+    from shardlang.launch.workers import free_port
+
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"),
+            *("--master-addr", "127.0.0.1", "--master-port", str(free_port())),
+            *("-m", "shardlang", "apply", f"{RAISES}/heads.sl", f"{RAISES}/heads.py", "--device", "cpu", "--json"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 1, done.stderr
+    report = one_object(done.stdout)
+    assert report["exit_status"] == 1 and report["failure"]["kind"] == "raised" and report["failure"]["rank"] == 0
+    (rank,) = report["ranks"]
+    assert rank["rank"] == 0 and rank["said"] == "check gradients" and rank["state"] == "raised", rank
+    assert report["diagnostics"][1]["message"].startswith("raised in module 'block' (Heads), in its forward")
+
+
+def test_frames_are_told_apart_by_package_and_version():
+    """What a check that raised says of a frame that is not the user's: the package and its version, and
+    the path inside the package; the user's own files (a model file under the project) are nobody's."""
+    import torch
+    import torch.nn.functional as F
+
+    from shardlang.launch import job
+    from shardlang.launch.workers import package_of
+
+    assert package_of(F.__file__) == (f"torch {torch.__version__}", "torch/nn/functional.py")
+    assert package_of(job.__file__)[1] == "shardlang/launch/job.py"
+    assert package_of(job.__file__)[0].startswith("shardlang ")
+    assert package_of(json.__file__) == (f"python {sys.version_info[0]}.{sys.version_info[1]}", "json/__init__.py")
+    assert package_of(str(ROOT / RAISES / "heads.py")) is None
+    if HAS_TRANSFORMERS:
+        import transformers
+        from transformers.models.llama import modeling_llama
+
+        assert package_of(modeling_llama.__file__) == (
+            f"transformers {transformers.__version__}",
+            "transformers/models/llama/modeling_llama.py",
+        )
+
+
+def test_a_job_past_its_time_is_a_timeout_with_what_each_rank_said():
+    """The launcher's side of --timeout, which `apply --json` reports as `failure.kind` and `ranks` (the
+    path to the object is that of a worker that died, above)."""
+    from shardlang.launch.workers import WorkerError, WorkerPool
+
+    pool = WorkerPool(1, timeout_s=120)
+    with pytest.raises(WorkerError) as raised:
+        pool.run(time.sleep, 60, timeout_s=1)
+    assert raised.value.kind == "timeout" and "timed out after 1 s: rank 0 still running" in raised.value.headline
+    assert raised.value.ranks == [{"rank": 0, "said": "running its job", "state": "running"}]
+    assert pool.broken

@@ -26,6 +26,16 @@ parallelize on world.tp {{
 verify gradients(steps=1, input=shard(1), output=shard(1))
 """
 MLP_USE = "use tests.faults.styles.{style} as odd\nmesh world = cpu[tp=auto]\n"
+FEED_FORWARD = """use torch.distributed.tensor.parallel.PrepareModuleInputOutput as prepare_io
+mesh world = cpu[tp=auto]
+parallelize layers.* on world.tp {{
+    feed_forward : prepare_io(input_layouts=replicate, desired_input_layouts=replicate,
+                              output_layouts=partial, desired_output_layouts=replicate)
+    feed_forward.{{w1,w3}} : colwise
+    feed_forward.w2      : {w2}
+}}
+verify gradients(steps=1)
+"""
 
 FAULTS = {
     # name: (world, model or (faulty model, fixed model), check, faulty plan, fixed plan,
@@ -177,7 +187,42 @@ FAULTS = {
         ["net1.weight: standard deviation", "net1.bias: not bitwise equal", "(`init meta with init_weights`)"],
         None,
     ),
+    "a bias counted on every TP rank, in bf16 only a little over its tolerance until a mean makes it large": (
+        2,
+        "tests/faults/pooled_bf16.py",
+        "gradients",
+        MLP_USE.format(style="rowwise_bias_every_rank") + "parallelize on world.tp { proj : colwise; out : odd }\n"
+        "verify gradients(steps=1)\n",
+        MLP_USE.format(style="rowwise_bias_once") + "parallelize on world.tp { proj : colwise; out : odd }\n"
+        "verify gradients(steps=1)\n",
+        ["step 0: loss"],
+        "out",  # not `pool`, which is far over its tolerance only because it carries out's error
+    ),
+    "a user style whose hook averages the input's gradient over the TP group, where it must sum": (
+        2,
+        "tests/faults/seq_norm.py",
+        "gradients",
+        MLP_USE.format(style="ColwiseAveragingInHook") + "parallelize on world.tp { mlp.w1 : odd; mlp.w2 : rowwise }\n"
+        "verify gradients(steps=1)\n",
+        MLP_USE.format(style="ColwiseReducingInHook") + "parallelize on world.tp { mlp.w1 : odd; mlp.w2 : rowwise }\n"
+        "verify gradients(steps=1)\n",
+        ["gradient of norm.weight"],
+        "mlp.w1",  # not `norm`, whose gradient is wrong because mlp.w1's hook sent it back wrong
+    ),
+    "a block's hook all-reducing as partial an output that a rule inside it already reduced": (
+        2,
+        "examples/llama.py",
+        "gradients",
+        FEED_FORWARD.format(w2="rowwise"),
+        FEED_FORWARD.format(w2="rowwise(output=partial)"),
+        ["step 0: loss"],
+        "layers.0.feed_forward",  # its hook doubled it; the help lists the rule on w2 inside it
+    ),
 }
+
+
+#: Rules inside the localised module that its diagnostic's help must list, where the fault needs them.
+INSIDE = {"a block's hook all-reducing as partial an output that a rule inside it already reduced": ["feed_forward.w2"]}
 
 
 def _job(tmp_path, name: str, text: str, model: str) -> Job:
@@ -211,6 +256,9 @@ def test_planted_fault_fails_its_check_and_the_fix_passes(pools, tmp_path, fault
         assert f"module '{module}'" in located.message
         if where["statements"]:
             assert located.span is not None and located.span.line == where["statements"][0]["line"]
+        inside = [s["what"] for s in where["statements"] if s["what"].startswith("a rule inside it")]
+        assert all(module != "root" and s.startswith(f"a rule inside it, on {module}.") for s in inside), inside
+        assert all(any(word in s for s in inside) for word in INSIDE.get(fault, ())), inside
     report = pools(world).run(run, _job(tmp_path, "fixed", fixed, fixed_model))[0]
     (result,) = report.checks
     assert result.status == "pass", result.message
@@ -236,3 +284,43 @@ def test_check_without_example_input_is_not_run_and_not_passed(pools, tmp_path):
     assert all(c.status == "pass" for c in report.ran) and report.ok
     assert report.summary == "4 passed, 2 skipped"
     assert "example_input" in report.skipped[0].message
+
+
+def test_the_departure_rule_by_example():
+    """localise.first_departure's examples: a module that departs under CLEAR is named before the one
+    that carries its error over CLEAR; nothing is named where nothing is CLEAR times over."""
+    import doctest
+
+    from shardlang.verification import localise
+
+    found = doctest.testmod(localise)
+    assert found.failed == 0 and found.attempted >= 4
+
+
+def test_a_replicated_gradient_is_not_read_as_partial():
+    """Equal pieces on every TP rank are a replicated tensor: summing them would make a gradient that a
+    style averaged instead of summed look right."""
+    import torch
+
+    from shardlang.verification.localise import _readings
+
+    same = torch.ones(2, 3)
+    assert len(_readings(same, [(same, None), (same.clone(), None)])) == 1 + 2  # as it is, two concatenations
+    other = torch.zeros(2, 3)
+    sums = [r for r in _readings(same, [(same, None), (other, None)]) if r.shape == same.shape]
+    assert len(sums) == 2 and torch.equal(sums[1], same)
+
+
+def test_an_additive_mask_with_infinities_agrees_with_itself():
+    """Inputs are recorded too, and an additive attention mask holds -inf: equal infinities agree (their
+    difference would be nan, read as infinitely wrong), a finite value where -inf belongs does not."""
+    import math
+
+    import torch
+
+    from shardlang.verification.localise import _ratio
+
+    mask = torch.tensor([[0.0, -math.inf], [0.0, 0.0]])
+    rounded = mask + torch.tensor([[1e-3, 0.0], [0.0, 0.0]])
+    assert _ratio([mask.clone()], mask, rounded, 12) == 0.0
+    assert _ratio([torch.zeros(2, 2)], mask, rounded, 12) == math.inf

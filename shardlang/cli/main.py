@@ -12,6 +12,7 @@ import re
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -30,6 +31,8 @@ from ..runtime.modelfile import ModelFile, ModelFileError, load_model_file
 
 #: Exit statuses (docs/language.md §5).
 OK, FOUND, UNUSABLE = 0, 1, 2
+#: Under torchrun, how long a failing rank other than 0 waits before it exits (see run_apply).
+RANK0_GRACE_S = 10.0
 
 
 class UsageError(Exception):
@@ -453,22 +456,82 @@ def run_compile(args: argparse.Namespace) -> int:
     return OK
 
 
+class _Out:
+    """Where `apply` prints its result: with --json, exactly one JSON object on stdout, whichever way the
+    command ends (a report, a plan that cannot be used, a check that raised, a worker that died, a timeout,
+    a usage error, Ctrl-C). Knows what the run has learnt so far, for an object printed on the way out."""
+
+    def __init__(self, json: bool):
+        self.json, self.printed = json, False
+        self.world, self.device = 0, ""
+        self.pool = None  # the local workers, once started: what each rank last said
+
+    def report(self, report) -> None:
+        if self.json and not self.printed:
+            self.printed = True
+            print(report.json(), flush=True)
+
+    def failed(self, status: int, failure: dict, diagnostics=(), ranks=None) -> None:
+        """The object of a run that ended without a report."""
+        from ..launch.report import Report
+
+        if ranks is None:
+            ranks = self.pool.ranks() if self.pool is not None else []
+        self.report(
+            Report(
+                ok=False,
+                world_size=self.world,
+                device=self.device,
+                diagnostics=tuple(diagnostics),
+                usable=False,
+                exit_status=status,
+                failure=failure,
+                ranks=tuple(ranks),
+            )
+        )
+
+
 def run_apply(args: argparse.Namespace) -> int:
-    """Compile and lint here, then run the job on every rank; rank 0's report. Exit 0 / 1 (SL400) / 2."""
+    """Compile and lint here, then run the job on every rank; rank 0's report. Exit 0 / 1 (SL400) / 2.
+    With --json, one object on stdout on every way out (main prints the line on stderr as always)."""
+    out = _Out(args.json)
+    try:
+        return _apply(args, out)
+    except UsageError as e:
+        out.failed(UNUSABLE, {"kind": "usage", "message": str(e)})
+        raise
+    except KeyboardInterrupt as e:
+        message = "interrupted (Ctrl-C); no worker is left running"
+        out.failed(130, {"kind": "interrupted", "message": message}, ranks=getattr(e, "ranks", None))
+        raise
+    except Terminated as e:
+        message = f"stopped by {e.name}; no worker is left running"
+        out.failed(128 + e.signum, {"kind": "terminated", "message": message}, ranks=getattr(e, "ranks", None))
+        raise
+    except Exception as e:
+        # A bug of shardlang's own: the traceback follows on stderr, and Python exits with status 1.
+        out.failed(1, {"kind": "internal", "message": f"{type(e).__name__}: {e}"})
+        raise
+
+
+def _apply(args: argparse.Namespace, out: _Out) -> int:
     from ..launch.workers import WorkerError, under_torchrun
 
     if args.save_format != "dcp" and args.save is None:
         raise UsageError(f"--save-format {args.save_format} says how --save writes: give --save DIR too")
     torchrun = under_torchrun()
     world = int(os.environ["WORLD_SIZE"]) if torchrun else args.nproc
+    out.world = world or 0
     device = _apply_device(args.device, world)
+    out.device = f"{device} ({'nccl' if device == 'cuda' else 'gloo'})"
     if device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # an `auto` mesh means cpu here, as on the workers
     plan, found, sources = compile_plan(args.plan, args.params, world)
     if plan is None:
-        return _apply_unusable(found, sources, args, world or 0, device)
+        return _apply_unusable(found, sources, out, world or 0, device)
     if world is None:
         world = _default_nproc(plan, device)
+    out.world = world
     model_file = _model_file(args)
     if model_file is None:
         raise UsageError(
@@ -488,11 +551,11 @@ def run_apply(args: argparse.Namespace) -> int:
         )
     linted = lint(plan, meta, world)
     if not linted.ok:
-        return _apply_unusable(sorted([*found, *linted.diagnostics], key=sort_key), sources, args, world, device)
+        return _apply_unusable(sorted([*found, *linted.diagnostics], key=sort_key), sources, out, world, device)
     try:
         _check_checkpoint_paths(args, meta)
     except PlanError as e:
-        return _apply_unusable([*found, *e.diagnostics], sources, args, world, device)
+        return _apply_unusable([*found, *e.diagnostics], sources, out, world, device)
 
     from ..launch.job import Job
 
@@ -512,23 +575,39 @@ def run_apply(args: argparse.Namespace) -> int:
     console = Console(file=sys.stderr, highlight=False)
     warnings: list[str] = []
     if torchrun:
-        report = _run_under_torchrun(job, device, console)
-        _exit_now(OK if report is None else _show_report(report, warnings, sources, args))  # None: not rank 0
+        rank = int(os.environ["RANK"])
+        out.json = out.json and rank == 0  # rank 0 prints the object; under torchrun it knows only itself
+        try:
+            # torchrun stops the other ranks with SIGTERM when one fails: rank 0 still prints its object
+            with _terminable():
+                report = _run_under_torchrun(job, device, console)
+        except WorkerError as e:  # this rank's own failure
+            status = _worker_failed(e, sources, args.debug, out)
+            if rank != 0:
+                # torchrun stops every rank once one exits: rank 0, likely failing alike, gets a moment to
+                # say so in its object before it is stopped
+                time.sleep(RANK0_GRACE_S)
+            _exit_now(status)
+        _exit_now(OK if report is None else _show_report(report, warnings, sources, args, out))  # None: not rank 0
     try:
         with _terminable():
-            report, warnings = _run_local(job, world, device, args.timeout, console, args.debug)
+            report, warnings = _run_local(job, world, device, args.timeout, console, args.debug, out)
     except WorkerError as e:
-        return _worker_failed(e, sources, args.debug)
+        return _worker_failed(e, sources, args.debug, out)
     if args.debug and report.details:
         print(report.details.rstrip(), file=sys.stderr)
-    return _show_report(report, warnings, sources, args)
+    return _show_report(report, warnings, sources, args, out)
 
 
-def _worker_failed(error, sources: dict[str, Source], debug: bool) -> int:
+def _worker_failed(error, sources: dict[str, Source], debug: bool, out: _Out) -> int:
     """A job that failed on a worker: a check that raised is SL400 at its statement (exit 1); otherwise one
-    line naming the rank, and the frames of the user's own files (exit 2). --debug adds the traceback."""
-    if error.diagnostic is not None:
-        emit_diagnostics([error.diagnostic], sources, "text", stream=sys.stderr)
+    line naming the rank, and the frames of the user's own files (exit 2). --debug adds the traceback.
+    With --json, the object says the same: the failure, the exit status and what each rank said."""
+    status = FOUND if error.diagnostic is not None and error.diagnostic.code == "SL400" else UNUSABLE
+    failure = {"kind": error.kind, "rank": error.rank, "message": error.headline, "user_frames": list(error.user)}
+    out.failed(status, failure, error.diagnostics, error.ranks)
+    if error.diagnostics:
+        emit_diagnostics(list(error.diagnostics), sources, "text", stream=sys.stderr)
     else:
         print(f"shardlang: error: {error.headline}", file=sys.stderr)
         for frame in error.user:
@@ -537,22 +616,20 @@ def _worker_failed(error, sources: dict[str, Source], debug: bool) -> int:
         print(f"rank {error.rank}'s traceback:\n{error.details.rstrip()}", file=sys.stderr)
     elif error.details and error.diagnostic is None:
         print("  (run with --debug for the full traceback)", file=sys.stderr)
-    return FOUND if error.diagnostic is not None and error.diagnostic.code == "SL400" else UNUSABLE
+    return status
 
 
-def _show_report(report, warnings: list[str], sources: dict[str, Source], args: argparse.Namespace) -> int:
+def _show_report(report, warnings: list[str], sources: dict[str, Source], args: argparse.Namespace, out: _Out) -> int:
     """Print the report (table or JSON) and return the exit status it calls for."""
     from ..launch.report import render
 
-    if warnings:
-        report = attrs.evolve(report, warnings=report.warnings + tuple(warnings))
+    status = UNUSABLE if not report.usable else OK if report.ok else FOUND
+    report = attrs.evolve(report, warnings=report.warnings + tuple(warnings), exit_status=status)
     if args.json:
-        print(report.json())
+        out.report(report)
     else:
         render(report, sources, Console(file=sys.stdout, highlight=False, soft_wrap=True))
-    if not report.usable:
-        return UNUSABLE
-    return OK if report.ok else FOUND
+    return status
 
 
 def _check_checkpoint_paths(args: argparse.Namespace, meta) -> None:
@@ -743,19 +820,22 @@ def _checks(plan: Plan, args: argparse.Namespace) -> tuple:
     return checks
 
 
-def _apply_unusable(found, sources, args, world: int, device: str) -> int:
+def _apply_unusable(found, sources, out: _Out, world: int, device: str) -> int:
     # The report (and the checks it describes) is imported here, not at the top: `lint` never needs it.
     from ..launch.report import Report
 
-    if args.json:
-        report = Report(ok=False, world_size=world, device=device, diagnostics=tuple(found), usable=False)
-        print(report.json())
+    if out.json:
+        out.report(
+            Report(
+                ok=False, world_size=world, device=device, diagnostics=tuple(found), usable=False, exit_status=UNUSABLE
+            )
+        )
     else:
         emit_diagnostics(found, sources, "text", stream=sys.stderr)
     return UNUSABLE
 
 
-def _run_local(job, world: int, device: str, timeout: float, console: Console, debug: bool = False):
+def _run_local(job, world: int, device: str, timeout: float, console: Console, debug: bool, out: _Out):
     """The job on `world` local workers; their stderr (torch's and gloo's logs) is kept in a temporary
     directory and printed only with --debug, after a failure."""
     import tempfile
@@ -773,6 +853,7 @@ def _run_local(job, world: int, device: str, timeout: float, console: Console, d
                         status.update(f"rank 0: {message}")
 
                 pool = WorkerPool(world, backend, timeout_s=timeout, on_progress=show, log_dir=logs)
+                out.pool = pool
                 try:
                     report = pool.run(run, job, timeout_s=timeout)[0]
                 finally:
@@ -803,11 +884,16 @@ def _run_under_torchrun(job, device: str, console: Console):
     if device == "cuda":
         torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    rank = int(os.environ["RANK"])
     try:
         report = run(job)
+    except Exception as e:  # noqa: BLE001 - this rank's failure, said as the local launcher says a worker's
+        from ..launch.workers import error_of
+
+        raise error_of(rank, e) from None
     finally:
         destroy_process_groups()
-    return report if int(os.environ["RANK"]) == 0 else None
+    return report if rank == 0 else None
 
 
 def _exit_now(status: int) -> NoReturn:

@@ -30,6 +30,11 @@ class Report:
     checkpoints: dict[str, Transfer] = field(factory=dict)  # "loaded" and "saved", where --load / --save ran
     usable: bool = True  # False: the plan or the model could not be used (exit status 2)
     details: str = ""  # the traceback behind a failed apply (SL300), shown by `--debug`; not in the JSON
+    # Set by the command: the status it exits with; for a run that ended without every rank's report (a
+    # check that raised, a worker that died, a timeout, Ctrl-C), what ended it and what each rank said.
+    exit_status: int | None = None
+    failure: dict[str, Any] | None = None
+    ranks: tuple[dict[str, Any], ...] = ()
 
     @property
     def ran(self) -> tuple[CheckResult, ...]:
@@ -60,6 +65,9 @@ class Report:
                 k: self.checkpoints[k].to_json() if k in self.checkpoints else None for k in ("loaded", "saved")
             },
             "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+            "exit_status": self.exit_status,
+            "failure": self.failure,
+            "ranks": list(self.ranks),
         }
 
     def json(self) -> str:

@@ -34,8 +34,9 @@ class WorkerError(RuntimeError):
     """A job failed on a worker (or a worker died, or the workers did not start).
 
     `details` is the whole traceback; `user` the frames of it in the user's own files (their model
-    file, their styles), one `file:line in function: code` each, which is what a user needs; `diagnostic` a Diagnostic when
-    the job said where in the plan it failed (a check that raised: SL400)."""
+    file, their styles), one `file:line in function: code` each, which is what a user needs; `diagnostics` the
+    Diagnostics when the job said where in the plan it failed (a check that raised: SL400 at the check, and
+    at the rule of the module that was running)."""
 
     def __init__(
         self,
@@ -43,14 +44,19 @@ class WorkerError(RuntimeError):
         message: str,
         details: str = "",
         user: tuple[str, ...] = (),
-        diagnostic: Any = None,
+        diagnostics: tuple[Any, ...] = (),
         died: bool = False,
         summary: str | None = None,
+        kind: str = "raised",
     ):
         super().__init__(f"rank {rank}: {message}")
         self.rank, self.message, self.details, self.user = rank, message, details, user
-        self.diagnostic, self.died = diagnostic, died
+        self.diagnostics, self.died = tuple(diagnostics), died
         self.summary = summary  # the one line that says what happened (default: `rank R failed: message`)
+        #: What ended the job: "raised", "died", "timeout" (a job past its time) or "startup" (the workers
+        #: did not all start); and what every rank last said (WorkerPool.ranks), set by the pool.
+        self.kind = "died" if died else kind
+        self.ranks: list[dict[str, Any]] = []
 
     @property
     def headline(self) -> str:
@@ -58,6 +64,11 @@ class WorkerError(RuntimeError):
             return self.summary
         first = self.message.splitlines()[0] if self.message else ""
         return f"rank {self.rank} {'died' if self.died else 'failed'}: {first}"
+
+    @property
+    def diagnostic(self) -> Any:
+        """The first diagnostic (the check's SL400), or None."""
+        return self.diagnostics[0] if self.diagnostics else None
 
     def __str__(self) -> str:
         text = f"rank {self.rank}: {self.message}"
@@ -80,23 +91,53 @@ def _library_dirs() -> tuple[str, ...]:
     return tuple(sorted(dirs))
 
 
+def chain(error: BaseException) -> list[BaseException]:
+    """`error` and what caused it, the first cause first (whose traceback reaches deepest)."""
+    found, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        found.append(error)
+        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    return found[::-1]
+
+
 def user_stack(error: BaseException, limit: int = 6) -> list[traceback.FrameSummary]:
     """The frames of `error`'s traceback (and of what caused it) that are in the user's own files, innermost
     last: what to show instead of shardlang's and torch's internals."""
-    libraries = _library_dirs()
-    chain, seen = [], set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        chain.append(error)
-        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
     frames = []
-    for e in reversed(chain):
+    for e in chain(error):
         for frame in traceback.extract_tb(e.__traceback__):
-            name = frame.filename
-            if name.startswith("<") or str(Path(name).resolve()).startswith(libraries):
-                continue
-            frames.append(frame)
+            if package_of(frame.filename) is None:
+                frames.append(frame)
     return frames[-limit:]
+
+
+def package_of(filename: str) -> tuple[str, str] | None:
+    """For a file that is not the user's: the package it belongs to, with its version where installed
+    (`transformers 5.24.0`, `torch 2.13.0`, `shardlang 0.4`, `python 3.11`), and its path inside the
+    directory it was installed in (`transformers/models/llama/modeling_llama.py`). None for the user's
+    own files (a model file, their styles, a package of theirs outside site-packages)."""
+    if filename.startswith("<"):
+        return "python", filename
+    path = str(Path(filename).resolve())
+    for root in sorted(_library_dirs(), key=len, reverse=True):  # site-packages before the stdlib holding it
+        if path.startswith(root + os.sep):
+            inside = Path(path).relative_to(root)
+            if root.endswith(("shardlang", "torch")):  # the package directory itself, not its parent
+                inside = Path(Path(root).name) / inside
+            return _versioned(inside.parts[0], root), str(inside)
+    return None
+
+
+def _versioned(top: str, root: str) -> str:
+    from importlib import metadata
+
+    if top.endswith(".py") or root in (sysconfig.get_paths().get("stdlib"), sysconfig.get_paths().get("platstdlib")):
+        return f"python {sys.version_info[0]}.{sys.version_info[1]}"
+    for name in metadata.packages_distributions().get(top, [top]):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            return f"{top} {metadata.version(name)}"
+    return top
 
 
 def where(frame: traceback.FrameSummary) -> str:
@@ -110,10 +151,14 @@ def where(frame: traceback.FrameSummary) -> str:
 
 #: Set in a pool worker while a job runs: sends a progress message to the launcher.
 _progress = None
+#: What this rank last said it was doing (for a failure's report where no launcher listens: torchrun).
+_said = "starting"
 
 
 def progress(message: str) -> None:
     """Tell the launcher what this rank is doing (shown by rank 0's launcher; ignored elsewhere)."""
+    global _said
+    _said = message
     if _progress is not None:
         _progress(message)
 
@@ -225,16 +270,16 @@ def _failure(error: BaseException) -> dict[str, Any]:
     from ..runtime.modelfile import ModelFileError
 
     message = str(error) if isinstance(error, ModelFileError) else f"{type(error).__name__}: {error}"
-    diagnostic = getattr(error, "diagnostic", None)
+    diagnostics = tuple(getattr(error, "diagnostics", ()))
     try:
-        pickle.dumps(diagnostic)
-    except Exception:  # noqa: BLE001 - a diagnostic that does not pickle is left out
-        diagnostic = None
+        pickle.dumps(diagnostics)
+    except Exception:  # noqa: BLE001 - diagnostics that do not pickle are left out
+        diagnostics = ()
     return {
         "message": getattr(error, "summary", None) or message,
         "details": "".join(traceback.format_exception(error)),
         "user": tuple(where(f) for f in user_stack(error)),
-        "diagnostic": diagnostic,
+        "diagnostics": diagnostics,
     }
 
 
@@ -293,8 +338,25 @@ def in_fresh_process(fn: Callable[..., Any], *args: Any, timeout_s: float = 600.
     return value
 
 
+def _tell_ranks(error: BaseException, ranks: list[dict[str, Any]]) -> None:
+    """What every rank last said, on an exception that stops the pool (a WorkerError, or Ctrl-C or a
+    forwarded SIGTERM arriving while it waits): `error.ranks`, for a report printed on the way out."""
+    if not getattr(error, "ranks", None):
+        with contextlib.suppress(AttributeError, TypeError):
+            error.ranks = ranks
+
+
 def _error(rank: int, failure: dict[str, Any]) -> WorkerError:
-    return WorkerError(rank, failure["message"], failure["details"], failure["user"], failure["diagnostic"])
+    return WorkerError(rank, failure["message"], failure["details"], failure["user"], failure["diagnostics"])
+
+
+def error_of(rank: int, error: BaseException) -> WorkerError:
+    """This process's own failure as the launcher would report a worker's (a rank under torchrun, where
+    no launcher collects the ranks: it can say only what it did itself)."""
+    failure = _failure(error)
+    found = _error(rank, failure)
+    found.ranks = [{"rank": rank, "said": _said, "state": "raised", "error": failure["message"]}]
+    return found
 
 
 @contextlib.contextmanager
@@ -334,6 +396,7 @@ class WorkerPool:
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(world_size)]
         self._doing = ["starting"] * world_size  # each rank's last progress message, for a rank that dies
+        self._ended: dict[int, dict[str, Any]] = {}  # how each rank's current job ended, where it did
         port = free_port()
         self._procs = [
             ctx.Process(
@@ -361,8 +424,9 @@ class WorkerPool:
                 for proc in self._procs:
                     proc.start()
             self._collect(None, self.start_timeout_s, "ready")
-        except BaseException:
+        except BaseException as e:
             self.kill()
+            _tell_ranks(e, self.ranks())
             raise
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 600.0, **kwargs: Any) -> list[Any]:
@@ -372,18 +436,42 @@ class WorkerPool:
         payload = pickle.dumps((fn, args, kwargs))  # fails here, not silently in a queue's feeder thread
         self._next += 1
         self._doing = ["running its job"] * self.world_size
+        self._ended = {}
         try:
             for q in self._jobs:
                 q.put((self._next, payload))
             values = self._collect(self._next, timeout_s, "ok")
         except WorkerError:
             raise
-        except BaseException:  # Ctrl-C, a forwarded SIGTERM: stop every worker now, not after the job
+        except BaseException as e:  # Ctrl-C, a forwarded SIGTERM: stop every worker now, not after the job
             self.kill()
+            _tell_ranks(e, self.ranks())
             raise
         return [pickle.loads(v) for v in values]
 
     def _collect(self, job_id: int | None, timeout_s: float, expect: str) -> list[Any]:
+        try:
+            return self._gather(job_id, timeout_s)
+        except WorkerError as e:
+            e.ranks = self.ranks()
+            if job_id is None and e.kind == "raised":
+                e.kind = "startup"  # a rank that could not join the process group
+            raise
+
+    def ranks(self) -> list[dict[str, Any]]:
+        """What each rank said in the current job (or start-up): its last progress message, and how it ended
+        where it did: `done` (`ready` at start-up), `raised` (with its error), `died` (with its exit code);
+        else `running`, or `starting` for a rank that has not joined. For a report that must say what every rank was doing."""
+        return [
+            {
+                "rank": r,
+                "said": self._doing[r],
+                **self._ended.get(r, {"state": "starting" if self._doing[r] == "starting" else "running"}),
+            }
+            for r in range(self.world_size)
+        ]
+
+    def _gather(self, job_id: int | None, timeout_s: float) -> list[Any]:
         values: dict[int, Any] = {}
         deadline = time.monotonic() + timeout_s
         while len(values) < self.world_size:
@@ -408,8 +496,12 @@ class WorkerPool:
                     self.on_progress(rank, value)
                 continue
             if status == "error":
+                self._ended[rank] = {"state": "raised", "error": value["message"]}
                 raise self._root_cause(_error(rank, value))
             values[rank] = value
+            self._ended[rank] = {"state": "done" if job_id is not None else "ready"}
+            if job_id is None:
+                self._doing[rank] = "ready"
         return [values[r] for r in range(self.world_size)]
 
     #: Errors that a rank sees because another one failed, not failures of its own.
@@ -437,6 +529,7 @@ class WorkerPool:
             except queue.Empty:
                 continue
             if status == "error":
+                self._ended[rank] = {"state": "raised", "error": value["message"]}
                 errors.append(_error(rank, value))
         self.stop()
         causes = [e for e in errors if not any(s in e.message for s in self._SYMPTOMS)]
@@ -453,6 +546,7 @@ class WorkerPool:
     def _died(self, rank: int) -> WorkerError:
         code = self._procs[rank].exitcode
         how = f" (killed by signal {-code})" if code is not None and code < 0 else ""
+        self._ended[rank] = {"state": "died", "exit_code": code}
         return WorkerError(rank, f"worker exited with code {code}{how} (last reported: {self._doing[rank]})", died=True)
 
     def _late(self, job_id: int | None, timeout_s: float, missing: list[int]) -> WorkerError:
@@ -462,6 +556,7 @@ class WorkerPool:
                 missing[0],
                 f"start-up timed out: rank{'s' if len(missing) > 1 else ''} {ranks} of {self.world_size} did not "
                 f"report ready within {timeout_s:g} s",
+                kind="startup",
                 summary=f"start-up timed out after {timeout_s:g} s: rank{'s' if len(missing) > 1 else ''} {ranks} "
                 f"of {self.world_size} never reported (a loaded machine may need a longer --timeout)",
             )
@@ -469,6 +564,7 @@ class WorkerPool:
         return WorkerError(
             missing[0],
             f"no result within {timeout_s:g} s (ranks {missing} still running)",
+            kind="timeout",
             summary=f"timed out after {timeout_s:g} s: rank{'s' if len(missing) > 1 else ''} {ranks} still "
             f"running ({doing})",
         )

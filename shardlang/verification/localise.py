@@ -1,16 +1,29 @@
-"""Where a failing training step first goes wrong: the first module whose output, or whose gradient with
-respect to its output, disagrees with the unsharded model's, and the plan statements that govern it.
+"""Where a failing training step first goes wrong: the first module whose output (or the gradient it
+sends back to its inputs) disagrees with the unsharded model's although what it was given agrees, and
+the plan statements that govern it.
 
 The step is run once more with hooks on every module of the sharded model and of the two references
-(the float64 truth and the one computing in the sharded model's precision). A module's output on a
-tensor-parallel rank may be a DTensor (made whole with `full_tensor()`) or a local tensor whose layout
-the hooks cannot see; a local tensor is gathered from the TP group and taken as it is, summed (a
-partial result), or concatenated along any dim that gives the reference's shape, and it agrees if any
-of these agrees. A module disagrees when no reading of its output is within the gradients check's
-tolerance (K times the reference's own rounding error) by a clear margin (CLEAR times). Forward outputs are compared in the order the
-modules finished; gradients in the order backward reached them. When every activation and activation
-gradient agrees, the module holding the parameter with the worst gradient is named: its parameter's
-gradient is wrong although everything flowing through it is right (a missing reduction).
+(the float64 truth and the one computing in the sharded model's precision). Each call of a module is
+recorded at both ends, in both directions: in forward, the tensors it was given (before any hook of
+its own, a style's included, touched them) and its output (after them all); in backward, the gradient
+it was given (with respect to its output, as it arrived from later modules) and the gradient it sent
+back to each input along its own path (through its hooks too). A style that reduces a gradient in a
+hook of its module, wrongly, thus shows as that module's departure, not as the module before it. A
+tensor on a tensor-parallel rank may be a DTensor (made whole with `full_tensor()`) or a local tensor
+whose layout the hooks cannot see; a local tensor is gathered from the TP group and taken as it is,
+summed (a partial result), or concatenated along any dim that gives the reference's shape, and it
+agrees if any of these agrees. Each recorded tensor gets a ratio: its error over the gradients
+check's tolerance (K times the reference's own rounding error).
+
+A fault is evident in a direction when some record is CLEAR times over its tolerance. Errors grow as
+they flow (a bf16 fault just over its tolerance becomes several times over two modules later), so
+the first record over CLEAR need not be the fault's: named is the first module, in flow order up to
+that record, that *departs*, its outgoing tensor over its tolerance and more than GROWTH times as far
+over as what it was given (see `departs`). When no module departs (its inputs cannot be read), the
+first record over CLEAR is named. Forward is looked at first, in the order modules finished; then
+backward, in the order its gradients arrived. When every activation and activation gradient agrees,
+the module holding the parameter with the worst gradient is named: its parameter's gradient is wrong
+although everything flowing through it is right (a missing reduction).
 """
 
 from __future__ import annotations
@@ -26,10 +39,15 @@ from torch.distributed.tensor import DTensor
 from . import layout as lay
 from .reference import K, inputs_for
 
-#: How far beyond the gradients check's tolerance an activation must be to be named: activations of a
-#: correct plan sit near the tolerance more often than parameters' gradients do (a bf16 activation
-#: gradient passes through every later layer's rounding), and a fault is off by far more.
+#: How far beyond the gradients check's tolerance a record must be for a fault to be evident in its
+#: direction: activations of a correct plan sit near the tolerance more often than parameters'
+#: gradients do (a bf16 activation gradient passes through every later layer's rounding), and a fault
+#: is off by far more.
 CLEAR = 4.0
+#: How many times further over its tolerance a module's outgoing tensor must be than what it was given,
+#: for the module to have added an error of its own rather than passed one on (each tensor's tolerance
+#: is its own reference's rounding, so an error a module merely carries keeps about its ratio).
+GROWTH = 2.0
 #: Module names that wrappers insert and the unsharded model does not have.
 WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
 
@@ -47,7 +65,8 @@ def localise(ctx, references, inputs: tuple, where, args: dict, failing_params: 
     finally:
         ctx.model.zero_grad(set_to_none=True)
     group = _tp_group(ctx, where)
-    for kind, label in (("outputs", "output"), ("grads", "gradient with respect to its output")):
+    for backward in (False, True):
+        kind = "grads" if backward else "flows"
         want, rounding = dict(getattr(truth, kind)), dict(getattr(same, kind))
         # The records in the truth's order (backward may reach modules in another order on each rank),
         # every rank reading every record: the same collectives everywhere, in the same order.
@@ -59,14 +78,72 @@ def localise(ctx, references, inputs: tuple, where, args: dict, failing_params: 
         ratios = _largest_anywhere(
             [_ratio(read, want.get(key), rounding.get(key), K) for (key, _), read in zip(records, readings)]
         )
-        first = next((i for i, ratio in enumerate(ratios) if ratio is not None and ratio > CLEAR), None)
-        if first is not None:
-            return _found(ctx, records[first][0], label, ratios[first])
+        named = first_departure([key for key, _ in records], ratios, backward)
+        if named is not None:
+            key, ratio = named
+            call, _, role = key.partition(" ")
+            what = _WHAT[backward, role.split()[0]]
+            if backward and role == "out":
+                # A gradient given wrong, that no module sent back wrong: the loss's (where it is the first
+                # to arrive), to the innermost module whose output the outer ones passed on unchanged.
+                call = sharded.innermost(call)
+                what += ", as the loss sent it back" if key == records[0][0] else ""
+            return _found(ctx, call, what, ratio)
     return _by_parameter(
         ctx,
         failing_params,
         "(its output and the gradient reaching it agree: a reduction of this parameter's gradient is missing or wrong)",
     )
+
+
+#: Each record's key is `name#call role`: in forward, `in I` is the call's input I as it was given, `out`
+#: its output; in backward, `out` is the gradient it was given (with respect to its output) and `in I`
+#: the gradient it sent back to input I. What a named record is, as the diagnostic says it:
+_WHAT = {
+    (False, "out"): "output",
+    (False, "in"): "input, made by code around it that is no module's (its output came out right)",
+    (True, "out"): "gradient with respect to its output",
+    (True, "in"): "gradient with respect to its input",
+}
+
+
+def first_departure(keys: list[str], ratios: list[float | None], backward: bool = False) -> tuple[str, float] | None:
+    """Of one direction's records in flow order (`keys`, with their error / tolerance `ratios`), the one
+    to name: None when none is CLEAR times over its tolerance (no fault evident in this direction); else
+    the first outgoing record (forward: an output; backward: a gradient sent back to an input), up to the
+    first one over CLEAR, whose module call departs from what it was given; else that first one over
+    CLEAR itself.
+
+    >>> keys = ["a#1 in 0", "a#1 out", "b#1 in 0", "b#1 out"]
+    >>> first_departure(keys, [0.2, 2.0, 2.0, 5.0])  # a departs under CLEAR; b carries its error on
+    ('a#1 out', 2.0)
+    >>> first_departure(keys, [0.2, 1.5, 1.5, 0.9]) is None  # no fault evident: the parameters' turn
+    True
+    >>> first_departure(["b#1 out", "b#1 in 0", "a#1 out", "a#1 in 0"], [0.1, 9.0, 9.0, 9.5], backward=True)
+    ('b#1 in 0', 9.0)
+    """
+    clear = next((i for i, r in enumerate(ratios) if r is not None and r > CLEAR), None)
+    if clear is None:
+        return None
+    outgoing = "in" if backward else "out"
+    given: dict[str, float] = {}
+    for key, ratio in zip(keys, ratios):
+        call, _, role = key.partition(" ")
+        if ratio is not None and role.split()[0] != outgoing:
+            given[call] = max(given.get(call, 0.0), ratio)
+    for key, ratio in zip(keys[: clear + 1], ratios[: clear + 1]):
+        call, _, role = key.partition(" ")
+        if ratio is not None and role.split()[0] == outgoing and departs(ratio, given.get(call)):
+            return key, ratio
+    return keys[clear], ratios[clear]
+
+
+def departs(ratio: float, given: float | None) -> bool:
+    """Whether a module call whose outgoing tensor is `ratio` times its tolerance added an error of its
+    own: over its tolerance, and over GROWTH times as far over as what it was given (`given`: the largest
+    ratio of the tensors it was given; None when none could be compared, as the model's own integer
+    input, which is exact)."""
+    return ratio > 1.0 and ratio > GROWTH * (given or 0.0)
 
 
 def _by_parameter(ctx, failing_params: list[str], why: str = "") -> dict[str, Any] | None:
@@ -97,16 +174,45 @@ def _largest_anywhere(ratios: list[float | None]) -> list[float | None]:
 
 class _Recording:
     def __init__(self):
-        self.outputs: list[tuple[str, torch.Tensor]] = []
-        self.grads: list[tuple[str, torch.Tensor]] = []
+        self.flows: list[tuple[str, torch.Tensor]] = []  # forward: what each call was given, and its output
+        self.grads: list[tuple[str, torch.Tensor]] = []  # backward: in the order the gradients arrived
         self.forward = True
+        self.calls: Counter = Counter()
+        self.running: dict[int, list[str]] = {}  # id(module) -> the keys of its calls still running
+        self.made: dict[int, tuple[str, torch.Tensor]] = {}  # id(output view) -> (the call, the view)
+        self.passes: dict[str, str] = {}  # a call -> the call whose output it returned unchanged
+
+    def innermost(self, call: str) -> str:
+        """The innermost call whose output `call` returned unchanged (a model's root returning its output
+        layer's), or `call` itself."""
+        while call in self.passes:
+            call = self.passes[call]
+        return call
+
+    def flow(self, key: str, tensor: torch.Tensor, replace: bool = True) -> torch.Tensor:
+        """Record `tensor` under `key` and return it as a new identity view whose gradient is recorded as it
+        passes: the view is what flows on, so its gradient is this path's alone (a tensor that feeds two
+        modules gets two views) and arrives before any hook downstream of it changes it. Where it cannot
+        replace the tensor (`replace` false), the gradient is recorded at the tensor itself."""
+        tapped = tensor.view_as(tensor) if replace else tensor
+        if self.forward:
+            self.flows.append((key, tensor.detach()))
+            if tapped.requires_grad:
+                tapped.register_hook(lambda grad: self.grads.append((key, grad.detach())))
+        return tapped
 
 
 def _record(model, step) -> _Recording:
-    """Run `step(model, stop)` with a forward hook on every module; `stop()` ends the forward phase."""
+    """Run `step(model, stop)` with hooks at both ends of every module call (see the module's docstring);
+    `stop()` ends the forward phase (a recomputation under activation checkpointing is not recorded, but
+    takes the same views, so that it replays the same operations)."""
     recording = _Recording()
-    calls: Counter = Counter()
-    handles = [m.register_forward_hook(_hook(recording, _plain(n), calls)) for n, m in model.named_modules()]
+    handles = []
+    for name, module in model.named_modules():
+        name = plain_name(name)
+        # First of its pre-hooks (before a style's or FSDP's change the inputs), last of its hooks.
+        handles.append(module.register_forward_pre_hook(_given(recording, name), prepend=True, with_kwargs=True))
+        handles.append(module.register_forward_hook(_made(recording)))
     try:
         step(model, lambda: setattr(recording, "forward", False))
     finally:
@@ -115,18 +221,51 @@ def _record(model, step) -> _Recording:
     return recording
 
 
-def _hook(recording: _Recording, name: str, calls: Counter):
+def _given(recording: _Recording, name: str):
+    """The pre-hook: each floating-point tensor the call was given (positional or keyword) is recorded."""
+
+    def hook(module, args, kwargs):
+        key = name
+        if recording.forward:
+            recording.calls[name] += 1
+            key = f"{name}#{recording.calls[name]}"
+        recording.running.setdefault(id(module), []).append(key)
+        slots = [*enumerate(args), *kwargs.items()]
+        floats = [(slot, v) for slot, v in slots if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        if not floats:
+            return None
+        args, kwargs = list(args), dict(kwargs)
+        for slot, value in floats:
+            tapped = recording.flow(f"{key} in {slot}", value)
+            if isinstance(slot, int):
+                args[slot] = tapped
+            else:
+                kwargs[slot] = tapped
+        return tuple(args), kwargs
+
+    return hook
+
+
+def _made(recording: _Recording):
+    """The forward hook: the call's output (its first floating-point tensor) is recorded."""
+
     def hook(module, args, output):
-        if not recording.forward:  # recomputation under activation checkpointing: already recorded
-            return
+        key = recording.running[id(module)].pop()
         tensor = _first_tensor(output)
         if tensor is None:
-            return
-        calls[name] += 1
-        key = f"{name}#{calls[name]}"
-        recording.outputs.append((key, tensor.detach()))
-        if tensor.requires_grad:
-            tensor.register_hook(lambda grad: recording.grads.append((key, grad.detach())))
+            return None
+        if recording.forward and id(tensor) in recording.made:
+            recording.passes[key] = recording.made[id(tensor)][0]
+        if output is tensor:
+            tapped = recording.flow(f"{key} out", tensor)
+            recording.made[id(tapped)] = (key, tapped)  # kept alive with it: ids are not reused meanwhile
+            return tapped
+        if type(output) in (tuple, list) and any(item is tensor for item in output):
+            tapped = recording.flow(f"{key} out", tensor)
+            recording.made[id(tapped)] = (key, tapped)
+            return type(output)(tapped if item is tensor else item for item in output)
+        recording.flow(f"{key} out", tensor, replace=False)  # a dict, a ModelOutput, a nested tensor
+        return None
 
     return hook
 
@@ -147,7 +286,7 @@ def _reference_step(ctx, model, inputs, stop) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def _plain(name: str) -> str:
+def plain_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
 
 
@@ -195,7 +334,8 @@ def _portable(tensor: torch.Tensor) -> tuple:
 
 def _readings(tensor: torch.Tensor, pieces: list[tuple]) -> list[torch.Tensor]:
     """A DTensor on the TP mesh is assembled as its placement says; a local tensor is read as it is,
-    summed over the TP group (a partial result), or concatenated along each dim."""
+    summed over the TP group (a partial result, where the ranks hold different values), or concatenated
+    along each dim."""
     device = tensor.device
     locals_ = [local.to(device) for local, _ in pieces]
     placements = pieces[0][1] if pieces else None
@@ -210,7 +350,9 @@ def _readings(tensor: torch.Tensor, pieces: list[tuple]) -> list[torch.Tensor]:
         return [torch.cat(locals_, dim=dim)] if dim is not None else []
     readings = [tensor.detach()]
     if len(locals_) > 1:
-        if all(p.shape == tensor.shape for p in locals_):
+        # Equal on every rank is replicated, not partial: a gradient a style averaged over the TP group where
+        # it should have summed is the same on every rank, and its sum would look right.
+        if all(p.shape == tensor.shape for p in locals_) and not all(torch.equal(p, locals_[0]) for p in locals_):
             readings.append(torch.stack(locals_).sum(0))
         if all(p.ndim == tensor.ndim for p in locals_):
             for dim in range(tensor.ndim):
@@ -230,16 +372,22 @@ def _ratio(readings, truth: torch.Tensor | None, same: torch.Tensor | None, k: f
     if s.shape != t.shape:
         return None
     n = max(t.numel(), 1)
-    rms = float(t.norm()) / math.sqrt(n)
-    allowed = k * float((s - t).norm()) + k * torch.finfo(torch.float32).eps * rms * math.sqrt(n)
+    finite = t.isfinite()  # an additive attention mask holds -inf: those places agree where they are equal
+    rms = float(t[finite].norm()) / math.sqrt(n)
+    allowed = k * float(_difference(s, t).norm()) + k * torch.finfo(torch.float32).eps * rms * math.sqrt(n)
     best = None
     for reading in readings:
         if reading.shape != t.shape:
             continue
-        error = float((reading.detach().to(t.device).double() - t).norm())
+        error = float(_difference(reading.detach().to(t.device).double(), t).norm())
         ratio = math.inf if not math.isfinite(error) else error / allowed if allowed > 0 else (error > 0) * math.inf
         best = ratio if best is None else min(best, ratio)
     return best
+
+
+def _difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a - b, 0 where they are equal (infinities included: inf - inf would be nan)."""
+    return torch.where(a == b, torch.zeros_like(a), a - b)
 
 
 def _found(ctx, key: str, what: str, ratio: float | None) -> dict[str, Any]:
@@ -251,12 +399,16 @@ def _found(ctx, key: str, what: str, ratio: float | None) -> dict[str, Any]:
         "call": int(call),
         "what": what,
         "ratio": ratio,
-        "statements": governing(ctx, fqn),
+        # Rules inside it too: a module that departs while every module inside it agrees made its error
+        # in its own code or hooks, from their outputs, whose layouts those rules set.
+        "statements": governing(ctx, fqn, inside=bool(fqn)),
     }
 
 
-def governing(ctx, fqn: str) -> list[dict[str, Any]]:
-    """The plan statements that govern module `fqn`: parallelize rules on it, then on its ancestors
+def governing(ctx, fqn: str, inside: bool = False, finished: dict[str, int] | None = None) -> list[dict[str, Any]]:
+    """The plan statements that govern module `fqn`: parallelize rules on it, with `inside` those on its
+    submodules (whose outputs its own code reads: a forward that raised), the one whose module finished
+    last first (`finished`: when each module's forward last finished), then rules on its ancestors
     (nearest first), the fully_shard or replicate unit holding it, and activation checkpointing."""
     from ..compiler.predict import enclosing, units_by_module
 
@@ -279,8 +431,11 @@ def governing(ctx, fqn: str) -> list[dict[str, Any]]:
             )
 
     rules = [m for m in resolution.rules if m.fqn == fqn or fqn.startswith(m.fqn + ".") or not m.fqn]
-    for match in sorted(rules, key=lambda m: -len(m.fqn)):
-        add(match.rule.span, "the parallelize rule on it" if match.fqn == fqn else f"a rule on {match.fqn or 'root'}")
+    below = [m for m in resolution.rules if inside and m.fqn.startswith(fqn + "." if fqn else "")]
+    below.sort(key=lambda m: -(finished or {}).get(m.fqn, -1))
+    for match in [*(m for m in rules if m.fqn == fqn), *below, *sorted(rules, key=lambda m: -len(m.fqn))]:
+        what = "the parallelize rule on it" if match.fqn == fqn else f"a rule on {match.fqn or 'root'}"
+        add(match.rule.span, what if match in rules else f"a rule inside it, on {match.fqn}")
     unit = enclosing(fqn, units_by_module(resolution))
     if unit is not None:
         block = plan.units[unit.block]

@@ -159,6 +159,49 @@ def colwise_drops_last_rows(module, mesh):
     module.forward = forward
 
 
+class _ReduceBackward(torch.autograd.Function):
+    """Identity forward; the gradient summed over `group` in backward, then divided by `divide` (Megatron's
+    copy-to-tensor-parallel-region)."""
+
+    @staticmethod
+    def forward(ctx, x, group, divide):
+        ctx.group, ctx.divide = group, divide
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad / ctx.divide, None, None
+
+
+class ColwiseReducingInHook(torch.distributed.tensor.parallel.ParallelStyle):
+    """Column-wise parallel written as Megatron-LM writes it: the weight's rows sharded, a local output,
+    and the input's gradient (a partial sum on each rank) all-reduced in backward by an autograd function
+    a forward pre-hook wraps the input in. `average`: the fault of averaging it as data parallelism
+    averages gradients, where tensor parallelism must sum."""
+
+    def __init__(self, average: bool = False):
+        super().__init__()
+        self.average = average
+
+    def _apply(self, module, device_mesh):
+        weight = nn.Parameter(distribute_tensor(module.weight.detach(), device_mesh, [Shard(0)]))
+        bias = nn.Parameter(distribute_tensor(module.bias.detach(), device_mesh, [Shard(0)]))
+        module.weight, module.bias = weight, bias
+        group, divide = device_mesh.get_group(), device_mesh.size() if self.average else 1
+        module.register_forward_pre_hook(lambda mod, args: (_ReduceBackward.apply(args[0], group, divide),))
+        module.forward = lambda x: torch.nn.functional.linear(x, weight.to_local(), bias.to_local())
+        return module
+
+
+class ColwiseAveragingInHook(ColwiseReducingInHook):
+    """Fault: ColwiseReducingInHook averaging the input's gradient over the TP group instead of summing it."""
+
+    def __init__(self):
+        super().__init__(average=True)
+
+
 class ColwiseConv1DBiasPlainOnRank1(ColwiseConv1D):
     """examples.styles.ColwiseConv1D (GPT-2's Conv1D), but global rank 1 then keeps its bias shard as a
     plain tensor (a branch meant for one rank that unwraps too much; no collective follows, so nothing
