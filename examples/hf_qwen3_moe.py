@@ -23,6 +23,5 @@ def build_model() -> Qwen3MoeForCausalLM:
         num_experts_per_tok=2,
         decoder_sparse_step=1,
         head_dim=16,
-        experts_implementation="eager",
     )
     return Qwen3MoeForCausalLM(config)
