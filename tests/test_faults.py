@@ -25,6 +25,10 @@ parallelize on world.tp {{
 }}
 verify gradients(steps=1, input=shard(1), output=shard(1))
 """
+#: The same block data parallel too, its gradients reduced in bf16 (the reference must round as the reduction does).
+SEQ_NORM_BF16_REDUCE = SEQ_NORM.replace("cpu[tp=auto]", "cpu[dp=auto, tp=2]").replace(
+    "verify", "fully_shard on world.dp {{ mixed_precision(param=fp32, reduce=bf16) }}\nverify"
+)
 MLP_USE = "use tests.faults.styles.{style} as odd\nmesh world = cpu[tp=auto]\n"
 
 FAULTS = {
@@ -88,6 +92,24 @@ FAULTS = {
         SEQ_NORM.format(norm=""),
         SEQ_NORM.format(norm="    norm   : sequence_parallel\n"),
         ["gradient of norm.weight"],
+        "norm",
+    ),
+    "a replicated norm weight never all-reduced, under FSDP reducing in bf16": (
+        4,
+        "tests/faults/seq_norm.py",
+        "gradients",
+        SEQ_NORM_BF16_REDUCE.format(norm=""),
+        SEQ_NORM_BF16_REDUCE.format(norm="    norm   : sequence_parallel\n"),
+        ["gradient of norm.weight"],
+        "norm",
+    ),
+    "a replicated norm weight never all-reduced, in a model with a kernel that refuses float64": (
+        2,
+        "tests/faults/no_float64.py",
+        "gradients",
+        SEQ_NORM.format(norm=""),
+        SEQ_NORM.format(norm="    norm   : sequence_parallel\n"),
+        ["gradient of norm.weight", "the float32 truth's own"],
         "norm",
     ),
     "a rowwise bias added on every TP rank before the reduction": (
