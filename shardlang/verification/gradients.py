@@ -10,15 +10,19 @@ Per step, on every rank, for its own data-parallel replica:
    amplifies where a gradient is near zero, cannot reach it.
 Each step starts every reference from the sharded model's parameters, so rounding does not compound.
 
-Tolerances come from the run. The truth is the reference in float64. A second reference computes in
-the precision the sharded model does (its parameters' dtype, and each fully_shard unit's
-`mixed_precision` emulated: parameters cast, inputs and outputs cast as FSDP does); its distance from
-the truth is the rounding error of that precision on these very inputs. A sharded tensor passes when
+Tolerances come from the run (reference.py). The truth is the reference in float64, kernels without a
+float64 version computed by float64 replacements (truth.py); where float64 still fails, it is float32,
+with its own error `own` measured by a bfloat16 copy (0 for float64). A second reference computes in the
+precision the sharded model does (its parameters' dtype, and each fully_shard unit's `mixed_precision`
+emulated: parameters cast, inputs and outputs cast, and gradients summed over the replicas in the
+`reduce` dtype, as FSDP does); its distance from the truth is the rounding error of that precision on
+these very inputs. A sharded tensor passes when
 
-    ||sharded - truth|| <= K * ||same precision - truth|| + K * eps(float32) * scale * sqrt(n)
+    ||sharded - truth|| <= K * (||same precision - truth|| + own) + own + K * eps(float32) * scale * sqrt(n)
 
 with K = 12 and `scale` the root-mean-square value of the truth's tensors of that kind in the step
 (a floor for tensors whose true value is zero, where the reference's own error can be tiny by luck).
+The report's `truth` says which truth was used, and why.
 Each error is reported as a fraction of what was allowed: 1.0 is the limit. `rtol`/`atol` given in the
 plan replace the rule with a fixed one: ||sharded - truth|| <= rtol ||truth|| + atol sqrt(n).
 
