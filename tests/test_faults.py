@@ -188,6 +188,17 @@ FAULTS = {
         ["step 0: gradient of net2.weight"],
         "net2",
     ),
+    "a forward wrong on one replica, under HSDP reducing in bf16 (two reductions)": (
+        4,
+        ("tests/faults/rank_scaled.py", "examples/mlp.py"),
+        "gradients",
+        "mesh world = cpu[rep=2, shard=2]\nfully_shard on world[rep, shard] { each net1; each net2\n"
+        "    mixed_precision(param=fp32, reduce=bf16) }\nverify gradients(steps=1)\n",
+        "mesh world = cpu[rep=2, shard=2]\nfully_shard on world[rep, shard] { each net1; each net2\n"
+        "    mixed_precision(param=fp32, reduce=bf16) }\nverify gradients(steps=1)\n",
+        ["step 0: loss"],
+        "net2",
+    ),
     "an init method that fills every shard alike": (
         2,
         "tests/faults/shard_init.py",
