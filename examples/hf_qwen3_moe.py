@@ -5,8 +5,9 @@ Qwen3MoeConfig: no weights, no network. Needs the optional extra: pip install -e
 every layer 4 experts (top 2) of width 32, held as two 3-D tensors of `mlp.experts`: gate_up_proj
 [4, 64, 64] and down_proj [4, 64, 32]; vocab 128, float32.
 
-The experts run transformers' `eager` loop: its default, a grouped matmul (`torch._grouped_mm`), has no
-float64 kernel on the CPU, and the gradients check computes its reference in float64.
+The experts run transformers' default, a grouped matmul (`torch._grouped_mm`), as users' models do. It has
+no float64 kernel; the gradients check's float64 truth computes it by one float64 matmul per expert
+(shardlang/verification/truth.py).
 """
 
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -23,6 +24,5 @@ def build_model() -> Qwen3MoeForCausalLM:
         num_experts_per_tok=2,
         decoder_sparse_step=1,
         head_dim=16,
-        experts_implementation="eager",
     )
     return Qwen3MoeForCausalLM(config)

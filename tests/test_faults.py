@@ -25,6 +25,10 @@ parallelize on world.tp {{
 }}
 verify gradients(steps=1, input=shard(1), output=shard(1))
 """
+#: The same block data parallel too, its gradients reduced in bf16 (the reference must round as the reduction does).
+SEQ_NORM_BF16_REDUCE = SEQ_NORM.replace("cpu[tp=auto]", "cpu[dp=auto, tp=2]").replace(
+    "verify", "fully_shard on world.dp {{ mixed_precision(param=fp32, reduce=bf16) }}\nverify"
+)
 MLP_USE = "use tests.faults.styles.{style} as odd\nmesh world = cpu[tp=auto]\n"
 FEED_FORWARD = """use torch.distributed.tensor.parallel.PrepareModuleInputOutput as prepare_io
 mesh world = cpu[tp=auto]
@@ -98,6 +102,24 @@ FAULTS = {
         SEQ_NORM.format(norm=""),
         SEQ_NORM.format(norm="    norm   : sequence_parallel\n"),
         ["gradient of norm.weight"],
+        "norm",
+    ),
+    "a replicated norm weight never all-reduced, under FSDP reducing in bf16": (
+        4,
+        "tests/faults/seq_norm.py",
+        "gradients",
+        SEQ_NORM_BF16_REDUCE.format(norm=""),
+        SEQ_NORM_BF16_REDUCE.format(norm="    norm   : sequence_parallel\n"),
+        ["gradient of norm.weight"],
+        "norm",
+    ),
+    "a replicated norm weight never all-reduced, in a model with a kernel that refuses float64": (
+        2,
+        "tests/faults/no_float64.py",
+        "gradients",
+        SEQ_NORM.format(norm=""),
+        SEQ_NORM.format(norm="    norm   : sequence_parallel\n"),
+        ["gradient of norm.weight", "the float32 truth's own"],
         "norm",
     ),
     "a rowwise bias added on every TP rank before the reduction": (
@@ -174,6 +196,17 @@ FAULTS = {
         "mesh world = cpu[rep=2, shard=2]\nfully_shard on world[rep, shard] { each net1; each net2 }\n"
         "checkpoint net1, net2\nverify gradients(steps=1)\n",
         ["step 0: gradient of net2.weight"],
+        "net2",
+    ),
+    "a forward wrong on one replica, under HSDP reducing in bf16 (two reductions)": (
+        4,
+        ("tests/faults/rank_scaled.py", "examples/mlp.py"),
+        "gradients",
+        "mesh world = cpu[rep=2, shard=2]\nfully_shard on world[rep, shard] { each net1; each net2\n"
+        "    mixed_precision(param=fp32, reduce=bf16) }\nverify gradients(steps=1)\n",
+        "mesh world = cpu[rep=2, shard=2]\nfully_shard on world[rep, shard] { each net1; each net2\n"
+        "    mixed_precision(param=fp32, reduce=bf16) }\nverify gradients(steps=1)\n",
+        ["step 0: loss"],
         "net2",
     ),
     "init meta discards the model's own initialisation": (

@@ -169,3 +169,28 @@ def test_hf_without_config_is_a_usage_error(tmp_path, capsys):
 
     assert main(["lint", "plans/hf/qwen3.sl", "--hf", str(tmp_path), "--world", "2"]) == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+def test_moe_with_transformers_default_experts_passes_and_a_dropped_reduction_fails(tmp_path, pools):
+    """Qwen3-MoE runs its experts by torch._grouped_mm, which has no float64 kernel: the float64 truth
+    replaces it, the reviewed plan passes, and the same plan without the all-reduce of the q/k norms'
+    gradients (their rules dropped: each tp rank's norm sees only its own heads) fails at the norm."""
+    import shardlang
+    from examples.hf_qwen3_moe import build_model
+    from shardlang.launch.job import Job, run
+
+    with torch.device("meta"):
+        assert build_model().config._experts_implementation == "grouped_mm"
+    plan = (ROOT / "plans" / "hf" / "qwen3_moe.sl").read_text()
+    dropped = re.sub(r"\n\s*model\.layers\.\*\.self_attn\.[qk]_norm\s*:.*", "", plan)
+    assert dropped.count("\n") == plan.count("\n") - 2
+    reports = {}
+    for name, text in (("fixed", plan), ("dropped", dropped)):
+        path = tmp_path / f"{name}.sl"
+        path.write_text(text.replace("init meta", "init meta\nverify gradients(steps=1)"))
+        job = Job(str(path), {}, str(ROOT / "examples" / "hf_qwen3_moe.py"), None, shardlang.load(path).checks)
+        (reports[name],) = pools(4).run(run, job)[0].checks
+    assert reports["fixed"].status == "pass", reports["fixed"].message
+    assert reports["fixed"].data["truth"] == "float64 (torch._grouped_mm by float64 matmuls)"
+    assert reports["dropped"].status == "fail", reports["dropped"].message
+    assert "self_attn.q_norm.weight" in reports["dropped"].message

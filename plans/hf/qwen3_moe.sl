@@ -3,8 +3,8 @@
 # tp_plan says; the experts (two 3-D tensors per layer) stay whole on every tp rank, which runs all of
 # them on the whole batch, and FSDP2 shards them over dp with the rest of each layer. The rules of the
 # model's plan that shardlang has no style for are kept as comments saying why.
-# The model file runs the experts' eager loop: transformers' default grouped matmul has no float64
-# kernel on the CPU, which the gradients check's reference needs.
+# The experts run transformers' default grouped matmul (torch._grouped_mm), which has no float64 kernel:
+# the gradients check's float64 truth computes it by one float64 matmul per expert.
 # Model: examples/hf_qwen3_moe.py (needs pip install -e '.[hf]').
 # Run: shardlang apply plans/hf/qwen3_moe.sl examples/hf_qwen3_moe.py --nproc 4
 shardlang 1

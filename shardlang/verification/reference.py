@@ -1,11 +1,18 @@
 """The unsharded references of the gradients check and the tolerance rule they give (docs/language.md §7).
 
-The truth is the unsharded model in float64. A second reference computes in the precision the sharded
-model does: its parameters' dtype, with each fully_shard unit's `mixed_precision` emulated (parameters
-cast, inputs and outputs cast as FSDP does). Its distance from the truth is the rounding error of that
-precision on these very inputs, and a sharded result may be K times as far from the truth (plus a floor
-of K float32 roundings of the step's typical value, for tensors whose true value is zero). A third copy,
-in the sharded parameters' dtype, is what the reference optimizer updates.
+The truth is the unsharded model in float64; kernels without a float64 version (torch._grouped_mm, which
+transformers' mixtures of experts run on) are computed by float64 replacements (truth.py). Where the
+float64 truth still fails, it is the model in float32, and its own error is measured on every step: a
+bfloat16 copy computes the step too, and the float32 truth's error is taken as that copy's distance from
+it times eps(float32) / eps(bfloat16) (rounding error grows in proportion to the unit roundoff).
+
+A second reference computes in the precision the sharded model does: its parameters' dtype, with each
+fully_shard unit's `mixed_precision` emulated (parameters cast, inputs and outputs cast as FSDP does, and
+each replica's gradient added to the others' in the `reduce` dtype, rounding after each addition, as the
+reduction does). Its distance from the truth is the rounding error of that precision on these very
+inputs, and a sharded result may be K times as far from the truth (plus the truth's own measured error,
+and a floor of K float32 roundings of the step's typical value, for tensors whose true value is zero). A
+third copy, in the sharded parameters' dtype, is what the reference optimizer updates.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from ..runtime.helpers import whole
 from . import layout as lay
+from .truth import Float64Kernels, run_forward_under
 
 #: How many times the reference's own rounding error a sharded result may be off by. A sharded run
 #: rounds more often than the unsharded one (each TP rank's partial sums are rounded before they are
@@ -38,30 +46,63 @@ def rounding_error(truth: torch.Tensor, same: torch.Tensor | None) -> float:
     return float((same.detach().to(truth.device).double() - truth).norm())
 
 
-def allowed_error(truth: torch.Tensor, same: torch.Tensor | None, scale: float, fixed) -> float:
+def allowed_error(truth: torch.Tensor, same: torch.Tensor | None, scale: float, fixed, own: float = 0.0) -> float:
+    """The error a sharded tensor may have against `truth`: K times the same-precision reference's (`same`),
+    or the fixed rule. `own` is the truth's own measured error (0 for the float64 truth): the reference's
+    distance may be short of its error by as much, and the sharded result's by as much again."""
     n = max(truth.numel(), 1)
     if fixed is not None:
         rtol, atol = fixed
         return rtol * float(truth.norm()) + atol * math.sqrt(n)
     floor = K * torch.finfo(torch.float32).eps * scale * math.sqrt(n)
-    return K * rounding_error(truth, same) + floor
+    return K * (rounding_error(truth, same) + own) + own + floor
+
+
+#: The coarser copy that measures a float32 truth's own error, and how much less float32 rounds than it.
+COARSE = torch.bfloat16
+COARSE_RATIO = torch.finfo(torch.float32).eps / torch.finfo(COARSE).eps
 
 
 class References:
-    """The unsharded models of one rank: the truth (float64), one computing in the sharded model's
-    precision, and one whose parameters the reference optimizer updates (the sharded parameters' dtype)."""
+    """The unsharded models of one rank: the truth (float64, or float32 where float64 fails), one computing
+    in the sharded model's precision, and one whose parameters the reference optimizer updates (the
+    sharded parameters' dtype)."""
 
-    def __init__(self, truth, same, optimizer, precision: str, truth_dtype: str):
+    def __init__(self, truth, same, optimizer, precision: str, kernels: Float64Kernels):
         self.truth, self.same, self.optimizer = truth, same, optimizer
-        self.precision, self.truth_dtype = precision, truth_dtype
+        self.precision = precision
+        self.kernels = kernels
+        #: Why the truth is float32 (the float64 truth's error), or None while it is float64.
+        self.fallback: str | None = None
+        #: With a float32 truth: its bfloat16 copy, and each step's measured error of the truth's gradients
+        #: (by parameter name) and losses (by replica).
+        self.coarse: torch.nn.Module | None = None
+        self.own_errors: dict[str, float] = {}
+        self.own_loss_errors: list[float] = []
 
     @classmethod
     def build(cls, ctx) -> References:
         base = _unsharded(ctx)
         truth = copy.deepcopy(base).double()
+        kernels = Float64Kernels()
+        run_forward_under(truth, kernels)
         same = copy.deepcopy(base)
         precision = emulate_mixed_precision(ctx, same)
-        return cls(truth, same, base, precision, "float64")
+        return cls(truth, same, base, precision, kernels)
+
+    @property
+    def truth_dtype(self) -> str:
+        """The truth, in words (the check's `data["truth"]` and its message)."""
+        if self.fallback is not None:
+            return (
+                f"float32 (float64 failed: {self.fallback}; its own error measured by a bfloat16 copy, "
+                f"times eps(float32)/eps(bfloat16) = {COARSE_RATIO:.3g})"
+            )
+        replaced = ", ".join(f"{name} by float64 matmuls" for name in sorted(self.kernels.replaced))
+        return f"float64 ({replaced})" if replaced else "float64"
+
+    def _computing(self) -> list[torch.nn.Module]:
+        return [m for m in (self.truth, self.same, self.coarse) if m is not None]
 
     def start_from(self, model, pp_group=None) -> list[str]:
         """Every reference's parameters := the sharded model's full parameters (a pipeline's stages are
@@ -74,7 +115,7 @@ class References:
                 dist.all_gather_object(everyone, {k: v.cpu() for k, v in whole.items()}, group=pp_group)
                 whole = {k: v for stage in everyone for k, v in stage.items()}
             for name, value in whole.items():
-                for reference in (self.truth, self.same, self.optimizer):
+                for reference in (*self._computing(), self.optimizer):
                     target = reference.get_parameter(name)
                     target.copy_(value.to(target.device))
         if pp_group is None:
@@ -82,32 +123,56 @@ class References:
         return [name for name, _ in self.truth.named_parameters() if name not in whole]
 
     def forward_backward(self, ctx, full: list[tuple], microbatches: int = 1) -> tuple[list[float], list[float]]:
-        """Both computing references on every replica's inputs; each replica's loss, truth's then same's.
-        With `microbatches`, a replica's loss is the mean of its microbatches' losses, as a pipeline's."""
-        losses = []
-        for reference in (self.truth, self.same):
-            reference.zero_grad(set_to_none=True)
-            per_replica = [
-                torch.stack(
-                    [
-                        lay.loss(ctx, reference(*inputs_for(reference, mb)), mb).to(torch.float64)
-                        for mb in lay.microbatches(x, microbatches)
-                    ]
-                ).mean()
-                for x in full
-            ]
-            torch.stack([loss.to(torch.float64) for loss in per_replica]).mean().backward()
-            losses.append([float(loss.detach()) for loss in per_replica])
-        return losses[0], losses[1]
+        """The computing references on every replica's inputs; each replica's loss, truth's then same's.
+        With `microbatches`, a replica's loss is the mean of its microbatches' losses, as a pipeline's.
+        A truth that fails in float64 becomes a float32 one, measured by a bfloat16 copy from then on."""
+        try:
+            truth = _losses(ctx, self.truth, full, microbatches)
+        except (RuntimeError, NotImplementedError) as error:
+            if self.fallback is not None:
+                raise
+            self._fall_back(error)
+            truth = _losses(ctx, self.truth, full, microbatches)
+        same = _losses(ctx, self.same, full, microbatches, cast=False)
+        if self.coarse is not None:
+            try:
+                coarse = _losses(ctx, self.coarse, full, microbatches)
+            except (RuntimeError, NotImplementedError) as error:
+                raise TruthUnavailable(
+                    f"the truth is float32 ({self.fallback}), and its {COARSE} copy, which measures its "
+                    f"error, failed too ({type(error).__name__}: {str(error).strip()[:200]})"
+                ) from error
+            self.own_loss_errors = [abs(c - t) * COARSE_RATIO for c, t in zip(coarse, truth)]
+            self.own_errors = {
+                name: float((c.grad.double() - t.grad.double()).norm()) * COARSE_RATIO
+                for (name, t), c in zip(self.truth.named_parameters(), self.coarse.parameters())
+                if t.grad is not None and c.grad is not None
+            }
+        return truth, same
+
+    def _fall_back(self, error: BaseException) -> None:
+        """The truth := the model in float32 (and its bfloat16 copy), from the optimizer copy's parameters,
+        which are the truth's: every reference starts each step from the sharded model's."""
+        self.fallback = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        self.truth = copy.deepcopy(self.optimizer).float()
+        self.coarse = copy.deepcopy(self.optimizer).to(COARSE)
+
+    def own_error(self, name: str) -> float:
+        """The truth's own measured error in the gradient of `name` this step (0 for the float64 truth)."""
+        return self.own_errors.get(name, 0.0)
+
+    def own_loss_error(self, replica: int) -> float:
+        return self.own_loss_errors[replica] if self.own_loss_errors else 0.0
 
     def relative_rounding(self) -> float:
         """The same-precision reference's gradients' error relative to the truth's, over every gradient of
-        the step: how far this precision puts a result from the truth, measured on many numbers."""
+        the step (with the truth's own error): how far this precision puts a result from the truth,
+        measured on many numbers."""
         error = size = 0.0
-        for t, s in zip(self.truth.parameters(), self.same.parameters()):
+        for (name, t), s in zip(self.truth.named_parameters(), self.same.parameters()):
             if t.grad is not None and s.grad is not None:
-                error += float((s.grad.double() - t.grad).pow(2).sum())
-                size += float(t.grad.pow(2).sum())
+                error += float((s.grad.double() - t.grad.double()).pow(2).sum()) + self.own_error(name) ** 2
+                size += float(t.grad.double().pow(2).sum())
         return math.sqrt(error / size) if size else 0.0
 
     def gradient_scale(self) -> float:
@@ -117,40 +182,85 @@ class References:
         return math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads) / total) if total else 0.0
 
 
-def inputs_for(reference, inputs: tuple) -> tuple:
-    """The float64 truth takes float64 inputs; the others take them as they are."""
+class TruthUnavailable(Exception):
+    """No truth whose error is known: float64 failed, and so did the copy that measures float32's error."""
+
+
+def _losses(ctx, reference, full: list[tuple], microbatches: int, cast: bool = True) -> list[float]:
+    """Forward and backward of `reference` on every replica's inputs; each replica's loss. Each replica's
+    share of the mean is a backward of its own, so its gradient is accumulated into `.grad` by itself, as
+    each rank's gradient enters the reduction (the `reduce` hooks of emulate_mixed_precision round there).
+    `cast`: floating inputs in the reference's own dtype (the truths); else as they are (the sharded model's)."""
+    reference.zero_grad(set_to_none=True)
+    losses = []
+    for x in full:
+        loss = torch.stack(
+            [
+                lay.loss(ctx, reference(*inputs_for(reference, mb, cast)), mb).to(torch.float64)
+                for mb in lay.microbatches(x, microbatches)
+            ]
+        ).mean()
+        (loss / len(full)).backward()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def inputs_for(reference, inputs: tuple, cast: bool = False) -> tuple:
+    """The float64 truth takes float64 inputs; the others take them as they are, or with `cast` (the float32
+    truth and its bfloat16 copy) in their parameters' dtype."""
     dtype = next((p.dtype for p in reference.parameters()), None)
-    if dtype != torch.float64:
+    if dtype != torch.float64 and not (cast and dtype is not None):
         return inputs
-    return tuple(x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
+    return tuple(x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs)
 
 
 def emulate_mixed_precision(ctx, model) -> str:
-    """Make `model` compute as the plan's fully_shard units do (parameter dtype per unit, inputs cast to it,
-    outputs to `output`); the precision, in words."""
+    """Make `model` compute as the plan's fully_shard units do: parameter dtype per unit, inputs cast to it,
+    outputs to `output`, and gradients reduced in `reduce` (each replica's gradient added to the sum so far
+    and the sum rounded to `reduce`, as a reduction in that dtype rounds); the precision, in words."""
     from ..compiler.predict import units_by_module
 
     resolution = ctx.applied.linted.resolution
-    dtypes = []
+    computes, reduces = set(), {}
     # Parents first, so a child unit's own policy wins over its parent's, as FSDP applies them.
     for fqn, unit in sorted(units_by_module(resolution).items(), key=lambda item: item[0].count(".") + bool(item[0])):
         block = ctx.plan.units[unit.block]
         policy = unit.option(block, "mixed_precision") if unit.kind(block) == "fully_shard" else None
-        if policy is None or policy.param is None:
+        if policy is None:
             continue
         module = model.get_submodule(fqn)
-        dtype = getattr(torch, policy.param.name)
-        dtypes.append(dtype)
-        for param in module.parameters():  # FSDP casts parameters, not buffers
-            param.data = param.data.to(dtype)
-        if policy.cast_forward_inputs:
-            module.register_forward_pre_hook(_cast_hook(dtype), with_kwargs=True)
+        if policy.param is not None:
+            dtype = getattr(torch, policy.param.name)
+            computes.add(dtype)
+            for param in module.parameters():  # FSDP casts parameters, not buffers
+                param.data = param.data.to(dtype)
+            if policy.cast_forward_inputs:
+                module.register_forward_pre_hook(_cast_hook(dtype), with_kwargs=True)
+        for param in module.parameters():
+            # FSDP reduces in the compute dtype when `reduce` is not given, and computes it in that dtype.
+            reduces[param] = getattr(torch, policy.reduce.name) if policy.reduce is not None else None
         if policy.output is not None:
             module.register_forward_hook(_cast_output(getattr(torch, policy.output.name)))
+    coarser = {}
+    for param, dtype in reduces.items():
+        if dtype is not None and torch.finfo(dtype).eps > torch.finfo(param.dtype).eps:
+            param.register_post_accumulate_grad_hook(_round_grad(dtype))
+            coarser[dtype] = True
     found = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
-    if dtypes:
-        return f"mixed precision: {', '.join(sorted({str(d).removeprefix('torch.') for d in dtypes}))} compute"
-    return "/".join(found) or "float32"
+    words = "/".join(found) or "float32"
+    if computes:
+        words = f"mixed precision: {', '.join(sorted(str(d).removeprefix('torch.') for d in computes))} compute"
+    if coarser:
+        words += f", {', '.join(sorted(str(d).removeprefix('torch.') for d in coarser))} reduce"
+    return words
+
+
+def _round_grad(dtype):
+    def hook(param):
+        with torch.no_grad():
+            param.grad.copy_(param.grad.to(dtype))
+
+    return hook
 
 
 def _cast(value, dtype):
