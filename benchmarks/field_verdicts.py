@@ -81,24 +81,29 @@ class Verdict:
             return "right" if self.got == "pass" else "false alarm"
         if self.got == "pass":
             return "miss"
-        return "right" if self.module == case.module else "wrong module"
+        return "right" if names(self.module, case.module) else "wrong module"
 
 
 QUOTED = re.compile(r"'([A-Za-z_][\w.]*)'")
 
 
+def names(named: str | None, module: str) -> bool:
+    """Whether what a report named (comma-separated) is `module` or one of its own tensors."""
+    return any(n == module or n.rpartition(".")[0] == module for n in (named or "").split(", "))
+
+
 def named_module(report: dict) -> str | None:
-    """The module a failing report points at: the gradients check's localised module, else the first
-    quoted dotted name in an error diagnostic (lint errors name their module so)."""
+    """What a failing report points at: the gradients check's localised module, else the quoted dotted
+    names of the first error diagnostic (lint errors name their modules or tensors so), comma-separated."""
     for check in report.get("checks", []):
         where = (check.get("data") or {}).get("localised")
         if check.get("status") == "fail" and where and where.get("module"):
             return where["module"]
     for diagnostic in report.get("diagnostics", []):
         if diagnostic.get("severity") == "error":
-            found = QUOTED.search(diagnostic.get("message", ""))
+            found = QUOTED.findall(diagnostic.get("message", ""))
             if found:
-                return found.group(1)
+                return ", ".join(found)
     return None
 
 
