@@ -54,6 +54,7 @@ KNOWN_PLANTED_DEFECTS: dict[str, str] = {
     "deepseek_v2_no_mla_style": _GROUPED_MM,
     "olmoe_llama_habit": _RAISES_IN_MODEL + "; behind it, " + _GROUPED_MM,
     "bloom_heads_split": _RAISES_IN_MODEL,
+    "titan_llama3_ffn_norm_not_sp": _STATE_DICT_HOOKS,
 }
 
 
