@@ -18,7 +18,7 @@ Two things differ from torchtitan's trainer, both because this runs on CPU:
   backward; this model uses torchtitan's own SDPA attention module (causal), as its Flux model does.
 
 `build_model` returns the model initialised as torchtitan's trainer initialises it (`init_states`), so
-`init meta with init_states` reproduces its values in distribution.
+`init cpu` and `init auto` reproduce its values bitwise.
 """
 
 import importlib.util

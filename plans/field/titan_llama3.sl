@@ -2,8 +2,10 @@
 # torchtitan's parallelize does it with sequence parallelism on: the embedding hands out activations
 # sharded on the sequence, every norm runs on its shard, attention and the feed-forward gather it back,
 # their fused/first projections are colwise (wqkv holds whole key/value groups per rank), their last ones
-# reduce-scatter to the sequence shard again, and the output layer gathers the logits. FSDP2 per block,
-# built on meta and initialised by torchtitan's own init_states.
+# reduce-scatter to the sequence shard again, and the output layer gathers the logits. FSDP2 per block.
+# Built on the CPU (build_model runs torchtitan's own init_states) and then sharded: torchtitan's trainer
+# builds on meta and runs init_states on the shards, but on a CPU mesh DTensor's random ops draw the same
+# numbers on every rank (torch warns), which the init check rightly reports as identical shards.
 # Model: examples/field/titan_llama3.py (needs pip install -e '.[titan]').
 # Run: shardlang apply plans/field/titan_llama3.sl examples/field/titan_llama3.py --nproc 4
 shardlang 1
@@ -32,5 +34,5 @@ fully_shard on world.dp {
     mixed_precision(param=bf16, reduce=fp32)
 }
 
-init meta with init_states
+init cpu
 verify init, init_device, placements, module_states, gradients(steps=1)
