@@ -88,8 +88,11 @@ QUOTED = re.compile(r"'([A-Za-z_][\w.]*)'")
 
 
 def names(named: str | None, module: str) -> bool:
-    """Whether what a report named (comma-separated) is `module` or one of its own tensors."""
-    return any(n == module or n.rpartition(".")[0] == module for n in (named or "").split(", "))
+    """Whether what a report named (comma-separated) is `module` or one of its own tensors. `module` may
+    hold `*` for one name segment: a mistake in a rule on `layers.*` is in every layer, and a report
+    rightly names whichever it meets first (backward meets the last layer first)."""
+    pattern = re.compile(r"[^.]+".join(map(re.escape, module.split("*"))))
+    return any(pattern.fullmatch(n) or pattern.fullmatch(n.rpartition(".")[0]) for n in (named or "").split(", "))
 
 
 def named_module(report: dict) -> str | None:

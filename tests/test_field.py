@@ -51,7 +51,10 @@ _RAISES_IN_MODEL = (
 #: Planted mistakes whose verdict is wrong today because of a shardlang defect, by fixture stem.
 KNOWN_PLANTED_DEFECTS: dict[str, str] = {
     "mixtral_router_allreduced": _GROUPED_MM,
-    "deepseek_v2_no_mla_style": _GROUPED_MM,
+    "deepseek_v2_no_mla_style": _GROUPED_MM
+    + "; behind it, a miss: with both layers dense, this plan passes every check under bf16 mixed precision"
+    " (the rotary key's missing tp sum is below 12 x bf16's rounding of kv_a_proj_with_mqa's gradient) and"
+    " fails, naming kv_a_proj_with_mqa, only in float32",
     "olmoe_llama_habit": _RAISES_IN_MODEL + "; behind it, " + _GROUPED_MM,
     "bloom_heads_split": _RAISES_IN_MODEL,
     "titan_llama3_ffn_norm_not_sp": _STATE_DICT_HOOKS,
@@ -125,6 +128,6 @@ def test_planted_mistake_fails_naming_its_module(pools, planted):
     errors = [d for d in report.diagnostics if d.is_error]
     localised = [c.data["localised"]["module"] for c in failed if (c.data or {}).get("localised")]
     if localised:
-        assert localised[0] == module, localised
+        assert names(localised[0], module), localised
     else:  # an error diagnostic (lint) naming the module or one of its tensors
         assert errors and names(", ".join(QUOTED.findall(errors[0].message)), module), [d.message for d in errors]
