@@ -17,7 +17,7 @@ from examples.field.common import SEQ, SMALL, VOCAB, example_input, loss  # noqa
 KV_LORA_RANK = 32
 
 
-def build_model() -> DeepseekV2ForCausalLM:
+def build_model(first_k_dense_replace: int = 1) -> DeepseekV2ForCausalLM:
     config = DeepseekV2Config(
         **{**SMALL, "num_key_value_heads": 4},  # MLA: every head has its own key and value
         q_lora_rank=None,
@@ -29,8 +29,14 @@ def build_model() -> DeepseekV2ForCausalLM:
         num_experts_per_tok=2,
         n_shared_experts=1,
         moe_intermediate_size=32,
-        first_k_dense_replace=1,
+        first_k_dense_replace=first_k_dense_replace,
         n_group=1,
         topk_group=1,
     )
     return DeepseekV2ForCausalLM(config)
+
+
+def build_dense_model() -> DeepseekV2ForCausalLM:
+    """Both layers dense: MLA alone, to judge a plan's attention apart from the experts
+    (`--entry examples.field.deepseek_v2:build_dense_model`)."""
+    return build_model(first_k_dense_replace=2)
