@@ -6,7 +6,7 @@ through `shardlang apply --json` and judged against what it should say.
 The cases come from the files themselves (examples/field/, plans/field/, tests/fixtures/field/): a plan in
 plans/field/ must pass every check; a planted mistake in tests/fixtures/field/ (a correct plan with one
 error a user would make, its header naming the plan it came from and the module a verdict must name)
-must fail, naming that module. Each row: family, plan, expected, got (pass / fail / crash), the module
+must fail, naming that module. Each row: family, plan, expected, got (pass / fail / raised in a module it names / crash), the module
 the report named, and the judgement (right, false alarm, miss, crash, wrong module). Target: every row
 right. Families whose packages are missing (transformers: '.[hf]', torchtitan: '.[titan]') are skipped.
 """
@@ -69,13 +69,13 @@ def cases() -> list[Case]:
 
 @attrs.frozen
 class Verdict:
-    got: str  # pass, fail or crash
+    got: str  # pass, fail, raised (in a module the report names) or crash
     module: str | None  # the module the report named (a localised failure or a diagnostic), if any
     note: str  # the first line of what went wrong, for the table's last column
     seconds: float
 
     def judge(self, case: Case) -> str:
-        if self.got == "crash":
+        if self.got == "crash" or (self.got == "raised" and case.module is None):
             return "crash"
         if case.module is None:
             return "right" if self.got == "pass" else "false alarm"
@@ -85,6 +85,8 @@ class Verdict:
 
 
 QUOTED = re.compile(r"'([A-Za-z_][\w.]*)'")
+#: The module a check that raised was running (launch.job's SL400 'raised in module ...').
+RAISED_IN = re.compile(r"^raised in module '([^']*)'")
 
 
 def names(named: str | None, module: str) -> bool:
@@ -126,7 +128,11 @@ def verdict_of(stdout: str, stderr: str, seconds: float) -> Verdict:
         return Verdict("pass", None, "", seconds)
     errors = [d for d in report.get("diagnostics", []) if d.get("severity") == "error"]
     if any("raised" in d.get("message", "") for d in errors):
-        return Verdict("crash", None, errors[0]["message"][:160], seconds)
+        # A check that raised in the model's code, pinned on the module whose code raised (SL400 at its
+        # rule): a verdict on a planted mistake when that is the module; a crash where nothing is named.
+        inside = [RAISED_IN.search(d.get("message", "")) for d in errors]
+        named = next((m.group(1) for m in inside if m), None)
+        return Verdict("raised" if named else "crash", named, errors[0]["message"][:160], seconds)
     failed = [c for c in report.get("checks", []) if c.get("status") == "fail"]
     if failed or errors:
         note = f"{failed[0]['check']}: {first_line(failed[0]['message'])}" if failed else errors[0]["message"]

@@ -52,7 +52,7 @@ def test_tied_weights_under_init_rank0(pools, tmp_path, case):
 # --- state-dict hooks that rename tensors -------------------------------------------------------------
 
 FUSED = "tests/fused_qkv.py"
-TITAN = "tests/titan_llama.py"
+TITAN = "examples/field/titan_llama3.py"
 FUSED_2D = """mesh world = cpu[dp=2, tp=2]
 parallelize layers.* on world.tp { attention.wqkv : colwise; out : rowwise }
 fully_shard on world.dp { each layers.* }
@@ -75,7 +75,7 @@ HOOKED = {
 
 def _titan_or_skip(model: str) -> None:
     if model == TITAN:
-        pytest.importorskip("tests.titan_llama", reason="torchtitan is not installed")
+        pytest.importorskip("torchtitan", reason="torchtitan is not installed: pip install -e '.[titan]'")
 
 
 @pytest.mark.parametrize("which", sorted(HOOKED))

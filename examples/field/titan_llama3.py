@@ -9,11 +9,14 @@ Its state dict is not its parameters: state-dict hooks rename `wqkv` to the stoc
 and merge them back on load, as torchtitan's checkpoints and HF adapter expect. The rotary table is a
 complex64 buffer of each layer's `attention.rope`.
 
-Two things differ from torchtitan's trainer, both because this runs on CPU:
+Three things differ from torchtitan's trainer, for the CPU and for torch 2.11:
 - torchtitan imports its expert-parallel kernels (`torchtitan.distributed.minimal_async_ep.kernels`) on
   every model's import path, and they `import triton`, which a CPU machine lacks. Llama3 has no experts
   and never calls them, so that one module is replaced by a stub before the import (only when triton is
   missing). Stubbing `triton` itself would not do: torch probes triton's submodules when it sees one.
+- torchtitan 0.3.0 imports `torch.distributed.fsdp.DataParallelMeshDims`, which torch has from 2.12 on;
+  under an older torch (the GPU machines' 2.11) a stand-in record takes its place. Only torchtitan's own
+  FSDP code uses it, and this model file never calls that.
 - torchtitan builds language models with FlexAttention or varlen attention, neither of which has a CPU
   backward; this model uses torchtitan's own SDPA attention module (causal), as its Flux model does.
 
@@ -21,6 +24,7 @@ Two things differ from torchtitan's trainer, both because this runs on CPU:
 `init cpu` and `init auto` reproduce its values bitwise.
 """
 
+import dataclasses
 import importlib.util
 import sys
 import types
@@ -44,6 +48,20 @@ if importlib.util.find_spec("triton") is None:  # see the docstring: a CPU machi
 
     _KERNELS = "torchtitan.distributed.minimal_async_ep.kernels"
     sys.modules.setdefault(_KERNELS, _Stub(_KERNELS))
+
+import torch.distributed.fsdp as _fsdp  # noqa: E402
+
+if not hasattr(_fsdp, "DataParallelMeshDims"):  # torch < 2.12 (the GPU machines run 2.11): see the docstring
+
+    @dataclasses.dataclass(frozen=True)
+    class DataParallelMeshDims:
+        """Stands in for torch 2.12's record of which mesh dims FSDP shards and replicates over, which
+        torchtitan's own FSDP code imports (and this model file never calls)."""
+
+        shard: object = None
+        replicate: object = None
+
+    _fsdp.DataParallelMeshDims = DataParallelMeshDims
 
 import torchtitan.models.llama3 as llama3  # noqa: E402
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm  # noqa: E402

@@ -3,9 +3,10 @@
 # sharded on the sequence, every norm runs on its shard, attention and the feed-forward gather it back,
 # their fused/first projections are colwise (wqkv holds whole key/value groups per rank), their last ones
 # reduce-scatter to the sequence shard again, and the output layer gathers the logits. FSDP2 per block.
-# Built on the CPU (build_model runs torchtitan's own init_states) and then sharded: torchtitan's trainer
-# builds on meta and runs init_states on the shards, but on a CPU mesh DTensor's random ops draw the same
-# numbers on every rank (torch warns), which the init check rightly reports as identical shards.
+# torchtitan's Embedding cannot take torch's RowwiseParallel (its forward calls to_local() itself and
+# needs a tp_group torchtitan's own parallelize sets), so the embedding stays whole on every tp rank and
+# only its output is split on the sequence. Parameters on the meta device, initialised as torchtitan's
+# trainer does, by init_states on the root, which initialises the whole tree.
 # Model: examples/field/titan_llama3.py (needs pip install -e '.[titan]').
 # Run: shardlang apply plans/field/titan_llama3.sl examples/field/titan_llama3.py --nproc 4
 shardlang 1
@@ -13,14 +14,14 @@ shardlang 1
 mesh world = auto[dp=auto, tp=2]
 
 parallelize on world.tp {
-    tok_embeddings : rowwise(input=replicate, output=shard(1))
+    tok_embeddings : prepare_output(output=replicate, desired=shard(1))
     norm           : sequence_parallel
     lm_head        : colwise(input=shard(1), output=replicate)
 }
 
 parallelize layers.* on world.tp {
     attention_norm         : sequence_parallel
-    attention              : prepare_input(input=(shard(1), _), desired=(replicate, _))
+    attention              : prepare_input(input=(shard(1), _, _), desired=(replicate, _, _))
     attention.qkv_linear.wqkv : colwise
     attention.wo           : rowwise(output=shard(1))
     ffn_norm               : sequence_parallel
@@ -34,5 +35,5 @@ fully_shard on world.dp {
     mixed_precision(param=bf16, reduce=fp32)
 }
 
-init cpu
+init meta with init_states
 verify init, init_device, placements, module_states, gradients(steps=1)
