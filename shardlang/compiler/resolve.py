@@ -18,6 +18,7 @@ from ..frontend import ir, patterns
 from ..frontend.diagnostics import SL200, Diagnostic, did_you_mean, few
 from ..frontend.syntax import ClassTarget, Pattern, Target
 from .stages import Stages, split
+from .trace import Order
 
 
 @frozen
@@ -65,6 +66,8 @@ class Resolution:
     units: tuple[UnitMatch, ...]  # children first, root last
     checkpoint: tuple[str, ...]
     stages: Stages | None = None  # the pipeline's split, when the plan has one
+    #: The order the model's modules run in, when lint was given an example input to trace it (compiler.trace).
+    order: Order = Order(None, "no example input was given")
 
 
 def resolve(plan: ir.Plan, model: nn.Module, pp: int = 1) -> tuple[Resolution, list[Diagnostic]]:
