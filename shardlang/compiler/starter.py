@@ -5,6 +5,7 @@ mixed precision, `init meta` and the default checks. The text is meant to be rea
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping
 
 import torch.nn as nn
@@ -171,12 +172,12 @@ def init_plan(
         lines.append("}")
     elif tp > 1:
         why = "none of its rules has a shardlang style" if rules else "the model carries no tp_plan of its own"
-        lines += [
-            "",
-            f"# --tp {tp} asked for, but {why}: no tensor parallelism, and so no tp dim. A mesh dim",
-            "# that no statement uses would train its ranks on different data and never average them",
-            f"# (SL217). To add it: write `parallelize ... on world.tp` rules and `tp={tp}` in the mesh.",
-        ]
+        said = (
+            f"--tp {tp} asked for, but {why}: no tensor parallelism, and so no tp dim (a mesh dim that no "
+            "statement uses trains its ranks on different data and never averages them: SL217). To add it, "
+            f"write `parallelize ... on world.tp` rules and put `tp={tp}` in the mesh."
+        )
+        lines += ["", *(f"# {line}" for line in textwrap.wrap(said, 98))]
         lines += [f"#     {key} : {style}: {reason}" for key, style, _, reason in rules]
     lines += ["", "# FSDP2: one unit per repeated block, and the root (the rest)."]
     if not stacks:
