@@ -465,7 +465,7 @@ def run_init(args: argparse.Namespace) -> int:
             "gradients check needs: add one, or run `shardlang apply --verify ...` yourself",
         )
         return OK
-    return _check_init(args, plan, source, model_file, world)
+    return _check_init(args, plan, source, model_file, world, order)
 
 
 def _said(args: argparse.Namespace, what: str) -> None:
@@ -476,13 +476,13 @@ def _said(args: argparse.Namespace, what: str) -> None:
         print(f"shardlang init: {what}", file=sys.stderr)
 
 
-def _check_init(args: argparse.Namespace, plan: Plan, source: Source, model_file: ModelFile, world: int) -> int:
+def _check_init(args: argparse.Namespace, plan: Plan, source: Source, model_file: ModelFile, world: int, order) -> int:
     """Apply init's plan at `world` on CPU workers (gloo), as `apply --device cpu` does, with its checks."""
     from ..launch.job import Job
     from ..launch.workers import WorkerError
 
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the plan's `auto` mesh means cpu here, as on the workers
-    job = Job(plan, {}, args.model, args.entry, plan.checks, 0, model_file=model_file if args.hf else None)
+    job = Job(plan, {}, args.model, args.entry, plan.checks, 0, model_file=model_file if args.hf else None, order=order)
     console = Console(file=sys.stderr, highlight=False)
     try:
         with _terminable():
@@ -562,7 +562,8 @@ def run_apply(args: argparse.Namespace) -> int:
         raise UsageError(
             f"build_model() from {model_file.origin} returned a model without parameters: nothing to shard"
         )
-    linted = lint(plan, meta, world, order=_order(plan, meta, model_file))
+    order = _order(plan, meta, model_file)
+    linted = lint(plan, meta, world, order=order)
     if not linted.ok:
         return _apply_unusable(sorted([*found, *linted.diagnostics], key=sort_key), sources, args, world, device)
     try:
@@ -584,6 +585,7 @@ def run_apply(args: argparse.Namespace) -> int:
         save=args.save,
         save_format=args.save_format,
         explicit=explicit,
+        order=order,
     )
     console = Console(file=sys.stderr, highlight=False)
     warnings: list[str] = []
