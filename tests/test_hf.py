@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from shardlang.compiler.starter import HF_STYLES, hf_tp_plan, init_plan, longest_stack
+from shardlang.compiler.starter import HF_STYLES, block_stacks, hf_tp_plan, init_plan
 from shardlang.runtime.modelfile import ModelFileError, load_model_file
 
 from .conftest import ROOT
@@ -51,7 +51,7 @@ def test_starter_plan_translates_the_models_own_tp_plan():
 
     with torch.device("meta"):
         model = build_model()
-    assert longest_stack(model) == "model.layers"
+    assert block_stacks(model) == ("model.layers",)
     plan = hf_tp_plan(model)
     assert plan["model.layers.*.self_attn.q_proj"] == "colwise" and plan["lm_head"] == "colwise_gather_output"
     text = init_plan(model, tp=2, name="Qwen3")
@@ -145,6 +145,87 @@ def test_starter_plan_of_a_model_without_tp_plan_is_fsdp_only():
     assert (ROOT / "examples" / "llama.py").exists()
 
 
+def _olmo2():
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    from examples.hf_llama import SMALL
+
+    return Olmo2ForCausalLM(Olmo2Config(**SMALL, eos_token_id=None, pad_token_id=None))
+
+
+@pytest.mark.parametrize(
+    ("build", "stack"),
+    [
+        ("examples.hf_stablelm", "model.layers"),  # 4 per-head norms per attention, 2 layers
+        ("examples.hf_qwen3", "model.layers"),  # q_norm / k_norm inside attention
+        ("examples.hf_gpt2", "transformer.h"),
+        ("olmo2", "model.layers"),  # full-width q_norm / k_norm
+    ],
+)
+def test_starter_stack_is_the_decoder_layers_not_norms_inside_them(build, stack):
+    """FSDP units go on the stack holding the most parameters, traced or not: StableLM's per-head norms
+    (a ModuleList of 4 LayerNorms in each attention, more than its 2 layers) were chosen before."""
+    import importlib
+
+    from shardlang.compiler.trace import trace_order
+
+    with torch.device("meta"):
+        model = _olmo2() if build == "olmo2" else importlib.import_module(build).build_model()
+    from examples.hf_llama import example_input
+
+    order = trace_order(model, example_input)
+    assert order.traced, order.why
+    assert block_stacks(model) == block_stacks(model, order) == (stack,)
+    assert f"    each {stack}.*\n" in init_plan(model, tp=2, order=order)
+
+
+def test_starter_plan_without_a_tp_plan_has_no_tp_dim():
+    """--tp 2 for a model without a TP plan of its own: the tp dim would be used by nothing (its ranks
+    train on different data and never average, SL217), so the plan has none and says why."""
+    import shardlang
+    from examples.hf_stablelm import build_model
+
+    with torch.device("meta"):
+        model = build_model()
+    assert hf_tp_plan(model) == {}
+    text = init_plan(model, tp=2)
+    assert "mesh world = auto[dp=auto]\n" in text and "parallelize" not in text.replace("`parallelize", "")
+    assert "no tp_plan of its own" in text and "SL217" in text
+    assert not shardlang.loads(text).lint(model, world_size=4)
+    # the plan it wrote before: a tp dim nothing uses, now an error
+    found = shardlang.loads(text.replace("auto[dp=auto]", "auto[dp=auto, tp=2]")).lint(model, world_size=4)
+    assert [d.code for d in found] == ["SL217"] and "world.tp" in found[0].message
+
+
+def test_init_applies_the_plan_it_writes(tmp_path, capsys, monkeypatch):
+    """init runs its plan's checks on CPU workers before it calls the plan clean: StableLM (no TP plan,
+    per-head norms) at --tp 2, whose plan once kept an unused tp dim and FSDP units on layer 0's norms,
+    and failed its own gradients check."""
+    from shardlang.cli.main import main
+
+    monkeypatch.chdir(ROOT)
+    plan = tmp_path / "stablelm.sl"
+    assert main(["init", "examples/hf_stablelm.py", "--tp", "2", "-o", str(plan)]) == 0
+    out = capsys.readouterr().out
+    assert "linted clean and applied at world 2 on CPU: 5 passed, 1 reported" in out, out
+    assert "each model.layers.*\n" in plan.read_text()
+
+
+def test_init_says_what_it_did_not_check(tmp_path, capsys, monkeypatch):
+    from shardlang.cli.main import main
+
+    monkeypatch.chdir(ROOT)
+    plan = tmp_path / "qwen3.sl"
+    assert main(["init", "examples/hf_qwen3.py", "--tp", "2", "--no-check", "-o", str(plan)]) == 0
+    assert "linted at world 4: clean; not applied (--no-check)" in capsys.readouterr().out
+    source = tmp_path / "no_input.py"
+    source.write_text("from examples.hf_qwen3 import build_model  # noqa: F401\n")
+    monkeypatch.syspath_prepend(str(ROOT))
+    assert main(["init", str(source)]) == 0
+    err = capsys.readouterr().err
+    assert "not applied:" in err and "defines no example_input" in err
+
+
 def test_init_and_lint_and_apply_with_hf(qwen3_dir, tmp_path, capsys, monkeypatch, pools):
     """The three commands a user runs: init a plan from the config, lint it, apply it (on the pool)."""
     import shardlang
@@ -154,7 +235,7 @@ def test_init_and_lint_and_apply_with_hf(qwen3_dir, tmp_path, capsys, monkeypatc
 
     monkeypatch.chdir(ROOT)
     plan = tmp_path / "qwen3.sl"
-    assert main(["init", "--hf", str(qwen3_dir), "--tp", "2", "-o", str(plan)]) == 0
+    assert main(["init", "--hf", str(qwen3_dir), "--tp", "2", "--no-check", "-o", str(plan)]) == 0
     assert "linted at world 4: clean" in capsys.readouterr().out
     assert main(["lint", str(plan), "--hf", str(qwen3_dir), "--world", "4"]) == 0
     model_file = load_model_file(hf=str(qwen3_dir), seq=16)

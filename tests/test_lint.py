@@ -1,6 +1,7 @@
-"""Model-aware lint (SL200-SL210): each fixture plan against its model, through the CLI, with the
+"""Model-aware lint (SL200-SL217): each fixture plan against its model, through the CLI, with the
 codes and positions of its `# expect:` lines; and lint at a world of 1024 in one process."""
 
+import importlib.util
 import json
 import re
 import time
@@ -26,6 +27,9 @@ def _header(text: str, key: str) -> str | None:
 def test_lint_fixture_reports_expected_codes(path: Path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     text = path.read_text()
+    needs = _header(text, "needs")
+    if needs is not None and importlib.util.find_spec(needs) is None:
+        pytest.skip(f"needs {needs}")
     model = ["--entry", _header(text, "entry")] if _header(text, "entry") else [_header(text, "model")]
     status = main(["lint", str(path.relative_to(ROOT)), *model, "--world", _header(text, "world"), "--format", "json"])
     found = [(d["code"], d["line"], d["col"]) for d in json.loads(capsys.readouterr().out)]
@@ -89,3 +93,106 @@ def test_init_meta_knows_the_models_own_initialisers(plan, model, tmp_path, caps
     path.write_text("mesh world = cpu[dp=auto]\nfully_shard on world.dp { }\n" + plan)
     status = main(["lint", str(path), model, "--world", "2", "--format", "json"])
     assert status == 0 and json.loads(capsys.readouterr().out) == []
+
+
+PLANS = sorted(
+    [*ROOT.glob("plans/*.sl"), *ROOT.glob("plans/hf/*.sl"), *ROOT.glob("plans/seeds/*.sl")]
+    + [*(FIXTURES / "valid").glob("*.sl")],
+    key=str,
+)
+
+
+@pytest.mark.parametrize("path", PLANS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_plan_uses_each_mesh_dim_it_declares(path):
+    """SL217's premise on every plan we ship: each dim that can be larger than 1 is named by some statement
+    (parallelize, fully_shard, replicate, sync over, pipeline), so SL217 fires on none of them."""
+    from shardlang.compiler.rules.meshes import used_dims
+
+    plan = shardlang.load(path)
+    used = used_dims(plan)
+    meshes = {mesh for mesh, _ in used}
+    unused = [
+        f"{m.name}.{d.name}"
+        for m in plan.meshes
+        if m.name in meshes
+        for d in m.dims
+        if (m.name, d.name) not in used and d.size != 1
+    ]
+    assert not unused
+
+
+@pytest.mark.parametrize(
+    ("statements", "found"),
+    [
+        ("fully_shard on world.dp { }", ["SL217"]),  # tp: nothing
+        ("fully_shard on world { }", []),  # a bare mesh names every dim (HSDP)
+        ("replicate on world.dp { }\nsync over world.tp", []),
+        ("fully_shard on world.dp { }\npipeline on world.tp { split layers.* into auto }", []),
+    ],
+)
+def test_sl217_counts_every_statement_that_names_a_dim(statements, found):
+    import examples.llama_pipeline as llama
+
+    plan = shardlang.loads(f"mesh world = cpu[dp=2, tp=2]\n{statements}\n")
+    with torch.device("meta"):
+        model = llama.build_model()
+    assert [d.code for d in plan.lint(model, world_size=4) if d.code == "SL217"] == found
+
+
+def test_sl217_leaves_size_one_dims_and_unused_meshes_alone():
+    import examples.mlp as mlp
+
+    plan = shardlang.loads("mesh world = cpu[dp=2, tp=1]\nmesh other = cpu[x=2]\nfully_shard on world.dp { }\n")
+    with torch.device("meta"):
+        assert plan.lint(mlp.build_model(), world_size=2) == []
+
+
+def _titan():
+    pytest.importorskip("torchtitan")
+    from shardlang.runtime.modelfile import load_model_file
+
+    return load_model_file(str(ROOT / "examples" / "titan_llama3.py"))
+
+
+def test_sl210_follows_the_order_modules_run_in_not_their_declaration():
+    """torchtitan's TransformerBlock declares feed_forward before ffn_norm and runs it after: in
+    declaration order the norm a plan dropped from sequence parallelism looked replicated-in (silent)."""
+    from shardlang.compiler.lint import lint
+    from shardlang.compiler.trace import trace_order
+
+    model_file = _titan()
+    model = model_file.build_on_meta()
+    order = trace_order(model, model_file.example_input)
+    assert order.traced, order.why
+    assert order.modules.index("layers.0.ffn_norm") < order.modules.index("layers.0.feed_forward")
+    for name, modules in [("ffn_norm", "layers.0.ffn_norm, layers.1.ffn_norm"), ("final_norm", "norm")]:
+        plan = shardlang.load(FIXTURES / "lint" / f"sl210_titan_{name}.sl")
+        assert [d.code for d in lint(plan, model, 4).diagnostics] == []  # what declaration order saw
+        (found,) = lint(plan, model, 4, order=order).diagnostics
+        assert found.code == "SL210" and found.help[0] == f"modules: {modules}"
+
+
+def test_sl210_says_when_it_could_not_trace():
+    import tests.faults.seq_norm as seq_norm
+
+    plan = shardlang.load(FIXTURES / "lint" / "sl210_norm_outside_sp.sl")
+    with torch.device("meta"):
+        (found,) = plan.lint(seq_norm.build_model(), world_size=2)
+    assert "taken in the order they are declared, not run" in found.help[-1]
+
+
+def test_a_misspelt_rule_names_every_module_it_was_meant_for():
+    """The newcomer's typo under `layers.*`: SL210 once named w3 alone (declared after w2, run before it);
+    the typo's SL200 now names both modules that lost the rule, and SL210 no longer misreads the order."""
+    from shardlang.compiler.lint import lint
+    from shardlang.compiler.trace import trace_order
+    from shardlang.runtime.modelfile import load_model_file
+
+    text = (ROOT / "plans" / "llama_2d.sl").read_text().replace("feed_forward.{w1,w3}", "feed_forwad.{w1,w3}")
+    model_file = load_model_file(str(ROOT / "examples" / "llama.py"))
+    model = model_file.build_on_meta()
+    found = lint(shardlang.loads(text), model, 4, order=trace_order(model, model_file.example_input)).diagnostics
+    assert [d.code for d in found] == ["SL200"]
+    assert found[0].help[-1] == (
+        "so the rule reaches none of the modules it was meant for: feed_forward.w1, feed_forward.w3"
+    )

@@ -234,6 +234,15 @@ def _parser() -> argparse.ArgumentParser:
         "--dp", type=_positive, metavar="N", help="data-parallel size (default: auto, what the world leaves)"
     )
     init.add_argument("-o", "--output", metavar="PLAN", help="write the plan to PLAN instead of stdout")
+    init.add_argument(
+        "--no-check",
+        dest="check",
+        action="store_false",
+        help="only lint the plan: do not apply it and run its checks on CPU workers (tp x dp of them, dp 2 if auto)",
+    )
+    init.add_argument(
+        "--timeout", type=_seconds, default=600.0, metavar="S", help="how long the check may take (default 600)"
+    )
     init.set_defaults(run=run_init, plan=None, params=[], world=None)
 
     convert = commands.add_parser("convert", help="a checkpoint directory to a torch state dict file, or back")
@@ -392,7 +401,8 @@ def run_lint(args: argparse.Namespace) -> int:
     model_file = _model_file(args)
     if plan is not None and model_file is not None:
         model = _meta_model(model_file)
-        found = sorted([*found, *lint(plan, model, _world(plan, args.world)).diagnostics], key=sort_key)
+        linted = lint(plan, model, _world(plan, args.world), order=_order(plan, model, model_file))
+        found = sorted([*found, *linted.diagnostics], key=sort_key)
     emit_diagnostics(found, sources, args.format)
     if plan is None:
         return UNUSABLE
@@ -401,9 +411,27 @@ def run_lint(args: argparse.Namespace) -> int:
     return FOUND if any(d.is_error for d in found) else OK
 
 
+def _order(plan: Plan, model, model_file: ModelFile):
+    """The order the model's modules run in, for the lint rules that follow activations through it (SL210:
+    only plans with tensor parallelism need it)."""
+    return _order_always(model, model_file) if plan.parallelize else None
+
+
+def _order_always(model, model_file: ModelFile):
+    """The order the model's modules run in, traced on meta from its example_input (compiler.trace)."""
+    from ..compiler.trace import Order, trace_order
+
+    if model_file.example_input is None:
+        return Order(None, f"{model_file.origin} defines no example_input")
+    return trace_order(model, model_file.example_input)
+
+
 def run_init(args: argparse.Namespace) -> int:
-    """A starter plan on stdout (or -o), linted against the model at tp x dp (dp 2 where it is auto):
-    exit 0 when it lints clean, 1 when lint found errors (the plan is written all the same, to edit)."""
+    """A starter plan on stdout (or -o), linted against the model at tp x dp (dp 2 where it is auto), then
+    applied there on CPU workers with all its checks (unless --no-check). The plan is written all the same,
+    to edit; the last line (stderr when the plan goes to stdout) says what was found: exit 0 when it lints
+    clean and passes its checks, 1 when lint found errors or a check failed, 2 when the checks could not
+    run (a model file without example_input says so, and exits 0 after a clean lint)."""
     from ..compiler.starter import init_plan
     from ..frontend.read import read_source
 
@@ -414,19 +442,67 @@ def run_init(args: argparse.Namespace) -> int:
             "init needs a model: MODEL (a file defining build_model), --entry package.module:function or --hf PATH"
         )
     model = _meta_model(model_file)
-    text = init_plan(model, tp=args.tp, dp=args.dp, name=_model_arg(args).strip())
-    world = args.tp * (args.dp or 2)
+    order = _order_always(model, model_file)
+    text = init_plan(model, tp=args.tp, dp=args.dp, name=_model_arg(args).strip(), order=order)
     source = Source(args.output or "<init>", text)
-    plan, found = read_source(source, None, world)
+    plan, found = read_source(source, None, None)
+    world = plan.meshes[0].fixed_size * (1 if args.dp else 2) if plan is not None else args.tp * (args.dp or 2)
     if plan is not None:
-        found = sorted([*found, *lint(plan, model, world).diagnostics], key=sort_key)
+        found = sorted([*found, *lint(plan, model, world, order=order).diagnostics], key=sort_key)
     if args.output:
         Path(args.output).write_text(text, encoding="utf-8")
-        print(f"wrote {args.output} (linted at world {world}: {'clean' if not found else f'{len(found)} diagnostics'})")
     else:
         sys.stdout.write(text)
     emit_diagnostics(found, {source.name: source}, "text", stream=sys.stderr)
-    return FOUND if any(d.is_error for d in found) else OK
+    linted = f"linted at world {world}: {'clean' if not found else f'{len(found)} diagnostics'}"
+    if plan is None or any(d.is_error for d in found):
+        _said(args, f"{linted}; not applied: fix the errors first")
+        return FOUND
+    if not args.check:
+        _said(args, f"{linted}; not applied (--no-check): run `shardlang apply` before training with it")
+        return OK
+    if model_file.example_input is None:
+        _said(
+            args,
+            f"{linted}; not applied: {model_file.origin} defines no example_input(batch, generator), which the "
+            "gradients check needs: add one, or run `shardlang apply --verify ...` yourself",
+        )
+        return OK
+    return _check_init(args, plan, source, model_file, world, order)
+
+
+def _said(args: argparse.Namespace, what: str) -> None:
+    """init's verdict: after `wrote PLAN` on stdout, or on stderr when the plan itself went to stdout."""
+    if args.output:
+        print(f"wrote {args.output} ({what})")
+    else:
+        print(f"shardlang init: {what}", file=sys.stderr)
+
+
+def _check_init(args: argparse.Namespace, plan: Plan, source: Source, model_file: ModelFile, world: int, order) -> int:
+    """Apply init's plan at `world` on CPU workers (gloo), as `apply --device cpu` does, with its checks."""
+    from ..launch.job import Job
+    from ..launch.workers import WorkerError
+
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the plan's `auto` mesh means cpu here, as on the workers
+    job = Job(plan, {}, args.model, args.entry, plan.checks, 0, model_file=model_file if args.hf else None, order=order)
+    console = Console(file=sys.stderr, highlight=False)
+    try:
+        with _terminable():
+            report, _ = _run_local(job, world, "cpu", args.timeout, console)
+    except WorkerError as e:
+        _worker_failed(e, {source.name: source}, False)
+        _said(args, f"applied at world {world} on CPU: it did not run to the end; do not train with it as it is")
+        return UNUSABLE
+    counts = report.summary
+    if report.ok and report.usable:
+        _said(args, f"linted clean and applied at world {world} on CPU: {counts or 'every check passed'}")
+        return OK
+    from ..launch.report import render
+
+    render(report, {source.name: source}, Console(file=sys.stderr, highlight=False, soft_wrap=True))
+    _said(args, f"applied at world {world} on CPU, its checks FAILED ({counts}): edit it before training with it")
+    return FOUND
 
 
 def run_compile(args: argparse.Namespace) -> int:
@@ -549,7 +625,8 @@ def _apply(args: argparse.Namespace, out: _Out) -> int:
         raise UsageError(
             f"build_model() from {model_file.origin} returned a model without parameters: nothing to shard"
         )
-    linted = lint(plan, meta, world)
+    order = _order(plan, meta, model_file)
+    linted = lint(plan, meta, world, order=order)
     if not linted.ok:
         return _apply_unusable(sorted([*found, *linted.diagnostics], key=sort_key), sources, out, world, device)
     try:
@@ -571,6 +648,7 @@ def _apply(args: argparse.Namespace, out: _Out) -> int:
         save=args.save,
         save_format=args.save_format,
         explicit=explicit,
+        order=order,
     )
     console = Console(file=sys.stderr, highlight=False)
     warnings: list[str] = []

@@ -1,4 +1,4 @@
-"""Model-aware checks (SL200-SL209): the plan against a real module tree at a given world size.
+"""Model-aware checks (SL200-SL217, SL301): the plan against a real module tree at a given world size.
 
 Needs no process group and no GPU: the model may be built on the meta device, and mesh sizes come
 from the plan and the world size, so `--world 1024` lints in one CPU process.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import attrs
 import torch.nn as nn
 from attrs import frozen
 
@@ -18,6 +19,7 @@ from .predict import Observed, Placed, mesh_shapes, predict
 from .resolve import Resolution, resolve
 from .rules import RULES
 from .rules.common import pipeline_size
+from .trace import Order
 
 
 @frozen
@@ -40,17 +42,22 @@ def lint(
     observed: Mapping[str, Observed] | None = None,
     strided_shard: bool = True,
     runs: bool = True,
+    order: Order | None = None,
 ) -> Linted:
     """Resolve `plan` on `model`, predict placements at `world_size` and run every SL2xx check.
     `observed` and `strided_shard` are what apply knows of the `use` styles (run in a simulated world)
     and of the installed torch (see predict); without `observed`, what `use` styles place is not predicted.
     `runs` False leaves out SL301 (what the installed torch cannot run): explain lays out a plan in a
-    simulated world without running it, and says in a note when its step fails."""
+    simulated world without running it, and says in a note when its step fails. `order` is the order the
+    model's modules run in (compiler.trace: `trace_order(model, example_input)`); without it the rules
+    that follow activations (SL210) take declaration order and say so."""
     found = list(check_world(plan, world_size))
     if found:
         return Linted(None, None, tuple(found))
     shapes = mesh_shapes(plan, world_size)
     resolution, found = resolve(plan, model, pipeline_size(plan, shapes))
+    if order is not None:
+        resolution = attrs.evolve(resolution, order=order)
     predictions = predict(plan, resolution, shapes, observed, strided_shard)
     for rule in RULES:
         found += rule(plan, resolution, predictions, shapes)

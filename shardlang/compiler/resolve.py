@@ -8,6 +8,7 @@ is patterns.pattern_regex and class_matches, which the printed program uses too.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from functools import cache
 
@@ -18,6 +19,7 @@ from ..frontend import ir, patterns
 from ..frontend.diagnostics import SL200, Diagnostic, did_you_mean, few
 from ..frontend.syntax import ClassTarget, Pattern, Target
 from .stages import Stages, split
+from .trace import Order
 
 
 @frozen
@@ -65,6 +67,8 @@ class Resolution:
     units: tuple[UnitMatch, ...]  # children first, root last
     checkpoint: tuple[str, ...]
     stages: Stages | None = None  # the pipeline's split, when the plan has one
+    #: The order the model's modules run in, when lint was given an example input to trace it (compiler.trace).
+    order: Order = Order(None, "no example input was given")
 
 
 def resolve(plan: ir.Plan, model: nn.Module, pp: int = 1) -> tuple[Resolution, list[Diagnostic]]:
@@ -183,11 +187,35 @@ def _closest(pattern: Pattern, modules: tuple[tuple[str, nn.Module], ...], scope
         words = [text] if isinstance(segment, str) else list(segment)
         hints = [h for w in words for h in did_you_mean(w, children)]
         if hints:
-            return (f"there is no '{text}' {place}; {hints[0]}",)
+            return (f"there is no '{text}' {place}; {hints[0]}", *_lost(pattern, k - 1, children, relative))
         if children:
             return (f"there is no '{text}' {place}; it has {few(children)}",)
         return (f"'{at}' has no submodules",)
     return ()
+
+
+def _lost(pattern: Pattern, index: int, children: list[str], relative: list[str]) -> tuple[str, ...]:
+    """The modules a misspelt pattern was meant for (each misspelt word of segment `index` read as its
+    nearest name): every one of them lost its rule, not only those a later diagnostic happens to name."""
+    segment = pattern.segments[index]
+    words = [segment] if isinstance(segment, str) else list(segment)
+    meant = []
+    for word in words:
+        if any(_regex(word).fullmatch(c) for c in children):
+            meant.append(word)
+            continue
+        hint = did_you_mean(word, children)
+        nearest = re.search(r"'([^']+)'", hint[0]) if hint else None
+        if nearest is None:
+            return ()
+        meant.append(nearest.group(1))
+    fixed = meant[0] if isinstance(segment, str) else tuple(dict.fromkeys(meant))
+    segments = (*pattern.segments[:index], fixed, *pattern.segments[index + 1 :])
+    regex = _regex(str(Pattern(segments, pattern.span)))
+    matched = [r for r in relative if regex.fullmatch(_dotted(r))]
+    if not matched:
+        return ()
+    return (f"so the rule reaches none of the modules it was meant for: {few(matched)}",)
 
 
 def _children(parent: str, relative: list[str]) -> Iterator[str]:

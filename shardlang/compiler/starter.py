@@ -1,15 +1,17 @@
-"""A starter plan for a model (`shardlang init`): FSDP2 units on the blocks of its longest repeated stack
-and the root, tensor parallelism translated rule by rule from a Hugging Face model's own TP plan, bf16
+"""A starter plan for a model (`shardlang init`): FSDP2 units on the blocks of its stack of repeated
+blocks (the one holding the most parameters) and the root, tensor parallelism translated rule by rule from a Hugging Face model's own TP plan, bf16
 mixed precision, `init meta` and the default checks. The text is meant to be read and edited.
 """
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping
 
 import torch.nn as nn
 
 from ..frontend.patterns import modules_matching, pattern_regex
+from .trace import Order
 
 #: Hugging Face TP styles (transformers' ParallelInterface names) and the shardlang style that does the
 #: same (docs/language.md §4.2 has what each does), or None where no style does (the rule is written as a
@@ -68,16 +70,45 @@ PARAMETER_RULE = "a parameter, not a module: its module's rule says how it is la
 NO_MODULE = "no such module in this model"
 
 
-def longest_stack(model: nn.Module) -> str | None:
-    """The FQN of the container (ModuleList, Sequential, ModuleDict) with the most children of one class
-    (at least 2): the model's repeated blocks."""
-    best, size = None, 1
+def block_stacks(model: nn.Module, order: Order | None = None) -> tuple[str, ...]:
+    """The FQNs of the model's stacks of repeated blocks, where FSDP units go: containers (ModuleList,
+    ModuleDict, Sequential) of at least two children of one class, each holding parameters. The stack
+    holding the most parameters (a decoder's layers, not the per-head norms inside each layer's
+    attention, which are more numerous but tiny), and any other outside it holding at least half as many
+    (an encoder's and a decoder's). With a traced `order`, only stacks whose every block ran its forward
+    (a unit whose forward never runs never gathers its parameters). In the order the model declares them."""
+    ran = set(order.modules) if order is not None and order.modules is not None else None
+    sizes = {}
     for fqn, module in model.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
-            children = list(module.children())
-            if len(children) > size and len({type(c) for c in children}) == 1:
-                best, size = fqn, len(children)
-    return best
+        if not isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+            continue
+        children = list(module.named_children())
+        if len(children) < 2 or len({type(c) for _, c in children}) != 1:
+            continue
+        if not all(_holds_parameters(c) for _, c in children):
+            continue
+        if ran is not None and not all(_child(fqn, name) in ran for name, _ in children):
+            continue
+        sizes[fqn] = sum(p.numel() for p in module.parameters())
+    chosen: list[str] = []
+    for fqn in sorted(sizes, key=lambda f: -sizes[f]):  # stable: ties keep declaration order
+        if chosen and sizes[fqn] * 2 < sizes[chosen[0]]:
+            break
+        if not any(_nested(fqn, other) or _nested(other, fqn) for other in chosen):
+            chosen.append(fqn)
+    return tuple(f for f in sizes if f in chosen)
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _child(parent: str, name: str) -> str:
+    return f"{parent}.{name}" if parent else name
+
+
+def _nested(inner: str, outer: str) -> bool:
+    return not outer or inner.startswith(outer + ".")
 
 
 def hf_tp_plan(model: nn.Module) -> dict[str, str]:
@@ -108,39 +139,51 @@ def translate(model: nn.Module, key: str, style: str) -> tuple[str | None, str]:
     return ours, ""
 
 
-def init_plan(model: nn.Module, *, tp: int = 1, dp: int | None = None, name: str = "the model") -> str:
+def init_plan(
+    model: nn.Module, *, tp: int = 1, dp: int | None = None, name: str = "the model", order: Order | None = None
+) -> str:
     """A commented starter plan for `model` (built on any device, meta included) at `tp`-way tensor
-    parallelism (1: none) and `dp`-way data parallelism (None: whatever the world leaves)."""
-    stack = longest_stack(model)
-    tp_plan = hf_tp_plan(model) if tp > 1 else {}
-    dims = [f"dp={dp if dp else 'auto'}"] + ([f"tp={tp}"] if tp > 1 else [])
+    parallelism (1: none) and `dp`-way data parallelism (None: whatever the world leaves). Every mesh dim
+    it writes is used by a statement: without a rule to shard over tp (no TP plan, or none of its
+    styles has an equivalent), there is no tp dim, and a comment says why (SL217). `order`: the order the
+    model's modules run in (compiler.trace), to keep FSDP units off stacks whose blocks never run."""
+    stacks = block_stacks(model, order)
+    rules = [(key, style, *translate(model, key, style)) for key, style in hf_tp_plan(model).items()] if tp > 1 else []
+    keeps_tp = any(ours is not None for _, _, ours, _ in rules)
+    dims = [f"dp={dp if dp else 'auto'}"] + ([f"tp={tp}"] if keeps_tp else [])
     lines = [
         f"# Starter plan for {name}, written by `shardlang init`: read it, then edit it.",
         "shardlang 1",
         "",
         f"mesh world = auto[{', '.join(dims)}]",
     ]
-    if tp > 1:
-        if tp_plan:
-            lines += [
-                "",
-                "# Tensor parallelism, from the model's own tp_plan (transformers).",
-                "parallelize on world.tp {",
-            ]
-            width = max(len(k) for k in tp_plan)
-            for key, style in tp_plan.items():
-                ours, why = translate(model, key, style)
-                if ours is None:
-                    lines.append(f"    # {key:<{width}} : {style}: {why}")
-                else:
-                    lines.append(f"    {key:<{width}} : {ours}")
-            lines.append("}")
-        else:
-            lines += ["", "# --tp asked for, but the model carries no tp_plan: write parallelize rules by hand."]
+    if keeps_tp:
+        lines += [
+            "",
+            "# Tensor parallelism, from the model's own tp_plan (transformers).",
+            "parallelize on world.tp {",
+        ]
+        width = max(len(key) for key, *_ in rules)
+        for key, style, ours, why in rules:
+            if ours is None:
+                lines.append(f"    # {key:<{width}} : {style}: {why}")
+            else:
+                lines.append(f"    {key:<{width}} : {ours}")
+        lines.append("}")
+    elif tp > 1:
+        why = "none of its rules has a shardlang style" if rules else "the model carries no tp_plan of its own"
+        said = (
+            f"--tp {tp} asked for, but {why}: no tensor parallelism, and so no tp dim (a mesh dim that no "
+            "statement uses trains its ranks on different data and never averages them: SL217). To add it, "
+            f"write `parallelize ... on world.tp` rules and put `tp={tp}` in the mesh."
+        )
+        lines += ["", *(f"# {line}" for line in textwrap.wrap(said, 98))]
+        lines += [f"#     {key} : {style}: {reason}" for key, style, _, reason in rules]
     lines += ["", "# FSDP2: one unit per repeated block, and the root (the rest)."]
+    if not stacks:
+        lines.append("# No stack of repeated blocks with parameters was found: the root is the only unit.")
     lines.append("fully_shard on world.dp {")
-    if stack is not None:
-        lines.append(f"    each {stack}.*")
+    lines += [f"    each {stack}.*" for stack in stacks]
     lines += ["    mixed_precision(param=bf16, reduce=fp32)", "}"]
     lines += [
         "",

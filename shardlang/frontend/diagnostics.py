@@ -55,6 +55,10 @@ class Code(enum.Enum):
         Severity.ERROR,
         "pipeline mesh dim used by another statement; loss_parallel or init rank0 with a pipeline; a pipeline compiled without its model",
     )
+    SL217 = (
+        Severity.ERROR,
+        "a mesh dim larger than 1 that no statement uses: its ranks train on different data and nothing averages them",
+    )
     SL300 = (Severity.ERROR, "apply failed (the model is left exactly as it was)")
     SL301 = (
         Severity.ERROR,
@@ -110,6 +114,7 @@ class Code(enum.Enum):
     SL214,
     SL215,
     SL216,
+    SL217,
     SL300,
     SL301,
     SL400,

@@ -20,6 +20,7 @@ from attrs import frozen
 from ..checkpoints.dcp import Transfer
 from ..checkpoints.formats import load_weights, read_weights, save_weights
 from ..compiler.devices import mesh_device
+from ..compiler.trace import Order
 from ..frontend import ir
 from ..frontend.diagnostics import SL400, Diagnostic, PlanError
 from ..frontend.read import read_file
@@ -64,6 +65,7 @@ class Job:
     save: str | None = None  # where to save one after the checks, if they passed
     save_format: str = "dcp"  # ... as a DCP checkpoint, or as Hugging Face weights ("hf")
     explicit: bool = False  # the checks were asked for (by the plan's verify or --verify): each must run
+    order: Order | None = None  # the order the model's modules run in, traced once by the launcher (SL210)
 
 
 def run(job: Job) -> Report:
@@ -116,7 +118,7 @@ def _run(job: Job) -> Report:
     check_module(model, model_file.origin)
     progress("applying the plan")
     try:
-        applied = apply_plan(plan, model)
+        applied = apply_plan(plan, model, order=job.order)
     except PlanError as e:
         return attrs.evolve(_failed(world, e.diagnostics), details=e.details)
     applied_s = time.perf_counter() - start

@@ -24,6 +24,7 @@ from ..compiler.devices import mesh_device
 from ..compiler.lint import Linted, lint
 from ..compiler.lower import lower
 from ..compiler.predict import Placed
+from ..compiler.trace import Order
 from ..frontend import ir
 from ..frontend.diagnostics import SL300, Diagnostic, PlanError, few
 from . import helpers, pipeline
@@ -60,13 +61,14 @@ def simulated() -> bool:
     return dist.get_backend() == "fake"
 
 
-def apply_plan(plan: ir.Plan, model: nn.Module, pp_rank: int | None = None) -> Applied:
+def apply_plan(plan: ir.Plan, model: nn.Module, pp_rank: int | None = None, order: Order | None = None) -> Applied:
     """Lint, lower and run `plan` on `model` across the current process group. PlanError if anything fails.
 
     In a simulated world (the fake process group) the model stays on the meta device: the program
     places every tensor but skips the steps that allocate or move data. There `pp_rank` cuts the
     pipeline stages of that pp rank instead of this rank's own (explain stands one process for every
-    pp rank; the ranks of one pp index differ from those of another only in the stages they hold)."""
+    pp rank; the ranks of one pp index differ from those of another only in the stages they hold).
+    `order`: the order the model's modules run in (compiler.trace), for lint's SL210."""
     sources = {plan.source.name: plan.source}
     if not dist.is_available() or not dist.is_initialized():
         raise PlanError(
@@ -82,7 +84,7 @@ def apply_plan(plan: ir.Plan, model: nn.Module, pp_rank: int | None = None) -> A
     world_size = dist.get_world_size()
     imported = _import_uses(plan, sources)
     # In a simulated world (explain) nothing runs: what torch cannot run shows as explain's failed step.
-    linted = lint(plan, model, world_size, None, fsdp_strided_shard(), runs=not simulated())
+    linted = lint(plan, model, world_size, None, fsdp_strided_shard(), runs=not simulated(), order=order)
     if not linted.ok:
         raise PlanError(linted.diagnostics, sources)
     problems = [] if simulated() else _check_devices(plan, model)
@@ -93,7 +95,7 @@ def apply_plan(plan: ir.Plan, model: nn.Module, pp_rank: int | None = None) -> A
         # What `use` styles place is seen by running them in a simulated world; lint again with it, so that
         # SL203/SL204 and the placements check see their tensors too.
         observed = _on_rank0(lambda: observe_user_styles(plan, program, model, imported, world_size))
-        linted = lint(plan, model, world_size, observed, fsdp_strided_shard(), runs=not simulated())
+        linted = lint(plan, model, world_size, observed, fsdp_strided_shard(), runs=not simulated(), order=order)
         if not linted.ok:
             raise PlanError(linted.diagnostics, sources)
     applied = Applied(model, {}, program, linted, imported)

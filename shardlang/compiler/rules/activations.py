@@ -6,8 +6,9 @@ data-parallel dims only) inside a region whose activations each TP rank holds a 
 after `rowwise(output=shard(1))`) gets, on each TP rank, the gradient of its own slice only: partial,
 different on every rank, and nothing all-reduces it. Training goes on, silently wrong.
 
-The rule follows the activations' layout over each TP dim through the modules in the order they are
-registered (the order their forward usually runs them): a style's output says what comes next (a
+The rule follows the activations' layout over each TP dim through the modules in the order they run
+(compiler.trace: one forward on the meta device from the model file's example input; without one, the
+order they are registered in, which the diagnostic then says): a style's output says what comes next (a
 local `shard(D)` of a dim other than the last: sharded; `replicate`: replicated; a DTensor: neither;
 features sharded, as a colwise leaves them inside a block: unchanged), a style that declares a sharded input (`prepare_input(input=shard(1))`,
 `colwise(input=shard(1))`) says what came right before it. A module with parameters of its own that no
@@ -51,7 +52,7 @@ def partial_gradients(plan, resolution, predictions, shapes) -> list[Diagnostic]
         placed = [fqn for fqn, rule in rules.items() if rule.style.name not in MOVERS]
         flagged: dict[tuple, list[str]] = {}
         state, cause, pending = UNKNOWN, None, []
-        for fqn, module in resolution.modules.items():
+        for fqn, module in _in_order(resolution):
             rule = rules.get(fqn)
             if rule is not None:
                 if _declares_sharded(rule.style) and state != REPLICATED and pending:
@@ -85,10 +86,31 @@ def partial_gradients(plan, resolution, predictions, shapes) -> list[Diagnostic]
                         f"modules: {few(modules)}",
                         "give a norm `sequence_parallel`, or the module a style that places its parameters over "
                         f"{dim}; or make the activations replicated before it (`rowwise` with `output=replicate`)",
+                        *_declaration_order(resolution),
                     ),
                 )
             )
     return found
+
+
+def _in_order(resolution) -> list[tuple[str, object]]:
+    """(FQN, module) in the order the modules run when the model was traced (modules that never ran have no
+    gradient and are left out), else in the order they are registered."""
+    order = resolution.order.modules
+    if order is None:
+        return list(resolution.modules.items())
+    return [(fqn, resolution.modules[fqn]) for fqn in order if fqn in resolution.modules]
+
+
+def _declaration_order(resolution) -> tuple[str, ...]:
+    """A help line saying the modules were taken in the order they are declared, which need not be the
+    order they run in, and why; nothing when the model was traced."""
+    if resolution.order.traced:
+        return ()
+    return (
+        f"modules were taken in the order they are declared, not run ({resolution.order.why}): a model "
+        "that declares a module before one it runs after (`feed_forward` before `ffn_norm`) can be misread",
+    )
 
 
 def _key(rule: ir.Rule) -> tuple:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from ...frontend.diagnostics import SL206, Diagnostic, few
 from ..predict import enclosing, owned, units_by_module
 from .common import dim_sizes
+from .meshes import used_dims
 
 
 def unsynchronised_gradients(plan, resolution, predictions, shapes) -> list[Diagnostic]:
@@ -14,7 +15,12 @@ def unsynchronised_gradients(plan, resolution, predictions, shapes) -> list[Diag
     if plan.pipeline is not None:  # a pipeline's ranks hold different stages: not data parallelism
         tp_dims.add((plan.pipeline.mesh.mesh, plan.pipeline.mesh.dims[0]))
     used = {b.mesh.mesh for b in plan.parallelize} | {u.mesh.mesh for u in plan.units}
-    dp = [f"{m}.{d}={n}" for (m, d), n in sizes.items() if m in used and (m, d) not in tp_dims and n > 1]
+    named = used_dims(plan)  # a dim no statement names is SL217's: its ranks average nothing at all
+    dp = [
+        f"{m}.{d}={n}"
+        for (m, d), n in sizes.items()
+        if m in used and (m, d) not in tp_dims and (m, d) in named and n > 1
+    ]
     if not dp:
         return []
     units = units_by_module(resolution)

@@ -1,0 +1,53 @@
+"""Mesh dims that nothing uses (SL217): a dim larger than 1 that no statement names.
+
+Every statement that spreads the model over ranks names the dims it spreads it over: `parallelize`
+(tensor parallelism), `fully_shard` and `replicate` (data parallelism, which averages gradients),
+`pipeline`, and `sync over` (module states made equal). The ranks along a dim that none of them names
+hold the same model, are handed different data (the data-parallel replicas are the ranks of the dims no
+parallelize block or pipeline uses), and never average their gradients: they drift apart from the first
+step. `shardlang init --tp N` wrote such a dim for models without a TP plan of their own.
+"""
+
+from __future__ import annotations
+
+from ...frontend import ir
+from ...frontend.diagnostics import SL217, Diagnostic
+from .common import dim_sizes
+
+
+def used_dims(plan: ir.Plan) -> set[tuple[str, str]]:
+    """(mesh, dim) for every dim some statement names."""
+    refs = [b.mesh for b in plan.parallelize] + [u.mesh for u in plan.units] + [s.mesh for s in plan.syncs]
+    if plan.pipeline is not None:
+        refs.append(plan.pipeline.mesh)
+    return {(ref.mesh, dim) for ref in refs for dim in ref.dims}
+
+
+def unused_dims(plan, resolution, predictions, shapes) -> list[Diagnostic]:
+    """SL217: a dim larger than 1 of a mesh the model runs on that no statement names. A mesh no statement
+    names at all is not one the model runs on (unless it is the only candidate: the first mesh of a plan
+    whose statements name none), so its dims are left alone."""
+    used = used_dims(plan)
+    meshes = {mesh for mesh, _ in used} or ({plan.meshes[0].name} if plan.meshes else set())
+    sizes = dim_sizes(plan, shapes)
+    found = []
+    for mesh in plan.meshes:
+        if mesh.name not in meshes:
+            continue
+        for dim in mesh.dims:
+            size = sizes[(mesh.name, dim.name)]
+            if (mesh.name, dim.name) in used or size <= 1:
+                continue
+            found.append(
+                Diagnostic(
+                    SL217,
+                    f"no statement uses {mesh.name}.{dim.name} (size {size}): its {size} ranks hold the same model, "
+                    "train on different data and never average their gradients",
+                    dim.span,
+                    (
+                        f"shard or replicate over it (`fully_shard on {mesh.name}.{dim.name} {{ ... }}`, "
+                        f"`parallelize ... on {mesh.name}.{dim.name}`), or remove the dim (or give it size 1)",
+                    ),
+                )
+            )
+    return found
