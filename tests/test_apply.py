@@ -272,7 +272,7 @@ def test_scatter_from_rank0_loads_what_torch_loads(pools):
 def test_sync_over_makes_replicas_equal(pools):
     """Ranks build the model with different seeds; `sync over` broadcasts rank 0's parameters and buffers
     (FSDP-sharded parameters are left to their shards)."""
-    unsynced = "mesh world = cpu[dp=auto, tp=2]\nfully_shard on world.dp { }\n"
+    unsynced = "mesh world = cpu[dp=auto]\nfully_shard on world.dp { }\n"
     assert not all(pools(4).run(jobs.sync_makes_replicas_equal, unsynced, "examples.buffers:build_model", "dp")[0])
     synced = unsynced + "sync over world.dp\n"
     assert all(pools(4).run(jobs.sync_makes_replicas_equal, synced, "examples.buffers:build_model", "dp")[0])
