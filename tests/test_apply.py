@@ -356,7 +356,11 @@ def test_every_pasted_helper_comes_with_the_helpers_it_calls():
 
 def test_worker_failure_names_the_rank(pools):
     with pytest.raises(WorkerError) as raised:
-        pools(2).run(jobs.failing_apply_leaves_model_unchanged, "mesh world = cpu[dp=auto]\n", "tests.models:units")
+        pools(2).run(
+            jobs.failing_apply_leaves_model_unchanged,
+            "mesh world = cpu[dp=auto]\nfully_shard on world.dp { }\n",
+            "tests.models:units",
+        )
     assert "apply did not fail" in str(raised.value)
 
 

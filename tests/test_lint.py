@@ -181,6 +181,25 @@ def test_sl210_says_when_it_could_not_trace():
     assert "taken in the order they are declared, not run" in found.help[-1]
 
 
+def test_a_forward_that_never_returns_is_not_traced_for_ever(monkeypatch):
+    """The trace runs the user's forward in the command's own process, before any worker (and its
+    --timeout) exists: a forward that never returns leaves the order unknown after LIMIT_S, saying so."""
+    import time
+
+    from shardlang.compiler import trace
+
+    class Hangs(torch.nn.Module):
+        def forward(self, x):
+            while True:
+                time.sleep(0.01)
+
+    monkeypatch.setattr(trace, "LIMIT_S", 0.3)
+    start = time.monotonic()
+    order = trace.trace_order(Hangs(), lambda batch, g: torch.zeros(batch, 2))
+    assert not order.traced and "did not finish within 0.3 s" in order.why, order
+    assert time.monotonic() - start < 5
+
+
 def test_a_misspelt_rule_names_every_module_it_was_meant_for():
     """The newcomer's typo under `layers.*`: SL210 once named w3 alone (declared after w2, run before it);
     the typo's SL200 now names both modules that lost the rule, and SL210 no longer misreads the order."""
