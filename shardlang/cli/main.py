@@ -489,9 +489,9 @@ def _check_init(args: argparse.Namespace, plan: Plan, source: Source, model_file
     console = Console(file=sys.stderr, highlight=False)
     try:
         with _terminable():
-            report, _ = _run_local(job, world, "cpu", args.timeout, console)
+            report, _ = _run_local(job, world, "cpu", args.timeout, console, False, _Out(json=False))
     except WorkerError as e:
-        _worker_failed(e, {source.name: source}, False)
+        _worker_failed(e, {source.name: source}, False, _Out(json=False))
         _said(args, f"applied at world {world} on CPU: it did not run to the end; do not train with it as it is")
         return UNUSABLE
     counts = report.summary
