@@ -91,7 +91,8 @@ def test_tied_weights_across_stages_are_refused(tmp_path):
 
 
 def test_split_resolves_blocks_and_outside_modules(tmp_path):
-    found, linted = _lint(tmp_path, HEAD + "pipeline on world.pp { split before layers.3 }\n")
+    text = HEAD + "pipeline on world.pp { split before layers.3 }\nfully_shard on world.dp { each layers.* }\n"
+    found, linted = _lint(tmp_path, text)
     assert found == []
     stages = linted.resolution.stages
     assert stages.blocks == (("layers.0", "layers.1", "layers.2"), ("layers.3",))
