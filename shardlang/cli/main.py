@@ -423,7 +423,17 @@ def _order_always(model, model_file: ModelFile):
 
     if model_file.example_input is None:
         return Order(None, f"{model_file.origin} defines no example_input")
-    return trace_order(model, model_file.example_input)
+    try:
+        with time_limit(TRACE_S, "its traced forward"):
+            return trace_order(model, model_file.example_input)
+    except UsageError:
+        return Order(None, f"its forward did not finish within {TRACE_S:g} s")
+
+
+#: How long the traced forward may run. It runs in the command's own process (lint, apply's launcher),
+#: before any worker starts: a model whose forward never returns must not hang the command there, where
+#: neither `--timeout` nor the workers' signals reach it.
+TRACE_S = 10.0
 
 
 def run_init(args: argparse.Namespace) -> int:

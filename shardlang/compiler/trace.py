@@ -7,10 +7,7 @@ first; lint rules that follow activations through a model need the order they re
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import signal
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -41,55 +38,16 @@ def trace_order(model: nn.Module, example_input: Callable[[int, torch.Generator]
     if example_input is None:
         return Order(None, "the model file defines no example_input")
     try:
-        with _time_limit(LIMIT_S):
-            return Order(_run(model, example_input, "meta"))
-    except _TooLong:
-        return Order(None, f"its forward on the meta device did not finish within {LIMIT_S:g} s")
+        return Order(_run(model, example_input, "meta"))
     except Exception as e:  # noqa: BLE001 - any failure of user code means: order unknown, say why
         failure = _describe(e)
     size = sum(t.numel() for t in [*model.parameters(), *model.buffers()])
     if size > CPU_LIMIT:
         return Order(None, f"its forward on the meta device failed ({failure})")
     try:
-        with _time_limit(LIMIT_S):
-            return Order(_run(model, example_input, "cpu"))
-    except _TooLong:
-        return Order(
-            None,
-            f"its forward failed on the meta device ({failure}) and did not finish within {LIMIT_S:g} s on the CPU",
-        )
+        return Order(_run(model, example_input, "cpu"))
     except Exception as e:  # noqa: BLE001
         return Order(None, f"its forward failed on the meta device ({failure}) and on the CPU ({_describe(e)})")
-
-
-#: How long the traced forward may run. It runs in the command's own process (lint, apply's launcher),
-#: before any worker starts: a model whose forward never returns must not hang the command there, where
-#: neither `--timeout` nor the workers' signals reach it.
-LIMIT_S = 10.0
-
-
-class _TooLong(BaseException):
-    """The traced forward ran past LIMIT_S (a BaseException: user code's `except Exception` lets it pass)."""
-
-
-@contextlib.contextmanager
-def _time_limit(seconds: float):
-    """Raise _TooLong in the main thread after `seconds` (a real-time interval timer); no limit off the main
-    thread or where the platform has no interval timer."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
-        yield
-        return
-
-    def expired(signum, frame):
-        raise _TooLong
-
-    previous = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 #: The most parameter and buffer elements a model may hold to be traced on the CPU (1 GiB in float32).
