@@ -112,6 +112,16 @@ def named_module(report: dict) -> str | None:
     return None
 
 
+def margin(report: dict) -> str:
+    """How close a passing plan came to a false alarm: the gradients check's worst tensor (or slice of
+    one), as a fraction of its allowance."""
+    for check in report.get("checks", []):
+        worst = (check.get("data") or {}).get("worst") if check.get("check") == "gradients" else None
+        if worst:
+            return f"worst {worst[0]['ratio']:.2f} of allowed ({worst[0]['tensor']})"
+    return ""
+
+
 def first_line(text: str) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[0] if lines else ""
@@ -125,7 +135,7 @@ def verdict_of(stdout: str, stderr: str, seconds: float) -> Verdict:
     except ValueError:
         return Verdict("crash", None, first_line(stderr)[:160] or "no report", seconds)
     if report.get("ok"):
-        return Verdict("pass", None, "", seconds)
+        return Verdict("pass", None, margin(report), seconds)
     errors = [d for d in report.get("diagnostics", []) if d.get("severity") == "error"]
     if any("raised" in d.get("message", "") for d in errors):
         # A check that raised in the model's code, pinned on the module whose code raised (SL400 at its

@@ -357,3 +357,33 @@ def test_an_additive_mask_with_infinities_agrees_with_itself():
     rounded = mask + torch.tensor([[1e-3, 0.0], [0.0, 0.0]])
     assert _ratio([mask.clone()], mask, rounded, 12) == 0.0
     assert _ratio([torch.zeros(2, 2)], mask, rounded, 12) == math.inf
+
+
+def test_ranks_disagreeing_in_a_few_rows_are_caught_slice_by_slice():
+    """DeepSeek-V2's MLA without its style, in numbers: 8 of 40 rows of a gradient (the shared rotary key's)
+    are small and each TP rank holds only its heads' share of them. The spread over the ranks is within
+    the whole tensor's allowance (those rows hold little of its norm); slice by slice it is not, while two
+    ranks that only round differently stay within every slice's."""
+    import torch
+
+    from shardlang.verification.reference import allowed_error, worst_slice
+
+    g = torch.Generator().manual_seed(0)
+    truth = torch.randn(40, 64, generator=g, dtype=torch.float64) * 0.1
+    truth[32:] *= 0.01
+
+    def rounded(t, jitter):  # bf16 rounding of a slightly different computation of `t`
+        return (t * (1 + jitter * torch.randn(t.shape, generator=g, dtype=torch.float64))).bfloat16().double()
+
+    same, rank0, rank1 = rounded(truth, 1e-3), rounded(truth, 1e-3), rounded(truth, 1e-3)
+    unreduced = rank1.clone()
+    unreduced[32:] *= 0.5  # a share of the rows' sum
+    scale = float(truth.pow(2).mean().sqrt())
+    spread = (unreduced - rank0).abs()
+    assert float(spread.norm()) < allowed_error(truth, same, scale, None)  # the whole tensor: a miss
+    found = worst_slice(spread, truth, same, scale)
+    assert found.dim == 0 and found.over == tuple(range(32, 40)) and found.ratio > 2
+    assert found.describe().startswith("slices 32-39 along dim 0 (8 of 40)")
+    assert not worst_slice((rank1 - rank0).abs(), truth, same, scale).over
+    assert worst_slice(truth[0], truth[0], same[0], scale) is None  # a vector's slices are single values
+    assert worst_slice(truth[:, :4], truth[:, :4], same[:, :4], scale).dim == 1  # rows of 4 values: too few

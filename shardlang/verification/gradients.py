@@ -22,6 +22,11 @@ these very inputs. A sharded tensor passes when
 
 with K = 12 and `scale` the root-mean-square value of the truth's tensors of that kind in the step
 (a floor for tensors whose true value is zero, where the reference's own error can be tiny by luck).
+Every rank holds the same full gradients after the reductions: their spread over the ranks is allowed what
+an error against the truth is, whole and slice by slice along each dim (reference.worst_slice), where a
+fault confined to a few rows (a reduction missing for the rows of one head) hides in the whole tensor's
+rounding. (Not against the truth slice by slice: a token that rounding routes to another expert moves a
+slice of an expert's gradient by far more than its rounding, while ranks of one replica route alike.)
 The report's `truth` says which truth was used, and why.
 Each error is reported as a fraction of what was allowed: 1.0 is the limit. `rtol`/`atol` given in the
 plan replace the rule with a fixed one: ||sharded - truth|| <= rtol ||truth|| + atol sqrt(n).
@@ -36,13 +41,23 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from ..frontend import ir
 from . import layout as lay
 from . import localise
 from .outcome import FAIL, PASS, SKIPPED, Outcome
-from .reference import K, References, TruthUnavailable, allowed_error, full, rounding_error, shape_mismatch
+from .reference import (
+    K,
+    References,
+    TruthUnavailable,
+    allowed_error,
+    full,
+    rounding_error,
+    shape_mismatch,
+    worst_slice,
+)
 
 DEFAULTS = {"steps": 2, "batch": 4, "optimizer": "adam", "lr": 1e-2}
 #: Optimizer updates are computed elementwise from identical gradients: they may differ by this fraction
@@ -125,6 +140,19 @@ def run(ctx, check: ir.Check) -> Outcome:
                     s.grad,
                     scale,
                     fixed,
+                    own=references.own_error(name),
+                )
+        if pipeline is None and fixed is None:
+            spreads = _spreads(grads)
+            for name, spread in spreads.items():
+                t, sa = references.truth.get_parameter(name), references.same.get_parameter(name)
+                tally.compare_ranks(
+                    f"step {step}: gradient of {name}",
+                    f"grad {name}",
+                    spread,
+                    t.grad,
+                    sa.grad,
+                    scale,
                     own=references.own_error(name),
                 )
         if _anywhere(len(tally.failures) > failed_before):
@@ -233,6 +261,31 @@ class Tally:
         if key.startswith("grad "):
             self._failing.append(key.removeprefix("grad "))
 
+    def compare_ranks(self, what, key, spread, truth, same, scale: float, own: float = 0.0) -> None:
+        """A gradient every rank holds alike (reduced, or made whole by `full`): its `spread` over the ranks
+        (largest minus smallest value, elementwise), the whole tensor and slice by slice (a fault confined
+        to a few rows hides in the whole tensor's rounding), against what it may differ from the truth by.
+        Ranks of one replica route tokens alike, so unlike the truth this cannot differ by a token that
+        rounding sent to another expert."""
+        truth = truth.detach().to(spread.device).double()
+        whole = float(spread.norm())
+        allowed = allowed_error(truth, same, scale, None, own)
+        part = worst_slice(spread, truth, same, scale, own)
+        ratio = self._note(key, whole, allowed)
+        if part is not None:
+            self._note(key, part.error, part.allowed)
+        if ratio > 1.0:
+            found = f"by {whole:.3g}, {ratio:.3g} x the allowed {allowed:.3g}"
+        elif part is not None and part.over:
+            found = part.describe()
+        else:
+            return
+        self.failures.append(
+            f"{what}: the ranks hold different gradients ({found}), where every rank's should be the same "
+            "after the reductions: a reduction over the ranks that replicate it is missing"
+        )
+        self._failing.append(key.removeprefix("grad "))
+
     def compare_update(self, what, key, got, want, before) -> None:
         """An updated parameter, elementwise: both optimizers stepped from the same gradients, so they may
         differ by UPDATE_RTOL of the tensor's largest update plus four units in the last place."""
@@ -257,6 +310,32 @@ class Tally:
                 f"{what}: {int(over.sum())} of {over.numel()} values differ from the reference optimizer's, "
                 f"given the same gradients (max difference {float(diff.max()):.3g})"
             )
+
+
+def _spreads(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Each full gradient's largest minus smallest value over the world's ranks, elementwise (two all_reduces
+    of every gradient at once), for the gradients every rank has."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {}
+    names = sorted(grads)
+    device = next(iter(grads.values())).device if grads else torch.device("cpu")
+    everywhere = torch.tensor([float(n in grads) for n in names], device=device)
+    # (every rank has the same parameters; a rank without a gradient another has fails on its own)
+    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
+    names = [n for n, held in zip(names, everywhere.tolist()) if held]
+    if not names:
+        return {}
+    flat = torch.cat([grads[n].detach().to(device, torch.float64).flatten() for n in names])
+    low = flat.clone()
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    spread = flat - low
+    out, at = {}, 0
+    for n in names:
+        size = grads[n].numel()
+        out[n] = spread[at : at + size].view(grads[n].shape)
+        at += size
+    return out
 
 
 def _anywhere(flag: bool) -> bool:
