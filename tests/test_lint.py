@@ -23,7 +23,17 @@ def _header(text: str, key: str) -> str | None:
     return found.group(1) if found else None
 
 
-@pytest.mark.parametrize("path", LINT, ids=lambda p: p.name)
+def _stepping(path: Path) -> bool:
+    """Fixtures whose findings come from lint's simulated step (`# step: yes`); the others lint --no-step."""
+    return _header(path.read_text(), "step") == "yes"
+
+
+@pytest.mark.parametrize(
+    "path",
+    # The simulated step runs in a forked child holding a (fake) process group: the distributed lane.
+    [pytest.param(p, marks=[pytest.mark.distributed] if _stepping(p) else []) for p in LINT],
+    ids=lambda p: p.name,
+)
 def test_lint_fixture_reports_expected_codes(path: Path, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     text = path.read_text()
@@ -31,7 +41,9 @@ def test_lint_fixture_reports_expected_codes(path: Path, capsys, monkeypatch):
     if needs is not None and importlib.util.find_spec(needs) is None:
         pytest.skip(f"needs {needs}")
     model = ["--entry", _header(text, "entry")] if _header(text, "entry") else [_header(text, "model")]
-    status = main(["lint", str(path.relative_to(ROOT)), *model, "--world", _header(text, "world"), "--format", "json"])
+    step = [] if _stepping(path) else ["--no-step"]
+    world = ["--world", _header(text, "world")]
+    status = main(["lint", str(path.relative_to(ROOT)), *model, *world, *step, "--format", "json"])
     found = [(d["code"], d["line"], d["col"]) for d in json.loads(capsys.readouterr().out)]
     expected = [
         (c, int(line), int(col)) for c, line, col in re.findall(r"^# expect: (SL\d+) (\d+):(\d+)$", text, re.MULTILINE)

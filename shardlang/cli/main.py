@@ -100,6 +100,11 @@ def _parser() -> argparse.ArgumentParser:
     lint.add_argument(
         "--format", choices=("text", "json"), default="text", help="how to print diagnostics (default text)"
     )
+    lint.add_argument(
+        "--no-step",
+        action="store_true",
+        help="do not simulate a training step (fake tensors, a fake process group) to find what apply would hit",
+    )
     lint.set_defaults(run=run_lint)
 
     apply = commands.add_parser(
@@ -399,16 +404,37 @@ def run_lint(args: argparse.Namespace) -> int:
     """Static checks; with a model, SL2xx too. SL1xx errors: exit 2 (no plan); SL2xx errors: exit 1."""
     plan, found, sources = compile_plan(args.plan, args.params, args.world)
     model_file = _model_file(args)
+    note = ""
     if plan is not None and model_file is not None:
         model = _meta_model(model_file)
-        linted = lint(plan, model, _world(plan, args.world), order=_order(plan, model, model_file))
+        world = _world(plan, args.world)
+        linted = _lint_model(plan, model, world, _order(plan, model, model_file))
         found = sorted([*found, *linted.diagnostics], key=sort_key)
+        if linted.ok and not args.no_step:
+            from ..explain.rehearsal import rehearse
+
+            rehearsal = rehearse(plan, model, model_file, world, linted.resolution)
+            if rehearsal.ran:  # what SL210 guesses from the plan, the step saw (SL222)
+                found = [d for d in found if d.code != "SL210"]
+            found, note = sorted([*found, *rehearsal.diagnostics], key=sort_key), rehearsal.note
     emit_diagnostics(found, sources, args.format)
     if plan is None:
         return UNUSABLE
     if args.format == "text" and not found:
-        print(f"{args.plan}: no problems found")
+        print(f"{args.plan}: no problems found" + (f" ({note})" if note else ""))
     return FOUND if any(d.is_error for d in found) else OK
+
+
+def _lint_model(plan: Plan, model, world: int, order):
+    """lint against the model, running its `use` styles in a simulated world to see what they place."""
+    from ..compiler.lint import Linted
+    from ..runtime.apply import import_uses, lint_seeing_styles
+
+    try:
+        imported = import_uses(plan)
+    except PlanError as e:
+        return Linted(None, None, tuple(e.diagnostics))
+    return lint_seeing_styles(plan, model, world, imported, order=order)
 
 
 def _order(plan: Plan, model, model_file: ModelFile):

@@ -59,6 +59,15 @@ class Code(enum.Enum):
         Severity.ERROR,
         "a mesh dim larger than 1 that no statement uses: its ranks train on different data and nothing averages them",
     )
+    SL220 = (
+        Severity.ERROR,
+        "lint's simulated training step raises in a module: what it received against what its rule expects",
+    )
+    SL221 = (Severity.ERROR, "lint's simulated training step hands the loss a sharded output, or the loss raises")
+    SL222 = (
+        Severity.ERROR,
+        "lint's simulated training step hands a module with whole plain parameters a piece of its input: partial gradients nothing sums",
+    )
     SL300 = (Severity.ERROR, "apply failed (the model is left exactly as it was)")
     SL301 = (
         Severity.ERROR,
@@ -115,6 +124,9 @@ class Code(enum.Enum):
     SL215,
     SL216,
     SL217,
+    SL220,
+    SL221,
+    SL222,
     SL300,
     SL301,
     SL400,

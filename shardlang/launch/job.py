@@ -5,8 +5,6 @@ library's `shardlang.verify`."""
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import time
 import warnings
 from pathlib import Path
@@ -29,6 +27,7 @@ from ..runtime.apply import apply_plan, build_for_plan
 from ..runtime.modelfile import ModelFile, ModelFileError, check_module, load_model_file, user_code
 from ..verification import FAIL, PASS, SKIPPED, Context, combine, gather, run_checks
 from ..verification.layout import layout
+from . import raised
 from .report import Report
 from .workers import progress
 
@@ -141,7 +140,7 @@ def _run(job: Job) -> Report:
 
     finished: dict[str, int] = {}  # when each module of the sharded model last finished its forward
     try:
-        with _watching(applied.model, finished):
+        with raised.watching(applied.model, finished):
             results = run_checks(ctx, job.checks, progress=starting)
     except ModelFileError:
         raise  # example_input or loss is unusable: the launcher says so (exit status 2)
@@ -227,41 +226,17 @@ def _failure(result, checks) -> tuple[Diagnostic, ...]:
     return tuple(found)
 
 
-@contextlib.contextmanager
-def _watching(model: torch.nn.Module, finished: dict[str, int]):
-    """Keep in `finished` when each module of `model` last finished its forward, in calls counted (one
-    global hook, which ignores the references' modules): where a forward raises, the submodule whose
-    output its code was reading, the last to finish, is the likeliest to have been sharded wrong."""
-    from ..verification.localise import plain_name
-
-    names = {id(m): plain_name(n) for n, m in model.named_modules()}
-    ticks = itertools.count()
-
-    def hook(module, args, output) -> None:
-        name = names.get(id(module))
-        if name is not None:
-            finished[name] = next(ticks)
-
-    handle = torch.nn.modules.module.register_module_forward_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
 def _raised(ctx: Context, name: str, checks, error: Exception, finished: dict[str, int]) -> CheckRaised:
     """SL400 at the check's statement for a check that raised, with the user's frames as help; and where
     a module of the sharded model was running (its forward or its hooks), SL400 at the plan statement
     that governs it, with the line of its code that was running and the package that code belongs to."""
-    from ..verification.localise import governing
     from .workers import package_of, user_stack, where
 
-    text = str(error).strip().splitlines()
-    what = f"{type(error).__name__}: {text[0] if text else '(no message)'}"
+    what = raised.summary(error)
     rank = dist.get_rank() if dist.is_initialized() else 0
     frames = [where(f) for f in user_stack(error)]
-    found = _raising_module(ctx.model, error)
-    origins = [package_of(f) for f in _filenames(error)[::-1]]  # innermost first; None: the user's file
+    found = raised.raising_module(ctx.model, error)
+    origins = [package_of(f) for f in raised.filenames(error)[::-1]]  # innermost first; None: the user's file
     packages = list(dict.fromkeys(o[0] for o in origins if o is not None and o[0] != "python"))
     inside = ()
     if not frames and found is None:
@@ -272,73 +247,9 @@ def _raised(ctx: Context, name: str, checks, error: Exception, finished: dict[st
     summary = f"check {name} raised on rank {rank}: {what}"
     diagnostics = [Diagnostic(SL400, summary, span, help)]
     if found is not None:
-        fqn, module, frame = found
-        statements = governing(ctx, fqn, inside=True, finished=finished)
-        spans = [Span(s["file"], s["line"], s["col"], s["end_line"], s["end_col"]) for s in statements]
-        running = "forward" if frame.name == "forward" else f"call ({frame.name}: its hooks)"
-        diagnostics.append(
-            Diagnostic(
-                SL400,
-                f"raised in module '{fqn or 'root'}' ({type(module).__name__.removeprefix('FSDP')}), in its "
-                f"{running}: {what}",
-                spans[0] if spans else None,
-                (
-                    f"in {_place(frame)}",
-                    *(f"{s['what']}: {s['file']}:{s['line']}:{s['col']}: {s['text']}" for s in statements[1:]),
-                    *(() if spans else ("no plan statement governs this module; look at the rules around it",)),
-                ),
-                label=statements[0]["what"] if statements else "",
-            )
-        )
+        message = f"raised in {raised.module_text(found)}: {what}"
+        diagnostics.append(raised.in_module(ctx, found, message, finished, SL400))
     return CheckRaised(tuple(diagnostics), summary)
-
-
-def _filenames(error: BaseException) -> list[str]:
-    from .workers import chain
-
-    return [tb.tb_frame.f_code.co_filename for e in chain(error) for tb in _tracebacks(e)]
-
-
-def _tracebacks(error: BaseException):
-    tb = error.__traceback__
-    while tb is not None:
-        yield tb
-        tb = tb.tb_next
-
-
-def _raising_module(model: torch.nn.Module, error: BaseException):
-    """The innermost module of `model` that was running when `error` was raised: (its name, the module,
-    the frame that ran it), from the frames of the traceback whose `self` is one of the model's modules
-    (its forward, or torch's call of it while its hooks ran); None where none was."""
-    import traceback
-
-    from ..verification.localise import plain_name
-    from .workers import chain
-
-    names = {id(m): plain_name(n) for n, m in model.named_modules()}
-    found = None
-    for e in chain(error):
-        for tb in _tracebacks(e):
-            owner = tb.tb_frame.f_locals.get("self")
-            if owner is not None and id(owner) in names:
-                frame = traceback.FrameSummary(tb.tb_frame.f_code.co_filename, tb.tb_lineno, tb.tb_frame.f_code.co_name)
-                found = (names[id(owner)], owner, frame)
-        if found is not None:
-            return found  # the first cause's traceback reaches deepest
-    return None
-
-
-def _place(frame) -> str:
-    """`transformers/models/llama/modeling_llama.py:123 in forward, transformers 5.24.0: code`, or the
-    user's own file as `where` writes it."""
-    from .workers import package_of, where
-
-    found = package_of(frame.filename)
-    if found is None:
-        return where(frame)
-    package, inside = found
-    code = f": {frame.line.strip()}" if frame.line else ""
-    return f"{inside}:{frame.lineno} in {frame.name}, {package}{code}"
 
 
 def _failed(world: int, diagnostics) -> Report:

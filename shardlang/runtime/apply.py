@@ -84,20 +84,13 @@ def apply_plan(plan: ir.Plan, model: nn.Module, pp_rank: int | None = None, orde
     world_size = dist.get_world_size()
     imported = _import_uses(plan, sources)
     # In a simulated world (explain) nothing runs: what torch cannot run shows as explain's failed step.
-    linted = lint(plan, model, world_size, None, fsdp_strided_shard(), runs=not simulated(), order=order)
+    linted = lint_seeing_styles(plan, model, world_size, imported, runs=not simulated(), order=order, share=_on_rank0)
     if not linted.ok:
         raise PlanError(linted.diagnostics, sources)
     problems = [] if simulated() else _check_devices(plan, model)
     if problems:
         raise PlanError(problems, sources)
     program = lower(plan, linted.resolution, world_size)
-    if any(isinstance(step, p.UserStyle) for step in program.steps):
-        # What `use` styles place is seen by running them in a simulated world; lint again with it, so that
-        # SL203/SL204 and the placements check see their tensors too.
-        observed = _on_rank0(lambda: observe_user_styles(plan, program, model, imported, world_size))
-        linted = lint(plan, model, world_size, observed, fsdp_strided_shard(), runs=not simulated(), order=order)
-        if not linted.ok:
-            raise PlanError(linted.diagnostics, sources)
     applied = Applied(model, {}, program, linted, imported)
     snapshot = Snapshot.take(model)
     failure, details = None, ""
@@ -129,6 +122,34 @@ def apply_plan(plan: ir.Plan, model: nn.Module, pp_rank: int | None = None, orde
         stages = linted.resolution.stages
         applied.model = pipeline.stages_view(applied.parts, {s: stages.held(s) for s in applied.parts})
     return applied
+
+
+def lint_seeing_styles(
+    plan: ir.Plan,
+    model: nn.Module,
+    world_size: int,
+    imported: dict[str, Any],
+    runs: bool = True,
+    order: Order | None = None,
+    share=lambda compute: compute(),
+) -> Linted:
+    """lint, where what `use` styles place is seen by running each of them in a simulated world (on a meta
+    copy of its module), so that SL203/SL204 and the placements check see their tensors too instead of
+    guessing. `share(compute)`: how the observation is made and handed out (apply: on rank 0, broadcast)."""
+    linted = lint(plan, model, world_size, None, fsdp_strided_shard(), runs=runs, order=order)
+    if linted.resolution is None or not any(rule.style.use for block in plan.parallelize for rule in block.rules):
+        return linted
+    try:
+        program = lower(plan, linted.resolution, world_size)
+    except Exception:  # noqa: BLE001 - a plan lint finds wrong may not lower: its diagnostics say why
+        return linted
+    observed = share(lambda: observe_user_styles(plan, program, model, imported, world_size))
+    return lint(plan, model, world_size, observed, fsdp_strided_shard(), runs=runs, order=order)
+
+
+def import_uses(plan: ir.Plan) -> dict[str, Any]:
+    """Every `use` style of `plan` imported; PlanError (SL300 at the `use` line) for one that fails."""
+    return _import_uses(plan, {plan.source.name: plan.source})
 
 
 def build_pipeline(applied: Applied, loss, scale_grads: bool = True) -> pipeline.Pipeline:

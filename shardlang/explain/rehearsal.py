@@ -1,0 +1,400 @@
+"""lint's simulated training step (SL220-SL222): the plan applied in a simulated world and one forward, loss
+and backward run on fake tensors, as `explain` runs them, to find before any worker starts what `apply` would
+hit, at the plan line of the rule governing the module where it happens.
+
+- SL220: the step raises in a module (its forward, its hooks, or its backward): the module, what it
+  received (each tensor argument's layout, and for a plain tensor the unsharded model's shape for it), the
+  rule that governs it and what that rule takes.
+- SL221: the loss is handed a plain tensor of another shape than the unsharded model's output (the last
+  layer's output left sharded), or the loss raises.
+- SL222: a module that no rule governs, with whole plain parameters, receives a piece of what the unsharded
+  model hands it (a sequence or head shard): its parameters' gradients are each rank's share of a sum that
+  nothing adds up. (A DTensor parameter's Partial gradient is not one: DTensor sums it where it is used.)
+
+It runs in a forked child (runtime.simulated.in_fork: the command's process stays without a process group,
+and a step that hangs costs its diagnostics, not the command), as rank 0 of the world, on the model cut to
+two blocks of its longest stack of identical blocks (explain's cut) when it has one; a failure there is
+confirmed on the whole model before it is reported. The fake tensors hold no values: what depends on them
+(a label out of range, a NaN) is left to apply's checks.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+from typing import Any
+
+import torch
+import torch.nn as nn
+from attrs import frozen
+
+from ..frontend import ir
+from ..frontend.diagnostics import SL220, SL221, SL222, Diagnostic, PlanError
+from ..runtime.apply import apply_plan
+from ..runtime.modelfile import ModelFile
+from ..runtime.simulated import in_fork, simulated_world
+from .simulate import _cut, _repeated_stack, on_cpu
+
+#: How long the forked child may take to simulate the step (on the cut model and, after a failure, the whole one).
+TIMEOUT_S = 120.0
+#: Blocks of the longest repeated stack the step runs on: the first two, so that one block's output reaches
+#: another (what two rules in a row do to each other shows).
+BLOCKS = 2
+#: What the built-in styles take as their input where the rule gives no `input=` (torch's defaults).
+TAKES = {"colwise": "replicate", "rowwise": "shard(-1)", "sequence_parallel": "shard(1)"}
+
+
+@frozen
+class Rehearsal:
+    """What lint's simulated step found, and what it ran (or why it did not run), for a note."""
+
+    diagnostics: tuple[Diagnostic, ...]
+    note: str
+    #: Whether the step ran through its backward, so that what SL210 guesses from the plan was seen instead.
+    ran: bool = False
+
+
+def rehearse(
+    plan: ir.Plan, model: nn.Module, model_file: ModelFile, world_size: int, resolution, timeout_s: float = TIMEOUT_S
+) -> Rehearsal:
+    """One training step of `plan` on `model` (on the meta device) in a simulated world of `world_size`,
+    seen from rank 0. `resolution` is lint's (for the cut). The plan must lint clean."""
+    if plan.pipeline is not None:
+        return Rehearsal((), "the training step was not simulated: pipelined plans are not rehearsed yet")
+    if model_file.example_input is None:
+        return Rehearsal((), f"the training step was not simulated: {model_file.origin} defines no example_input")
+    stack = _repeated_stack(model, resolution)
+    status, result = in_fork(lambda: _rehearse_here(plan, model, model_file, world_size, stack), timeout_s)
+    if status != "ok":
+        return Rehearsal((), f"the training step could not be simulated: {result}")
+    return result
+
+
+def _rehearse_here(plan, model, model_file, world_size, stack) -> Rehearsal:
+    simulated = on_cpu(plan)
+    whole = f"rank 0 of {world_size}"
+    with simulated_world(world_size, 0), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = _as_apply_builds_it(plan, model, model_file)
+        if stack is not None and len(stack[1]) > BLOCKS:
+            path, keys = stack
+            found, ran = _step(simulated, _cut(model, path, keys[:BLOCKS]), model_file)
+            if not found:
+                note = f"one training step simulated at {whole} on {BLOCKS} of the {len(keys)} blocks of `{path}`"
+                return Rehearsal((), note, ran)
+        found, ran = _step(simulated, copy.deepcopy(model), model_file)  # confirmed on the whole model
+    return Rehearsal(tuple(found), f"one training step simulated at {whole}", ran)
+
+
+def _as_apply_builds_it(plan: ir.Plan, model: nn.Module, model_file: ModelFile) -> nn.Module:
+    """The model as apply has it when the plan's styles run: on meta under `init meta` (materialised after
+    them, as apply's program does), otherwise built on the CPU, here of fake tensors: a style that keeps a
+    tensor of the module (a forward closing over its weight) sees the same one in the step. Where the model
+    cannot be built of fake tensors (its construction reads values), the meta model is materialised instead."""
+    from ..verification.comms import Calls
+    from .fakestep import quiet, recording_fake_mode
+
+    if plan.init.mode == "meta":
+        return model
+    try:
+        with quiet("torch._subclasses.fake_tensor"), recording_fake_mode(Calls()), torch.device("cpu"):
+            return model_file.build_model()
+    except Exception:  # noqa: BLE001 - the meta model stands in
+        return model
+
+
+def _step(plan: ir.Plan, model: nn.Module, model_file: ModelFile) -> tuple[list[Diagnostic], bool]:
+    """Apply `plan` to `model` and run one forward, loss and backward on fake tensors: what went wrong, and
+    whether the backward ran."""
+    from ..verification import Context
+    from ..verification import layout as lay
+    from ..verification.comms import Calls
+    from .fakestep import quiet, recording_fake_mode
+
+    reference = copy.deepcopy(model)
+    try:
+        applied = apply_plan(plan, model)
+    except PlanError as e:  # what lint finds once `use` styles are run (SL203/SL204), or a step that fails
+        return list(e.diagnostics), False
+    ctx = Context(plan, applied, model_file)
+    gradients = next((c for c in plan.checks if c.name == "gradients"), None)
+    input_layout = gradients.get("input") if gradients is not None else None
+    output_layout = gradients.get("output") if gradients is not None else None
+    with quiet("torch._subclasses.fake_tensor"), recording_fake_mode(Calls()):
+        where = lay.layout(ctx)
+        full = lay.replica_inputs(ctx, -1, where.replica, 2 * max(where.tp_size, 1))
+        if _on_meta(reference):
+            reference.to_empty(device="cpu")
+        with Watch(reference) as unsharded, torch.no_grad():
+            expected = reference(*full)
+        shapes = {n: tuple(t.shape) for n, t in reference.named_parameters()}
+        sharded = applied.model
+        if _on_meta(sharded):
+            sharded.to_empty(device="cpu")
+        inputs = lay.local_inputs(full, where, input_layout)
+        with Watch(sharded, unsharded.received, shapes) as watch:
+            try:
+                output = sharded(*inputs)
+            except Exception as e:  # noqa: BLE001 - the step's failure is the finding
+                return [_raised_in(ctx, watch, e, "forward")], False
+            mismatch = _shard_of(output, expected)
+            if mismatch is not None and not isinstance(output_layout, ir.Shard):
+                return [_loss_diagnostic(ctx, watch, f"the loss is handed {mismatch}")], False
+            try:
+                whole = lay.full_output(ctx, where, output, output_layout)
+                with lay.loss_context(plan):
+                    loss = lay.loss(ctx, whole, full)
+            except Exception as e:  # noqa: BLE001
+                return [_loss_diagnostic(ctx, watch, f"the loss raises: {_summary(e)}")], False
+            try:
+                with lay.loss_context(plan):
+                    loss.backward()
+            except Exception as e:  # noqa: BLE001
+                return [_raised_in(ctx, watch, e, "backward")], False
+    return _partial_gradients(ctx, watch), True
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+class Watch:
+    """Hooks on every module of a model while a step runs: what each received (its tensor arguments, as
+    `_describe` tells them, next to what `unsharded` received), when each last finished its forward (for
+    localise.governing), whose output's gradient arrived last (the module whose backward runs), and the
+    modules whose whole plain parameters (the shapes of the unsharded model's, `shapes`) met a piece of
+    what the unsharded model hands them (`split`, in the order they ran)."""
+
+    def __init__(
+        self, model: nn.Module, unsharded: dict[str, tuple] | None = None, shapes: dict[str, tuple] | None = None
+    ):
+        from ..verification.localise import plain_name
+
+        self.names = {id(m): plain_name(n) for n, m in model.named_modules()}
+        self.unsharded = unsharded or {}
+        self.shapes = shapes or {}
+        self.received: dict[str, tuple] = {}
+        self.finished: dict[str, int] = {}
+        self.backward: list[str] = []
+        self.split: dict[str, tuple[str, ...]] = {}
+        self._ticks = itertools.count()
+        self._handles: list = []
+
+    def __enter__(self) -> Watch:
+        register = torch.nn.modules.module
+        self._handles = [
+            register.register_module_forward_pre_hook(self._before),
+            register.register_module_forward_hook(self._after),
+        ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def _before(self, module, args) -> None:
+        name = self.names.get(id(module))
+        if name is not None:
+            self.received[name] = tuple(a for a in args if isinstance(a, torch.Tensor))
+
+    def _after(self, module, args, output) -> None:
+        name = self.names.get(id(module))
+        if name is None:
+            return
+        self.finished[name] = next(self._ticks)
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad, name=name: self.backward.append(name))
+        # After the module's forward (and before its own hooks: FSDP's reshard) its parameters are whole.
+        if self.shapes and name not in self.split and self._whole_plain(module, name) and self._pieces(name):
+            self.split[name] = self._pieces(name)
+
+    def _whole_plain(self, module: nn.Module, name: str) -> bool:
+        """Whether `module` has trained parameters of its own, each a plain tensor of the unsharded shape."""
+        from torch.distributed.tensor import DTensor
+
+        own = [(k, p) for k, p in module._parameters.items() if p is not None and p.requires_grad]
+        return bool(own) and all(
+            not isinstance(p, DTensor) and tuple(p.shape) == self.shapes.get(f"{name}.{k}" if name else k)
+            for k, p in own
+        )
+
+    def _pieces(self, fqn: str) -> tuple[str, ...]:
+        """What module `fqn` received as a plain piece of what the unsharded model hands it."""
+        from torch.distributed.tensor import DTensor
+
+        got, want = self.received.get(fqn, ()), self.unsharded.get(fqn, ())
+        return tuple(
+            f"argument {i}: {_describe(t, w)}"
+            for i, (t, w) in enumerate(zip(got, want))
+            if not isinstance(t, DTensor) and t.dim() == w.dim() and tuple(t.shape) != tuple(w.shape)
+        )
+
+    def inputs(self, fqn: str) -> tuple[str, ...]:
+        """What module `fqn` received, one line per tensor argument."""
+        got, want = self.received.get(fqn, ()), self.unsharded.get(fqn, ())
+        return tuple(f"argument {i}: {_describe(t, want[i] if i < len(want) else None)}" for i, t in enumerate(got))
+
+
+def _describe(tensor: torch.Tensor, unsharded: torch.Tensor | None, whose: str = "the unsharded model hands it") -> str:
+    """A DTensor's shape and placements, or a plain tensor's shape and, where the unsharded model handed
+    the module another shape, along which dims it is a piece of that."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        dims = tensor.device_mesh.mesh_dim_names or tuple(f"dim {i}" for i in range(tensor.device_mesh.ndim))
+        places = ", ".join(f"{_placement(p)} over {d}" for p, d in zip(tensor.placements, dims))
+        return f"a DTensor of shape {tuple(tensor.shape)}, {places}"
+    text = f"a plain tensor of shape {tuple(tensor.shape)}"
+    if unsharded is None or tuple(unsharded.shape) == tuple(tensor.shape):
+        return text
+    split = [
+        f"dim {d} ({w} -> {g})"
+        for d, (g, w) in enumerate(zip(tensor.shape, unsharded.shape))
+        if g != w and len(tensor.shape) == len(unsharded.shape)
+    ]
+    pieces = f": a shard along {', '.join(split)}" if split else ""
+    return f"{text} where {whose} {tuple(unsharded.shape)}{pieces}"
+
+
+def _placement(p) -> str:
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if isinstance(p, Shard):
+        return f"shard({p.dim})"
+    if isinstance(p, Replicate):
+        return "replicate"
+    if isinstance(p, Partial):
+        return "partial"
+    return str(p)
+
+
+def _summary(error: BaseException) -> str:
+    from ..launch.raised import summary
+
+    return summary(error)
+
+
+def _takes(ctx, fqn: str) -> str | None:
+    """What the built-in style of the rule on module `fqn` takes as its input, from the rule."""
+    rule = next((r.rule for r in ctx.applied.linted.resolution.rules if r.fqn == fqn), None)
+    if rule is None or rule.style.use is not None:
+        return None
+    given = rule.style.get("input")
+    takes = given if given is not None else TAKES.get(rule.style.name)
+    if takes is None:
+        return None
+    text = takes if isinstance(takes, str) else _layout_text(takes)
+    return f"its rule `{rule.style.name}` takes its input as {text}"
+
+
+def _layout_text(layout) -> str:
+    if isinstance(layout, tuple):
+        return f"({', '.join('_' if x is None else str(x) for x in layout)})"
+    return str(layout)
+
+
+def _raised_in(ctx, watch: Watch, error: Exception, phase: str) -> Diagnostic:
+    """SL220 at the rule governing the module where the step raised: in the forward, the innermost module
+    of the traceback; in the backward, the module whose output's gradient arrived last."""
+    from ..launch import raised
+
+    found = raised.raising_module(ctx.model, error)
+    if found is None and phase == "backward" and watch.backward:
+        fqn = watch.backward[-1]
+        module = ctx.model.get_submodule(fqn) if fqn else ctx.model
+        found = (fqn, module, None)
+    what = _summary(error)
+    if found is None:
+        return Diagnostic(
+            SL220,
+            f"the simulated training step raises in its {phase}, outside every module of the model: {what}",
+            None,
+            ("run `shardlang apply` with --debug for the full traceback",),
+        )
+    fqn = found[0]
+    detail = (*watch.inputs(fqn), *filter(None, [_takes(ctx, fqn)]))
+    place = raised.module_text(found) if phase == "forward" else f"module '{fqn or 'root'}', in its backward"
+    return raised.in_module(
+        ctx, found, f"the simulated training step raises in {place}: {what}", watch.finished, SL220, detail
+    )
+
+
+def _shard_of(output: Any, expected: Any) -> str | None:
+    """Where the sharded model's output is a plain tensor of another shape than the unsharded model's, what
+    it is; None where it is not."""
+    from torch.distributed.tensor import DTensor
+
+    got, want = _first(output), _first(expected)
+    if got is None or want is None or isinstance(got, DTensor) or tuple(got.shape) == tuple(want.shape):
+        return None
+    return _describe(got, want, "the unsharded model's output is")
+
+
+def _first(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, dict) or hasattr(value, "values"):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return next((v for v in map(_first, value) if v is not None), None)
+    return None
+
+
+def _loss_diagnostic(ctx, watch: Watch, what: str) -> Diagnostic:
+    """SL221 at the rule governing the module that finished last (the one that made the output)."""
+    from ..launch import raised
+
+    last = max(watch.finished, key=watch.finished.get, default=None)
+    module_names = [n for n in sorted(watch.finished, key=watch.finished.get, reverse=True) if n]
+    fqn = next((n for n in module_names if _governed(ctx, n)), last)
+    help = (
+        "the model file's loss reads the model's output as the unsharded model gives it: give the last layer's "
+        "rule output=replicate (a colwise output layer), or declare loss_parallel and keep it a DTensor",
+    )
+    if fqn is None:
+        return Diagnostic(SL221, f"the simulated training step: {what}", None, help)
+    module = ctx.model.get_submodule(fqn) if fqn else ctx.model
+    message = f"the simulated training step: {what} (the output of '{fqn}')"
+    return raised.in_module(ctx, (fqn, module, None), message, watch.finished, SL221, help)
+
+
+def _governed(ctx, fqn: str) -> bool:
+    return any(r.fqn == fqn for r in ctx.applied.linted.resolution.rules)
+
+
+def _partial_gradients(ctx, watch: Watch) -> list[Diagnostic]:
+    """SL222 for the modules no rule governs whose whole plain parameters met a piece of their input, one
+    diagnostic for the modules of one kind that met the same pieces (the norms of every block), in the order
+    they ran."""
+    from ..launch import raised
+
+    kinds: dict[tuple, list[str]] = {}
+    for fqn, pieces in watch.split.items():
+        if _governed(ctx, fqn):
+            continue  # its style decides what its parameters are and how their gradients are summed
+        module = ctx.model.get_submodule(fqn) if fqn else ctx.model
+        own = ", ".join(k for k, p in module._parameters.items() if p is not None and p.requires_grad)
+        kinds.setdefault((type(module).__name__, own, pieces), []).append(fqn)
+    found = []
+    for (kind, own, pieces), names in kinds.items():
+        first = names[0]
+        others = f" (and {len(names) - 1} more like it: {_listed(names[1:])})" if len(names) > 1 else ""
+        message = (
+            f"the simulated training step hands module '{first}' ({kind}){others}, whose parameters ({own}) are "
+            "whole on every rank, a piece of its input: each rank's gradient of them is its piece's share, and "
+            "nothing sums the shares"
+        )
+        help = (
+            *pieces,
+            "give it a rule that matches its input (sequence_parallel for a norm on sequence shards), or make its "
+            "input whole before it (prepare_input on it or output=replicate on the rule before it)",
+        )
+        module = ctx.model.get_submodule(first) if first else ctx.model
+        found.append(raised.in_module(ctx, (first, module, None), message, watch.finished, SL222, help))
+    return found
+
+
+def _listed(names: list[str], most: int = 3) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f", ... {len(names) - most} more" if len(names) > most else "")

@@ -1,0 +1,121 @@
+"""Where model code raised: the module of the model whose forward (or hooks) was running, the plan statement
+that governs it, and the line and package of the code that raised. For apply's checks (launch.job) and
+lint's simulated step (explain.rehearsal), which both turn an exception into a diagnostic at a plan line."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import torch
+
+from ..frontend.diagnostics import Code, Diagnostic
+from ..frontend.source import Span
+
+
+def summary(error: BaseException) -> str:
+    """`RuntimeError: its first line`."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else '(no message)'}"
+
+
+@contextlib.contextmanager
+def watching(model: torch.nn.Module, finished: dict[str, int]):
+    """Keep in `finished` when each module of `model` last finished its forward, in calls counted (one
+    global hook, which ignores the references' modules): where a forward raises, the submodule whose
+    output its code was reading, the last to finish, is the likeliest to have been sharded wrong."""
+    from ..verification.localise import plain_name
+
+    names = {id(m): plain_name(n) for n, m in model.named_modules()}
+    ticks = itertools.count()
+
+    def hook(module, args, output) -> None:
+        name = names.get(id(module))
+        if name is not None:
+            finished[name] = next(ticks)
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def in_module(
+    ctx, found, message: str, finished: dict[str, int], code: Code, detail: tuple[str, ...] = ()
+) -> Diagnostic:
+    """`code` at the plan statement that governs the module `found` (raising_module's (name, module,
+    frame); frame None where no line of its code was running, as in a backward) saying `message`, with the
+    line of its code that was running, `detail`, and the other statements that govern it as help."""
+    from ..verification.localise import governing
+
+    fqn, module, frame = found
+    statements = governing(ctx, fqn, inside=True, finished=finished)
+    spans = [Span(s["file"], s["line"], s["col"], s["end_line"], s["end_col"]) for s in statements]
+    return Diagnostic(
+        code,
+        message,
+        spans[0] if spans else None,
+        (
+            *((f"in {place(frame)}",) if frame is not None else ()),
+            *detail,
+            *(f"{s['what']}: {s['file']}:{s['line']}:{s['col']}: {s['text']}" for s in statements[1:]),
+            *(() if spans else ("no plan statement governs this module; look at the rules around it",)),
+        ),
+        label=statements[0]["what"] if statements else "",
+    )
+
+
+def module_text(found) -> str:
+    """`module 'layers.0.attention' (Attention), in its forward` for raising_module's (name, module, frame)."""
+    fqn, module, frame = found
+    running = "forward" if frame.name == "forward" else f"call ({frame.name}: its hooks)"
+    return f"module '{fqn or 'root'}' ({type(module).__name__.removeprefix('FSDP')}), in its {running}"
+
+
+def filenames(error: BaseException) -> list[str]:
+    from .workers import chain
+
+    return [tb.tb_frame.f_code.co_filename for e in chain(error) for tb in _tracebacks(e)]
+
+
+def _tracebacks(error: BaseException):
+    tb = error.__traceback__
+    while tb is not None:
+        yield tb
+        tb = tb.tb_next
+
+
+def raising_module(model: torch.nn.Module, error: BaseException):
+    """The innermost module of `model` that was running when `error` was raised: (its name, the module,
+    the frame that ran it), from the frames of the traceback whose `self` is one of the model's modules
+    (its forward, or torch's call of it while its hooks ran); None where none was."""
+    import traceback
+
+    from ..verification.localise import plain_name
+    from .workers import chain
+
+    names = {id(m): plain_name(n) for n, m in model.named_modules()}
+    found = None
+    for e in chain(error):
+        for tb in _tracebacks(e):
+            owner = tb.tb_frame.f_locals.get("self")
+            if owner is not None and id(owner) in names:
+                frame = traceback.FrameSummary(tb.tb_frame.f_code.co_filename, tb.tb_lineno, tb.tb_frame.f_code.co_name)
+                found = (names[id(owner)], owner, frame)
+        if found is not None:
+            return found  # the first cause's traceback reaches deepest
+    return None
+
+
+def place(frame) -> str:
+    """`transformers/models/llama/modeling_llama.py:123 in forward, transformers 5.24.0: code`, or the
+    user's own file as `where` writes it."""
+    from .workers import package_of, where
+
+    found = package_of(frame.filename)
+    if found is None:
+        return where(frame)
+    package, inside = found
+    code = f": {frame.line.strip()}" if frame.line else ""
+    return f"{inside}:{frame.lineno} in {frame.name}, {package}{code}"
