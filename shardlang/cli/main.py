@@ -422,6 +422,8 @@ def run_lint(args: argparse.Namespace) -> int:
         return UNUSABLE
     if args.format == "text" and not found:
         print(f"{args.plan}: no problems found" + (f" ({note})" if note else ""))
+    elif args.format == "text" and note:
+        print(f"lint: {note}", file=sys.stderr)
     return FOUND if any(d.is_error for d in found) else OK
 
 

@@ -126,9 +126,12 @@ def _step(plan: ir.Plan, model: nn.Module, model_file: ModelFile) -> tuple[list[
         full = lay.replica_inputs(ctx, -1, where.replica, 2 * max(where.tp_size, 1))
         if _on_meta(reference):
             reference.to_empty(device="cpu")
-        with Watch(reference) as unsharded, torch.no_grad():
-            expected = reference(*full)
-        shapes = {n: tuple(t.shape) for n, t in reference.named_parameters()}
+        try:  # the unsharded model's shapes, for what SL221 and SL222 compare with
+            with Watch(reference) as unsharded, torch.no_grad():
+                expected = reference(*full)
+            shapes = {n: tuple(t.shape) for n, t in reference.named_parameters()}
+        except Exception:  # noqa: BLE001 - a kernel fake tensors cannot run unsharded (grouped_mm in float32)
+            expected, shapes, unsharded = None, {}, Watch(reference)
         sharded = applied.model
         if _on_meta(sharded):
             sharded.to_empty(device="cpu")
