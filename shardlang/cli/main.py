@@ -428,7 +428,10 @@ def run_lint(args: argparse.Namespace) -> int:
 
 
 def _lint_model(plan: Plan, model, world: int, order):
-    """lint against the model, running its `use` styles in a simulated world to see what they place."""
+    """lint against the model, running its `use` styles in a simulated world to see what they place (only a
+    plan with `use` styles imports the runtime for it)."""
+    if not plan.uses:
+        return lint(plan, model, world, order=order)
     from ..compiler.lint import Linted
     from ..runtime.apply import import_uses, lint_seeing_styles
 
