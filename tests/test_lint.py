@@ -230,3 +230,27 @@ def test_a_misspelt_rule_names_every_module_it_was_meant_for():
     assert found[0].help[-1] == (
         "so the rule reaches none of the modules it was meant for: feed_forward.w1, feed_forward.w3"
     )
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "help"),
+    [
+        (
+            "feed_forward.{w1,w3}",
+            "feed_forwrd.{w1,w3}",
+            "there is no 'feed_forwrd' under layers.0; did you mean 'feed_forward'?",
+        ),
+        ("attention.{wq,wk,wv}", "attention.wkk", "there is no 'wkk' under layers.0.attention; did you mean 'wk'?"),
+        ("attention.{wq,wk,wv}", "attention.wk.x", "layers.0.attention.wk has no submodules"),
+        ("    norm ", "    nrm  ", "there is no 'nrm' at the top; did you mean 'norm'?"),  # no block scope
+    ],
+)
+def test_sl200_says_where_a_scoped_name_was_looked_for(old, new, help):
+    """A rule of `parallelize layers.*` is relative to each layer: its typo is looked for under layers.0 (the
+    first scope), and the help says so instead of `at the top`, the model's root, where nobody wrote it."""
+    import examples.llama as llama
+
+    plan = shardlang.loads((ROOT / "plans" / "llama_2d.sl").read_text().replace(old, new, 1))
+    with torch.device("meta"):
+        found = [d for d in plan.lint(llama.build_model(), world_size=4) if d.code == "SL200"]
+    assert [d.help[0] for d in found] == [help]

@@ -183,15 +183,25 @@ def _closest(pattern: Pattern, modules: tuple[tuple[str, nn.Module], ...], scope
         segment = pattern.segments[k - 1]
         text = segment if isinstance(segment, str) else "{" + ",".join(segment) + "}"
         at = ".".join(str(s) if isinstance(s, str) else "{" + ",".join(s) + "}" for s in pattern.segments[: k - 1])
-        place = f"under '{at}'" if at else "at the top"
+        parent = _parent(scope, at)
+        place = f"under {parent}" if parent else "at the top"
         words = [text] if isinstance(segment, str) else list(segment)
         hints = [h for w in words for h in did_you_mean(w, children)]
         if hints:
             return (f"there is no '{text}' {place}; {hints[0]}", *_lost(pattern, k - 1, children, relative))
         if children:
             return (f"there is no '{text}' {place}; it has {few(children)}",)
-        return (f"'{at}' has no submodules",)
+        return (f"{parent or 'the model'} has no submodules",)
     return ()
+
+
+def _parent(scope: str, at: str) -> str:
+    """The module a name was looked for under, as the help says it ("" for the model's root). A block's
+    rule is relative to its scope, so it is said under the scope module it was matched in (`layers.0.attention`):
+    `at the top` would send the reader to the model's root, where nobody wrote the name."""
+    if scope:
+        return f"{scope}.{at}" if at else scope
+    return f"'{at}'" if at else ""
 
 
 def _lost(pattern: Pattern, index: int, children: list[str], relative: list[str]) -> tuple[str, ...]:
