@@ -254,3 +254,77 @@ def test_sl200_says_where_a_scoped_name_was_looked_for(old, new, help):
     with torch.device("meta"):
         found = [d for d in plan.lint(llama.build_model(), world_size=4) if d.code == "SL200"]
     assert [d.help[0] for d in found] == [help]
+
+
+FFN = "    feed_forward.{w1,w3}   : colwise\n"
+FFN_PREPARE = "    feed_forward           : prepare_input(input=shard(1), desired=replicate)\n"
+FFN_NORM = "    ffn_norm               : sequence_parallel\n"
+
+
+def _llama_2d_without(*lines: str, typo: bool = False):
+    """plans/llama_2d.sl with `lines` removed (and `feed_forward.{w1,w3}` misspelt when `typo`), and the
+    Llama model on meta with the order its modules run in."""
+    from shardlang.compiler.trace import trace_order
+    from shardlang.runtime.modelfile import load_model_file
+
+    text = (ROOT / "plans" / "llama_2d.sl").read_text()
+    assert all(line in text for line in lines)
+    for line in lines:
+        text = text.replace(line, "")
+    if typo:
+        text = text.replace("feed_forward.{w1,w3}", "feed_forwrd.{w1,w3}")
+    model_file = load_model_file(str(ROOT / "examples" / "llama.py"))
+    model = model_file.build_on_meta()
+    return shardlang.loads(text), model, trace_order(model, model_file.example_input)
+
+
+def _sl210_modules(found) -> list[str]:
+    return [d.help[0].removeprefix("modules: ") for d in found if d.code == "SL210"]
+
+
+@pytest.mark.parametrize(("lines", "typo"), [((FFN,), False), ((), True)])
+def test_sl210_in_declaration_order_names_both_siblings_that_lost_their_rule(lines, typo):
+    """Issue 24: without the order modules run in, w3 (declared after w2 : rowwise, run before it) was named
+    alone although w1 lost its rule too; the fix of the one named left the other. Both are named now."""
+    from shardlang.compiler.lint import lint
+
+    plan, model, _ = _llama_2d_without(*lines, typo=typo)
+    found = [d for d in lint(plan, model, 4).diagnostics if d.code == "SL210"]
+    assert _sl210_modules(found) == [
+        "layers.0.feed_forward.w1, layers.0.feed_forward.w3, layers.1.feed_forward.w1, layers.1.feed_forward.w3"
+    ]
+    assert found[0].message.startswith("layers.0.feed_forward.w1.weight, layers.0.feed_forward.w3.weight")
+    assert found[0].help[1].startswith("layers.0.feed_forward.w1, layers.1.feed_forward.w1 sit beside them")
+
+
+def test_sl210_names_a_module_once_when_declaration_order_splits_siblings():
+    """Without the norm's and the MLP's rules, declaration order read w1 under attention.wo's shards and w3
+    under w2's: two SL210s split the siblings. One names them all now, as the traced order does."""
+    from shardlang.compiler.lint import lint
+
+    plan, model, order = _llama_2d_without(FFN_NORM, FFN_PREPARE, FFN)
+    declared = _sl210_modules(lint(plan, model, 4).diagnostics)
+    traced = _sl210_modules(lint(plan, model, 4, order=order).diagnostics)
+    modules = ", ".join(f"layers.{i}.{m}" for i in (0, 1) for m in ("ffn_norm", "feed_forward.w1", "feed_forward.w3"))
+    assert declared == traced == [modules]
+
+
+@pytest.mark.parametrize(
+    ("lines", "modules"),
+    [
+        ((FFN_NORM, FFN_PREPARE, FFN), ("ffn_norm", "feed_forward.w1", "feed_forward.w3")),
+        (
+            (FFN_NORM, FFN_PREPARE, "    feed_forward.w2        : rowwise(output=shard(1))\n"),
+            ("ffn_norm", "feed_forward.w2"),
+        ),
+    ],
+)
+def test_sl210_names_every_module_that_lost_its_rule_in_the_order_they_run(lines, modules):
+    """In the traced order one SL210 names every module of the chain that lost its rule, in the order they
+    run: a regression that reports the first alone (or one per module) fails here."""
+    from shardlang.compiler.lint import lint
+
+    plan, model, order = _llama_2d_without(*lines)
+    expected = [f"layers.{i}.{m}" for i in (0, 1) for m in modules]
+    assert expected == sorted(expected, key=order.modules.index)
+    assert _sl210_modules(lint(plan, model, 4, order=order).diagnostics) == [", ".join(expected)]

@@ -14,9 +14,12 @@ features sharded, as a colwise leaves them inside a block: unchanged), a style t
 `colwise(input=shard(1))`) says what came right before it. A module with parameters of its own that no
 style of that dim places is flagged where activations are known sharded, or where it runs right before
 (no rule in between) a module that declares its input sharded, and nothing before made them replicated.
+Without the order they run in, the rule-less siblings of a flagged module are named with it (_with_siblings).
 """
 
 from __future__ import annotations
+
+from collections import defaultdict
 
 from ...frontend import ir
 from ...frontend.diagnostics import SL210, Diagnostic, few
@@ -62,12 +65,15 @@ def partial_gradients(plan, resolution, predictions, shapes) -> list[Diagnostic]
                 if after is not None:
                     state, cause = after, rule
                 continue
-            if not any(p is not None for p in module._parameters.values()) or _placed(fqn, placed):
+            if not _has_parameters(module) or _placed(fqn, placed):
                 continue
             if state == SHARDED:
                 flagged.setdefault(_key(cause), []).append(fqn)
             elif state == UNKNOWN:
                 pending.append(fqn)
+        beside: set[str] = set()
+        if not resolution.order.traced:
+            flagged, beside = _with_siblings(flagged, resolution, rules, placed)
         for (span, text), modules in flagged.items():
             params = [
                 f"{m}.{n}" if m else n
@@ -84,6 +90,7 @@ def partial_gradients(plan, resolution, predictions, shapes) -> list[Diagnostic]
                     span,
                     (
                         f"modules: {few(modules)}",
+                        *_siblings_help([m for m in modules if m in beside]),
                         "give a norm `sequence_parallel`, or the module a style that places its parameters over "
                         f"{dim}; or make the activations replicated before it (`rowwise` with `output=replicate`)",
                         *_declaration_order(resolution),
@@ -91,6 +98,63 @@ def partial_gradients(plan, resolution, predictions, shapes) -> list[Diagnostic]
                 )
             )
     return found
+
+
+def _with_siblings(flagged: dict, resolution, rules: dict, placed: list[str]) -> tuple[dict, set[str]]:
+    """Without the order modules run in, siblings are taken in the order they are declared, which need not
+    be the one they run in (w1, w2, w3 run as w1, w3, w2): of two siblings that lost their rule alike, one
+    may be read as running after `w2 : rowwise(output=shard(1))` and flagged, the other not. A reader who
+    fixes the one named would miss the other, so each diagnostic also names the rule-less siblings of its
+    modules (see _siblings), and a module is named once, by the first diagnostic that reaches it. Returns
+    the diagnostics' modules in the order taken, and those named as siblings only."""
+    order = {fqn: i for i, (fqn, _) in enumerate(_in_order(resolution))}
+    children = defaultdict(list)  # parent FQN -> its children's FQNs
+    for fqn in resolution.modules:
+        if fqn:
+            children[fqn.rpartition(".")[0]].append(fqn)
+    flagged_at = {m for modules in flagged.values() for m in modules}
+    named, beside, found = set(), set(), {}
+    for key, modules in flagged.items():
+        more = [s for m in modules for s in _siblings(m, children, resolution, rules, placed)]
+        group = sorted({m for m in (*modules, *more) if m not in named}, key=lambda m: order.get(m, len(order)))
+        if group:
+            found[key] = group
+            named.update(group)
+            beside.update(m for m in more if m not in flagged_at)
+    return found, beside
+
+
+def _siblings(fqn: str, children: dict, resolution, rules: dict, placed: list[str]) -> list[str]:
+    """The modules beside `fqn` (same parent, same class, parameters of their own) that no rule of this dim
+    reaches, where some sibling is placed by one: a block in a TP chain (`feed_forward` with w2 rowwise)
+    whose like modules lost their rule together (a typo in `feed_forward.{w1,w3}`)."""
+    if not fqn:
+        return []
+    beside = [c for c in children[fqn.rpartition(".")[0]] if c != fqn]
+    if not any(c in placed for c in beside):
+        return []
+    kind = type(resolution.modules[fqn])
+    return [
+        c
+        for c in beside
+        if type(resolution.modules[c]) is kind
+        and c not in rules
+        and _has_parameters(resolution.modules[c])
+        and not _placed(c, placed)
+    ]
+
+
+def _siblings_help(beside: list[str]) -> tuple[str, ...]:
+    if not beside:
+        return ()
+    return (
+        f"{few(beside)} {'sit' if len(beside) > 1 else 'sits'} beside them with no rule either: which of them "
+        "run where activations are sharded is not known without the order modules run in",
+    )
+
+
+def _has_parameters(module) -> bool:
+    return any(p is not None for p in module._parameters.values())
 
 
 def _in_order(resolution) -> list[tuple[str, object]]:
