@@ -204,3 +204,15 @@ def test_lint_does_not_import_apply_or_the_checks():
         "assert not loaded, loaded\n"
     )
     assert done.returncode == 0, done.stderr
+
+
+def test_lint_without_a_model_does_not_import_torch():
+    """`shardlang lint PLAN` is a front-end job: importing torch (1.5 s) would make it take three times its
+    target of 1 s."""
+    done = _run(
+        "import sys\n"
+        "from shardlang.cli import main\n"
+        "assert main(['lint', 'plans/llama_2d.sl', '--world', '8']) == 0\n"
+        "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n"
+    )
+    assert done.returncode == 0, done.stderr

@@ -15,19 +15,20 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import attrs
 from rich.console import Console
 from rich.text import Text
 
 from .._version import __version__
-from ..compiler.lint import lint
 from ..frontend.diagnostics import Diagnostic, PlanError, did_you_mean, render_all, render_json, sort_key
 from ..frontend.ir import Plan
 from ..frontend.read import read_file
 from ..frontend.source import Source
-from ..runtime.modelfile import ModelFile, ModelFileError, load_model_file
+
+if TYPE_CHECKING:  # torch is imported only where a command needs it: `lint` without a model never does
+    from ..runtime.modelfile import ModelFile
 
 #: Exit statuses (docs/language.md §5).
 OK, FOUND, UNUSABLE = 0, 1, 2
@@ -284,6 +285,8 @@ def _add_model(parser: argparse.ArgumentParser, required: bool) -> None:
 def _model_file(args: argparse.Namespace) -> ModelFile | None:
     if args.model is None and args.entry is None and args.hf is None:
         return None
+    from ..runtime.modelfile import ModelFileError, load_model_file
+
     with time_limit(getattr(args, "timeout", None), f"loading {_model_arg(args).strip()}"):
         try:
             return load_model_file(args.model, args.entry, hf=args.hf, seq=args.seq, keep_alive=True)
@@ -430,6 +433,8 @@ def run_lint(args: argparse.Namespace) -> int:
 def _lint_model(plan: Plan, model, world: int, order):
     """lint against the model, running its `use` styles in a simulated world to see what they place (only a
     plan with `use` styles imports the runtime for it)."""
+    from ..compiler.lint import lint
+
     if not plan.uses:
         return lint(plan, model, world, order=order)
     from ..compiler.lint import Linted
@@ -473,6 +478,7 @@ def run_init(args: argparse.Namespace) -> int:
     to edit; the last line (stderr when the plan goes to stdout) says what was found: exit 0 when it lints
     clean and passes its checks, 1 when lint found errors or a check failed, 2 when the checks could not
     run (a model file without example_input says so, and exits 0 after a clean lint)."""
+    from ..compiler.lint import lint
     from ..compiler.starter import init_plan
     from ..frontend.read import read_source
 
@@ -632,6 +638,7 @@ def run_apply(args: argparse.Namespace) -> int:
 
 
 def _apply(args: argparse.Namespace, out: _Out) -> int:
+    from ..compiler.lint import lint
     from ..launch.workers import WorkerError, under_torchrun
 
     if args.save_format != "dcp" and args.save is None:
@@ -1032,6 +1039,8 @@ def _exit_now(status: int) -> NoReturn:
 
 
 def _meta_model(model_file: ModelFile, timeout: float | None = None):
+    from ..runtime.modelfile import ModelFileError
+
     with time_limit(timeout, f"build_model() from {model_file.origin}"):
         try:
             return model_file.build_on_meta(keep_alive=True)
