@@ -298,6 +298,40 @@ def test_planted_fault_fails_its_check_and_the_fix_passes(pools, tmp_path, fault
     assert report.ok
 
 
+#: The planted faults lint's simulated step finds before any worker starts (issue 24), with the code it
+#: gives; the others depend on values (a scale, a sum, a rank's rows) that fake tensors do not hold.
+FOUND_BY_LINT = {
+    "a parameter left on meta": "SL220",
+    "a replicated norm weight in a sequence-parallel region, never all-reduced": "SL222",
+    "a replicated norm weight never all-reduced, in a model with a kernel that refuses float64": "SL222",
+    "a replicated norm weight never all-reduced, under FSDP reducing in bf16": "SL222",
+    "an uneven shard that drops the last rows": "SL221",
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fault", sorted(FOUND_BY_LINT))
+def test_planted_faults_the_step_can_see_are_errors_at_lint(tmp_path, capsys, monkeypatch, fault):
+    """Each is an error of its code at lint, and its fixed twin is free of that code (the fixed twins'
+    other findings, SL203's uneven shard, stay what they were)."""
+    import json
+
+    from shardlang.cli import main
+
+    from .conftest import ROOT
+
+    monkeypatch.chdir(ROOT)
+    world, model, _, faulty, fixed, _, _ = FAULTS[fault]
+    faulty_model, fixed_model = model if isinstance(model, tuple) else (model, model)
+    code = FOUND_BY_LINT[fault]
+    for plan, model_path, expected in ((faulty, faulty_model, True), (fixed, fixed_model, False)):
+        path = tmp_path / "plan.sl"
+        path.write_text(plan)
+        main(["lint", str(path), model_path, "--world", str(world), "--format", "json"])
+        codes = [d["code"] for d in json.loads(capsys.readouterr().out)]
+        assert (code in codes) == expected, (fault, expected, codes)
+
+
 def test_every_check_is_covered_by_a_fault():
     assert set(CHECKS) == {f[2] for f in FAULTS.values()}
 

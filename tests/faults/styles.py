@@ -212,3 +212,23 @@ class ColwiseConv1DBiasPlainOnRank1(ColwiseConv1D):
         if dist.get_rank() == 1:
             module.bias = nn.Parameter(module.bias.to_local())
         return module
+
+
+class _HalfGradient(torch.autograd.Function):
+    """The identity forward; its backward hands back half of the features' gradient: the wrong shape."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[..., : grad.shape[-1] // 2]
+
+
+def colwise_backward_raises(module, mesh):
+    """Column-wise, its forward wrapped in a function whose backward returns a gradient of the wrong shape:
+    the step fails in this module's backward, which no traceback frame of the module shows."""
+    parallelize_module(module, mesh, ColwiseParallel())
+    forward = module.forward
+    module.forward = lambda x: _HalfGradient.apply(forward(x))
