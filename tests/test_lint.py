@@ -328,3 +328,19 @@ def test_sl210_names_every_module_that_lost_its_rule_in_the_order_they_run(lines
     expected = [f"layers.{i}.{m}" for i in (0, 1) for m in modules]
     assert expected == sorted(expected, key=order.modules.index)
     assert _sl210_modules(lint(plan, model, 4, order=order).diagnostics) == [", ".join(expected)]
+
+
+@pytest.mark.distributed  # the `use` style runs in a forked child holding a fake process group
+@pytest.mark.parametrize("embedding, found", [("colwise", []), ("rowwise", ["SL204"])])
+def test_sl204_sees_what_a_use_style_places(tmp_path, capsys, monkeypatch, embedding, found):
+    """A tied weight, its output layer placed by a `use` style written by hand (Shard(1), as rowwise
+    places it): lint runs the style in a simulated world, so a colwise embedding (Shard(1) too) is alike
+    and a rowwise one (Shard(0)) is not; neither is a guess from the style's name or base class."""
+    monkeypatch.chdir(ROOT)
+    plan = tmp_path / "tied.sl"
+    plan.write_text(
+        "shardlang 1\nuse tests.faults.styles.rowwise_bias_once as by_hand\nmesh world = cpu[tp=auto]\n"
+        f"parallelize on world.tp {{\n    embedding : {embedding}\n    fc : by_hand\n}}\n"
+    )
+    main(["lint", str(plan), "examples/tied.py", "--world", "2", "--no-step", "--format", "json"])
+    assert [d["code"] for d in json.loads(capsys.readouterr().out)] == found
