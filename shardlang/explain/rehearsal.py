@@ -14,7 +14,8 @@ hit, at the plan line of the rule governing the module where it happens.
 It runs in a forked child (runtime.simulated.in_fork: the command's process stays without a process group,
 and a step that hangs costs its diagnostics, not the command), as rank 0 of the world, on the model cut to
 two blocks of its longest stack of identical blocks (explain's cut) when it has one; a failure there is
-confirmed on the whole model before it is reported. The fake tensors hold no values: what depends on them
+confirmed on the whole model before it is reported. A pipelined plan is applied once per pp rank and
+stepped stage by stage from the meta model, as explain steps it (SL220 only). The fake tensors hold no values: what depends on them
 (a label out of range, a NaN) is left to apply's checks.
 """
 
@@ -60,8 +61,6 @@ def rehearse(
 ) -> Rehearsal:
     """One training step of `plan` on `model` (on the meta device) in a simulated world of `world_size`,
     seen from rank 0. `resolution` is lint's (for the cut). The plan must lint clean."""
-    if plan.pipeline is not None:
-        return Rehearsal((), "the training step was not simulated: pipelined plans are not rehearsed yet")
     if model_file.example_input is None:
         return Rehearsal((), f"the training step was not simulated: {model_file.origin} defines no example_input")
     stack = _repeated_stack(model, resolution)
@@ -76,6 +75,8 @@ def _rehearse_here(plan, model, model_file, world_size, stack) -> Rehearsal:
     whole = f"rank 0 of {world_size}"
     with simulated_world(world_size, 0), warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        if plan.pipeline is not None:  # stepped as explain steps it: from the meta model, stage by stage
+            return _pipelined(simulated, model, model_file, world_size)
         model = _as_apply_builds_it(plan, model, model_file)
         if stack is not None and len(stack[1]) > BLOCKS:
             path, keys = stack
@@ -85,6 +86,38 @@ def _rehearse_here(plan, model, model_file, world_size, stack) -> Rehearsal:
                 return Rehearsal((), note, ran)
         found, ran = _step(simulated, copy.deepcopy(model), model_file)  # confirmed on the whole model
     return Rehearsal(tuple(found), f"one training step simulated at {whole}", ran)
+
+
+def _pipelined(plan: ir.Plan, model: nn.Module, model_file: ModelFile, world_size: int) -> Rehearsal:
+    """A pipelined plan: applied once per pp rank, and its step run stage by stage as explain runs it (each
+    stage's forward on what the one before sent, the loss on the last, the backward back); SL220 where it
+    raises, at the rule governing the module of the stage that was running."""
+    from ..verification import Context
+    from .pipelined import pipeline_report, pp_size
+    from .timing import hardware
+
+    pp = pp_size(plan, world_size)
+    applied_by_rank = {}
+    for index in range(pp):
+        try:
+            applied_by_rank[index] = apply_plan(plan, copy.deepcopy(model), pp_rank=index)
+        except PlanError as e:
+            return Rehearsal(tuple(e.diagnostics), f"the plan could not be applied for pp rank {index}")
+    meshes = tuple((m.name, tuple(zip(m.dim_names, m.shape(world_size)))) for m in plan.meshes)
+    *_, failure = pipeline_report(plan, applied_by_rank, world_size, 0, model_file, None, hardware(), meshes)
+    note = f"one training step simulated stage by stage, for each of the {pp} pp ranks"
+    if failure is None:
+        return Rehearsal((), note, True)
+    from ..launch import raised
+
+    for applied in applied_by_rank.values():
+        found = raised.raising_module(applied.model, failure)
+        if found is not None:
+            ctx = Context(plan, applied, model_file)
+            message = f"the simulated training step raises in {raised.module_text(found)}: {_summary(failure)}"
+            return Rehearsal((raised.in_module(ctx, found, message, {}, SL220),), note)
+    message = f"the simulated training step of the pipeline raises outside every module: {_summary(failure)}"
+    return Rehearsal((Diagnostic(SL220, message, plan.pipeline.span),), note)
 
 
 def _as_apply_builds_it(plan: ir.Plan, model: nn.Module, model_file: ModelFile) -> nn.Module:
