@@ -79,6 +79,9 @@ def test_readme_main_command_text_report():
 
     assert shape(sample) == shape(done.stdout), done.stdout
     assert "warning" not in done.stdout + done.stderr
+    # and is one run's: the table's worst gradient error is the one the message below it gives
+    table = float(re.search(r"│ gradients\s+│ pass\s+│\s+(\S+) │", sample).group(1))
+    assert f"worst {table:.2f} of the allowed error" in sample
 
 
 def test_json_report_is_the_only_stdout():
