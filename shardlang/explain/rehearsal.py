@@ -32,10 +32,11 @@ from attrs import frozen
 
 from ..frontend import ir
 from ..frontend.diagnostics import SL220, SL221, SL222, Diagnostic, PlanError
+from ..launch import raised
 from ..runtime.apply import apply_plan
 from ..runtime.modelfile import ModelFile
-from ..runtime.simulated import in_fork, simulated_world
-from .simulate import _cut, _repeated_stack, on_cpu
+from ..runtime.simulated import in_fork, placed_as, simulated_world
+from .simulate import cut_stack, named_mesh_dims, on_cpu, repeated_stack
 
 #: How long the forked child may take to simulate the step (on the cut model and, after a failure, the whole one).
 TIMEOUT_S = 120.0
@@ -63,7 +64,7 @@ def rehearse(
     seen from rank 0. `resolution` is lint's (for the cut). The plan must lint clean."""
     if model_file.example_input is None:
         return Rehearsal((), f"the training step was not simulated: {model_file.origin} defines no example_input")
-    stack = _repeated_stack(model, resolution)
+    stack = repeated_stack(model, resolution)
     status, result = in_fork(lambda: _rehearse_here(plan, model, model_file, world_size, stack), timeout_s)
     if status != "ok":
         return Rehearsal((), f"the training step could not be simulated: {result}")
@@ -80,7 +81,7 @@ def _rehearse_here(plan, model, model_file, world_size, stack) -> Rehearsal:
         model = _as_apply_builds_it(plan, model, model_file)
         if stack is not None and len(stack[1]) > BLOCKS:
             path, keys = stack
-            found, ran = _step(simulated, _cut(model, path, keys[:BLOCKS]), model_file)
+            found, ran = _step(simulated, cut_stack(model, path, keys[:BLOCKS]), model_file)
             if not found:
                 note = f"one training step simulated at {whole} on {BLOCKS} of the {len(keys)} blocks of `{path}`"
                 return Rehearsal((), note, ran)
@@ -103,20 +104,18 @@ def _pipelined(plan: ir.Plan, model: nn.Module, model_file: ModelFile, world_siz
             applied_by_rank[index] = apply_plan(plan, copy.deepcopy(model), pp_rank=index)
         except PlanError as e:
             return Rehearsal(tuple(e.diagnostics), f"the plan could not be applied for pp rank {index}")
-    meshes = tuple((m.name, tuple(zip(m.dim_names, m.shape(world_size)))) for m in plan.meshes)
+    meshes = named_mesh_dims(plan, world_size)
     *_, failure = pipeline_report(plan, applied_by_rank, world_size, 0, model_file, None, hardware(), meshes)
     note = f"one training step simulated stage by stage, for each of the {pp} pp ranks"
     if failure is None:
         return Rehearsal((), note, True)
-    from ..launch import raised
-
     for applied in applied_by_rank.values():
         found = raised.raising_module(applied.model, failure)
         if found is not None:
             ctx = Context(plan, applied, model_file)
-            message = f"the simulated training step raises in {raised.module_text(found)}: {_summary(failure)}"
+            message = f"the simulated training step raises in {raised.module_text(found)}: {raised.summary(failure)}"
             return Rehearsal((raised.in_module(ctx, found, message, {}, SL220),), note)
-    message = f"the simulated training step of the pipeline raises outside every module: {_summary(failure)}"
+    message = f"the simulated training step of the pipeline raises outside every module: {raised.summary(failure)}"
     return Rehearsal((Diagnostic(SL220, message, plan.pipeline.span),), note)
 
 
@@ -182,7 +181,7 @@ def _step(plan: ir.Plan, model: nn.Module, model_file: ModelFile) -> tuple[list[
                 with lay.loss_context(plan):
                     loss = lay.loss(ctx, whole, full)
             except Exception as e:  # noqa: BLE001
-                return [_loss_diagnostic(ctx, watch, f"the loss raises: {_summary(e)}")], False
+                return [_loss_diagnostic(ctx, watch, f"the loss raises: {raised.summary(e)}")], False
             try:
                 with lay.loss_context(plan):
                     loss.backward()
@@ -278,8 +277,9 @@ def _describe(tensor: torch.Tensor, unsharded: torch.Tensor | None, whose: str =
     from torch.distributed.tensor import DTensor
 
     if isinstance(tensor, DTensor):
-        dims = tensor.device_mesh.mesh_dim_names or tuple(f"dim {i}" for i in range(tensor.device_mesh.ndim))
-        places = ", ".join(f"{_placement(p)} over {d}" for p, d in zip(tensor.placements, dims))
+        placed = placed_as(tensor)
+        dims = placed.dims or tuple(f"dim {i}" for i in range(tensor.device_mesh.ndim))
+        places = ", ".join(f"{p} over {d}" for p, d in zip(placed.placements, dims))
         return f"a DTensor of shape {tuple(tensor.shape)}, {places}"
     text = f"a plain tensor of shape {tuple(tensor.shape)}"
     if unsharded is None or tuple(unsharded.shape) == tuple(tensor.shape):
@@ -291,24 +291,6 @@ def _describe(tensor: torch.Tensor, unsharded: torch.Tensor | None, whose: str =
     ]
     pieces = f": a shard along {', '.join(split)}" if split else ""
     return f"{text} where {whose} {tuple(unsharded.shape)}{pieces}"
-
-
-def _placement(p) -> str:
-    from torch.distributed.tensor import Partial, Replicate, Shard
-
-    if isinstance(p, Shard):
-        return f"shard({p.dim})"
-    if isinstance(p, Replicate):
-        return "replicate"
-    if isinstance(p, Partial):
-        return "partial"
-    return str(p)
-
-
-def _summary(error: BaseException) -> str:
-    from ..launch.raised import summary
-
-    return summary(error)
 
 
 def _takes(ctx, fqn: str) -> str | None:
@@ -333,14 +315,12 @@ def _layout_text(layout) -> str:
 def _raised_in(ctx, watch: Watch, error: Exception, phase: str) -> Diagnostic:
     """SL220 at the rule governing the module where the step raised: in the forward, the innermost module
     of the traceback; in the backward, the module whose output's gradient arrived last."""
-    from ..launch import raised
-
     found = raised.raising_module(ctx.model, error)
     if found is None and phase == "backward" and watch.backward:
         fqn = watch.backward[-1]
         module = ctx.model.get_submodule(fqn) if fqn else ctx.model
         found = (fqn, module, None)
-    what = _summary(error)
+    what = raised.summary(error)
     if found is None:
         return Diagnostic(
             SL220,
@@ -378,12 +358,10 @@ def _first(value: Any) -> torch.Tensor | None:
 
 
 def _loss_diagnostic(ctx, watch: Watch, what: str) -> Diagnostic:
-    """SL221 at the rule governing the module that finished last (the one that made the output)."""
-    from ..launch import raised
-
-    last = max(watch.finished, key=watch.finished.get, default=None)
-    module_names = [n for n in sorted(watch.finished, key=watch.finished.get, reverse=True) if n]
-    fqn = next((n for n in module_names if _governed(ctx, n)), last)
+    """SL221 at the rule of the module that finished last among those a rule governs (the output layer),
+    else at what governs the module that finished last."""
+    latest = sorted(watch.finished, key=watch.finished.get, reverse=True)
+    fqn = next((n for n in latest if n and _governed(ctx, n)), latest[0] if latest else None)
     help = (
         "the model file's loss reads the model's output as the unsharded model gives it: give the last layer's "
         "rule output=replicate (a colwise output layer), or declare loss_parallel and keep it a DTensor",
@@ -403,8 +381,6 @@ def _partial_gradients(ctx, watch: Watch) -> list[Diagnostic]:
     """SL222 for the modules no rule governs whose whole plain parameters met a piece of their input, one
     diagnostic for the modules of one kind that met the same pieces (the norms of every block), in the order
     they ran."""
-    from ..launch import raised
-
     kinds: dict[tuple, list[str]] = {}
     for fqn, pieces in watch.split.items():
         if _governed(ctx, fqn):

@@ -122,6 +122,11 @@ def on_cpu(plan: ir.Plan) -> ir.Plan:
     return attrs.evolve(plan, meshes=tuple(attrs.evolve(m, device="cpu") for m in plan.meshes))
 
 
+def named_mesh_dims(plan: ir.Plan, world_size: int) -> tuple:
+    """Each mesh of `plan` as (name, ((dim, size), ...)) at `world_size`: what reports and the step's timing name."""
+    return tuple((m.name, tuple(zip(m.dim_names, m.shape(world_size)))) for m in plan.meshes)
+
+
 #: Whether this process has simulated a world: torch's DTensor caches keep that world's meshes, so a
 #: second simulation runs in a fresh process.
 _simulated_before = False
@@ -180,7 +185,7 @@ def _explain_here(
     _simulated_before = True
     with simulated_world(world_size, rank), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        meshes = tuple((m.name, tuple(zip(m.dim_names, m.shape(world_size)))) for m in plan.meshes)
+        meshes = named_mesh_dims(plan, world_size)
         if plan.pipeline is not None:
             return _explain_pipelined(
                 plan, simulated, original, world_size, rank, model_file, blocks_for, step, batch, hardware, fit, meshes
@@ -450,7 +455,7 @@ class _Stepper:
         # DTensor's caches hand back the meshes of an earlier apply where a later one's are equal, so a
         # step may run on any of them: groups are named from every apply in this world.
         self.groups = group_names(applied)
-        self.stack = None if full_step else _repeated_stack(model, applied.linted.resolution)
+        self.stack = None if full_step else repeated_stack(model, applied.linted.resolution)
         self._cuts: dict[int, object] = {}
 
     def _step(self, applied, batch: int | None) -> _Measure:
@@ -460,7 +465,7 @@ class _Stepper:
     def _cut(self, depth: int):
         if depth not in self._cuts:
             path, keys = self.stack
-            self._cuts[depth] = apply_plan(self.plan, _cut(self.model, path, keys[:depth]))
+            self._cuts[depth] = apply_plan(self.plan, cut_stack(self.model, path, keys[:depth]))
         return self._cuts[depth]
 
     def measure(self, batch: int | None) -> tuple[_Measure, str | None]:
@@ -641,7 +646,7 @@ def _modules_extrapolated(
     return modules
 
 
-def _repeated_stack(model: nn.Module, resolution) -> tuple[str, list[str]] | None:
+def repeated_stack(model: nn.Module, resolution) -> tuple[str, list[str]] | None:
     """The container of the most identical blocks, if it is long enough to be worth cutting:
     its path and its child names. Identical: same module types, parameter and buffer shapes and
     dtypes, and the same plan statements (styles, units and their options, checkpointing) on the
@@ -682,7 +687,7 @@ def _signature(block: nn.Module, fqn: str, resolution) -> tuple:
     return structure, tensors, rules, units, checkpoint
 
 
-def _cut(model: nn.Module, path: str, keep: list[str]) -> nn.Module:
+def cut_stack(model: nn.Module, path: str, keep: list[str]) -> nn.Module:
     """A copy of `model` whose container at `path` holds only the children `keep`."""
     container = model.get_submodule(path)
     children = container._modules
