@@ -34,11 +34,15 @@ class Plan(ir.Plan):
         """SL105 diagnostics if the meshes cannot be laid over `world_size` ranks."""
         return check_world(self, world_size)
 
-    def lint(self, model: Any, world_size: int) -> list[Diagnostic]:
-        """Every diagnostic of this plan against `model` (built on the meta device is enough) at `world_size`."""
+    def lint(self, model: Any, world_size: int, rules: Any = None) -> list[Diagnostic]:
+        """Every diagnostic of this plan against `model` (built on the meta device is enough) at `world_size`.
+        `rules`: the lint rules to run (`shardlang.compiler.rules.RULES` by default; each a `Rule`): a
+        subset, or the defaults with your own added, `rules=(*RULES, my_rule)`."""
         from .compiler.lint import lint
+        from .compiler.rules import RULES
 
-        return [*self.diagnostics, *lint(self, model, world_size).diagnostics]
+        found = lint(self, model, world_size, rules=RULES if rules is None else rules)
+        return [*self.diagnostics, *found.diagnostics]
 
     def build(self, build_model: Any) -> Any:
         """Call `build_model()` where this plan's `init` says: on meta (`meta`; `rank0` except on rank 0),

@@ -1,6 +1,8 @@
-"""The lint rules (SL201-SL217, SL301), one module per family; each rule is (plan, resolution, predictions, mesh shapes) -> diagnostics."""
+"""The lint rules, one module per family. Each keeps the `Rule` protocol (common.py): (plan, resolution,
+predictions, mesh shapes) -> diagnostics; `RULES` is every one, in the order `lint` runs them."""
 
 from .activations import partial_gradients
+from .common import Predictions, Rule, Shapes
 from .coverage import unsynchronised_gradients
 from .devices import mixed_device_meshes, uninitialised_on_meta
 from .matches import duplicate_matches, unit_conflicts
@@ -10,7 +12,7 @@ from .shards import tied_parameters, uneven_shards, unrunnable_shards
 from .styles import loss_parallel_output, style_module_types
 
 #: Every rule, in the order lint runs them.
-RULES = (
+RULES: tuple[Rule, ...] = (
     unused_dims,
     duplicate_matches,
     unit_conflicts,
@@ -27,3 +29,5 @@ RULES = (
     zero_bubble_with_data_parallelism,
     v_schedule_over_gloo,
 )
+
+__all__ = ["RULES", "Predictions", "Rule", "Shapes"]

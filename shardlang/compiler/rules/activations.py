@@ -23,8 +23,9 @@ from collections import defaultdict
 
 from ...frontend import ir
 from ...frontend.diagnostics import SL210, Diagnostic, few
+from ..resolve import Resolution
 from ..styles import expand
-from .common import dim_sizes
+from .common import Predictions, Shapes, dim_sizes
 
 SHARDED, REPLICATED, OTHER, UNKNOWN = "sharded", "replicated", "other", "unknown"
 #: Styles that only move activations: they place no parameter.
@@ -40,7 +41,9 @@ def _as_torch(style: ir.Style) -> ir.Style:
     return ir.Style(AS_TORCH.get(style.name, style.name), style.kwargs, style.span, style.use)
 
 
-def partial_gradients(plan, resolution, predictions, shapes) -> list[Diagnostic]:
+def partial_gradients(
+    plan: ir.Plan, resolution: Resolution, predictions: Predictions, shapes: Shapes
+) -> list[Diagnostic]:
     """SL210: parameters replicated over a TP dim that sit where that dim's activations are sharded."""
     sizes = dim_sizes(plan, shapes)
     found = []

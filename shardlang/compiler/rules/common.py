@@ -1,13 +1,37 @@
-"""What the lint rules share: mesh dim sizes and where a unit is written."""
+"""What the lint rules share: the `Rule` protocol every rule keeps, mesh dim sizes and where a unit is written."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Protocol, TypeAlias
+
 from ...frontend import ir
+from ...frontend.diagnostics import Diagnostic
 from ...frontend.source import Span
-from ..resolve import UnitMatch
+from ..predict import Placed
+from ..resolve import Resolution, UnitMatch
+
+#: What `predict` says each parameter gets, by its fully qualified name.
+Predictions: TypeAlias = Mapping[str, Placed]
+#: Each mesh's shape at the world size being linted, by mesh name.
+Shapes: TypeAlias = Mapping[str, tuple[int, ...]]
 
 
-def dim_sizes(plan: ir.Plan, shapes: dict[str, tuple[int, ...]]) -> dict[tuple[str, str], int]:
+class Rule(Protocol):
+    """A lint rule, as sqlglot's optimizer rules are: a plain function that reads what lint knows of the
+    plan at one world size and returns the diagnostics it finds. It changes nothing, so no rule depends on
+    another having run, and a caller may run a subset or add its own: `lint(plan, model, world,
+    rules=(*RULES, mine))`.
+
+    `plan`: the checked IR; `resolution`: which modules each rule and unit matched (compiler.resolve);
+    `predictions`: each parameter's predicted placements; `shapes`: each mesh's shape at this world size."""
+
+    def __call__(
+        self, plan: ir.Plan, resolution: Resolution, predictions: Predictions, shapes: Shapes
+    ) -> list[Diagnostic]: ...
+
+
+def dim_sizes(plan: ir.Plan, shapes: Shapes) -> dict[tuple[str, str], int]:
     """(mesh, dim) -> size at this world size."""
     return {(m.name, d): n for m in plan.meshes for d, n in zip(m.dim_names, shapes[m.name])}
 
@@ -17,7 +41,7 @@ def unit_span(plan: ir.Plan, unit: UnitMatch) -> Span:
     return unit.unit.span if unit.unit is not None else plan.units[unit.block].span
 
 
-def pipeline_size(plan: ir.Plan, shapes: dict[str, tuple[int, ...]]) -> int:
+def pipeline_size(plan: ir.Plan, shapes: Shapes) -> int:
     """The size of the pipeline's dim (1 without a pipeline)."""
     if plan.pipeline is None:
         return 1

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from ...frontend import ir
 from ...frontend.diagnostics import SL206, Diagnostic, few
 from ..predict import enclosing, owned, units_by_module
-from .common import dim_sizes
+from ..resolve import Resolution
+from .common import Predictions, Shapes, dim_sizes
 from .meshes import used_dims
 
 
-def unsynchronised_gradients(plan, resolution, predictions, shapes) -> list[Diagnostic]:
+def unsynchronised_gradients(
+    plan: ir.Plan, resolution: Resolution, predictions: Predictions, shapes: Shapes
+) -> list[Diagnostic]:
     """SL206: parameters no unit covers while some data-parallel dim (one no parallelize block uses) > 1."""
     sizes = dim_sizes(plan, shapes)
     tp_dims = {(b.mesh.mesh, d) for b in plan.parallelize for d in b.mesh.dims}

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from ...frontend import ir
 from ...frontend.diagnostics import SL208, SL209, Diagnostic, few
 from ..initialisers import covered
 from ..predict import enclosing, units_by_module
-from .common import unit_span
+from ..resolve import Resolution
+from .common import Predictions, Shapes, unit_span
 
 
-def mixed_device_meshes(plan, resolution, predictions, shapes) -> list[Diagnostic]:
+def mixed_device_meshes(
+    plan: ir.Plan, resolution: Resolution, predictions: Predictions, shapes: Shapes
+) -> list[Diagnostic]:
     """SL208: one module's tensors placed by a cpu mesh and a cuda mesh."""
     devices = {m.name: m.device for m in plan.meshes}
     units = units_by_module(resolution)
@@ -35,7 +39,9 @@ def mixed_device_meshes(plan, resolution, predictions, shapes) -> list[Diagnosti
     return found
 
 
-def uninitialised_on_meta(plan, resolution, predictions, shapes) -> list[Diagnostic]:
+def uninitialised_on_meta(
+    plan: ir.Plan, resolution: Resolution, predictions: Predictions, shapes: Shapes
+) -> list[Diagnostic]:
     """SL209: `init meta` leaves garbage in parameters that no initialiser covers (buffers are built real
     and keep what the constructor computed)."""
     if plan.init.mode != "meta":

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from ...frontend import ir
 from ...frontend.diagnostics import SL201, SL205, Diagnostic
 from ..predict import INPUT_OUTPUT_STYLES, style_kind
-from ..resolve import RuleMatch, UnitMatch
-from .common import unit_span
+from ..resolve import Resolution, RuleMatch, UnitMatch
+from .common import Predictions, Shapes, unit_span
 
 
-def duplicate_matches(plan, resolution, predictions, shapes) -> list[Diagnostic]:
+def duplicate_matches(
+    plan: ir.Plan, resolution: Resolution, predictions: Predictions, shapes: Shapes
+) -> list[Diagnostic]:
     """SL201: a module matched by two rules of one parallelize block, by two rules of different blocks
     that both distribute its parameters, or wrapped by two units of the same kind. (prepare_input in one
     block and prepare_output in another may share a module.) One diagnostic per pair of rules."""
@@ -65,7 +68,7 @@ def _modules(fqns: list[str]) -> str:
     return f"modules '{fqns[0]}' and {len(fqns) - 1} more are"
 
 
-def unit_conflicts(plan, resolution, predictions, shapes) -> list[Diagnostic]:
+def unit_conflicts(plan: ir.Plan, resolution: Resolution, predictions: Predictions, shapes: Shapes) -> list[Diagnostic]:
     """SL205: one module both a fully_shard unit and a replicate unit."""
     by_kind = defaultdict(dict)
     for unit in resolution.units:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from ...frontend import ir
 from ...frontend.diagnostics import SL217, Diagnostic
-from .common import dim_sizes
+from ..resolve import Resolution
+from .common import Predictions, Shapes, dim_sizes
 
 
 def used_dims(plan: ir.Plan) -> set[tuple[str, str]]:
@@ -23,7 +24,7 @@ def used_dims(plan: ir.Plan) -> set[tuple[str, str]]:
     return {(ref.mesh, dim) for ref in refs for dim in ref.dims}
 
 
-def unused_dims(plan, resolution, predictions, shapes) -> list[Diagnostic]:
+def unused_dims(plan: ir.Plan, resolution: Resolution, predictions: Predictions, shapes: Shapes) -> list[Diagnostic]:
     """SL217: a dim larger than 1 of a mesh the model runs on that no statement names. A mesh no statement
     names at all is not one the model runs on (unless it is the only candidate: the first mesh of a plan
     whose statements name none), so its dims are left alone."""

@@ -4,17 +4,19 @@ The split itself is checked where it is resolved (stages.py)."""
 
 from __future__ import annotations
 
+from ...frontend import ir
 from ...frontend.diagnostics import SL213, SL215, SL301, Diagnostic
 from ...frontend.ir import V_SCHEDULES
 from ..devices import mesh_device
+from ..resolve import Resolution
 from ..torchlimits import V_SCHEDULE_GLOO, ZERO_BUBBLE_DATA_PARALLEL, cannot
-from .common import dim_sizes
+from .common import Predictions, Shapes, dim_sizes
 
 #: The schedules that split the backward into an input pass and a weight pass.
 ZERO_BUBBLE = ("zero_bubble", "zbv", "dualpipe_v")
 
 
-def stage_count(plan, resolution, predictions, shapes) -> list[Diagnostic]:
+def stage_count(plan: ir.Plan, resolution: Resolution, predictions: Predictions, shapes: Shapes) -> list[Diagnostic]:
     pipeline, stages = plan.pipeline, resolution.stages
     if pipeline is None or stages is None:
         return []
@@ -49,7 +51,9 @@ def stage_count(plan, resolution, predictions, shapes) -> list[Diagnostic]:
     return found
 
 
-def zero_bubble_with_data_parallelism(plan, resolution, predictions, shapes) -> list[Diagnostic]:
+def zero_bubble_with_data_parallelism(
+    plan: ir.Plan, resolution: Resolution, predictions: Predictions, shapes: Shapes
+) -> list[Diagnostic]:
     """SL301: a zero-bubble schedule with fully_shard or replicate units over more than one rank, which the
     installed torch trains with wrong gradients (torchlimits.py)."""
     pipeline = plan.pipeline
@@ -74,7 +78,9 @@ def zero_bubble_with_data_parallelism(plan, resolution, predictions, shapes) -> 
     ]
 
 
-def v_schedule_over_gloo(plan, resolution, predictions, shapes) -> list[Diagnostic]:
+def v_schedule_over_gloo(
+    plan: ir.Plan, resolution: Resolution, predictions: Predictions, shapes: Shapes
+) -> list[Diagnostic]:
     """SL301: a V-shaped schedule on a CPU mesh (gloo), whose sends to the rank itself the installed torch
     cannot make (torchlimits.py)."""
     pipeline = plan.pipeline

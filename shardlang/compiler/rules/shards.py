@@ -12,11 +12,12 @@ from ...frontend import ir
 from ...frontend.diagnostics import SL203, SL204, SL301, Diagnostic, few
 from ...frontend.source import Span
 from ..predict import enclosing, owned, rules_by_module, style_kind, units_by_module
+from ..resolve import Resolution
 from ..torchlimits import ROWWISE_UNEVEN_LOCAL_INPUT, cannot
-from .common import dim_sizes, unit_span
+from .common import Predictions, Shapes, dim_sizes, unit_span
 
 
-def uneven_shards(plan, resolution, predictions, shapes) -> list[Diagnostic]:
+def uneven_shards(plan: ir.Plan, resolution: Resolution, predictions: Predictions, shapes: Shapes) -> list[Diagnostic]:
     """SL203: a sharded dim not divisible by its mesh dim size (TP per rule, FSDP per unit)."""
     sizes = dim_sizes(plan, shapes)
     tensors = dict((fqn, t) for fqn, _, _, t in owned(resolution.modules))
@@ -58,7 +59,9 @@ def uneven_shards(plan, resolution, predictions, shapes) -> list[Diagnostic]:
     ]
 
 
-def unrunnable_shards(plan, resolution, predictions, shapes) -> list[Diagnostic]:
+def unrunnable_shards(
+    plan: ir.Plan, resolution: Resolution, predictions: Predictions, shapes: Shapes
+) -> list[Diagnostic]:
     """SL301: uneven TP shards that the installed torch cannot run (torchlimits.py): a rowwise nn.Linear
     whose in_features do not divide by the TP size while its input comes as a local `shard(-1)` tensor.
     A block where some colwise layer keeps a DTensor output (`local_output=false`) is left to SL203:
@@ -149,7 +152,9 @@ def _origin(plan, rules, units, owner, mesh, dim) -> tuple[Span, str] | None:
     return None
 
 
-def tied_parameters(plan, resolution, predictions, shapes) -> list[Diagnostic]:
+def tied_parameters(
+    plan: ir.Plan, resolution: Resolution, predictions: Predictions, shapes: Shapes
+) -> list[Diagnostic]:
     """SL204: one Parameter under several names that the plan would place differently or shard in two units.
     Placements are compared only where both are predicted: a `use` style's are known once apply has run
     it in a simulated world (predict.Observed), and plain lint, which runs none, says nothing of them."""

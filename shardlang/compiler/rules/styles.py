@@ -9,14 +9,17 @@ import torch.nn as nn
 from ...frontend import ir
 from ...frontend.diagnostics import SL202, SL207, Diagnostic, few
 from ..predict import style_kind
-from .common import dim_sizes
+from ..resolve import Resolution
+from .common import Predictions, Shapes, dim_sizes
 
 #: Styles that shard an nn.Linear (or nn.Embedding) through torch's ColwiseParallel / RowwiseParallel.
 LINEAR_STYLES = ("colwise", "rowwise", "colwise_gather_output", "rowwise_split_input")
 CONV1D_STYLES = ("colwise_conv1d", "rowwise_conv1d")
 
 
-def style_module_types(plan, resolution, predictions, shapes) -> list[Diagnostic]:
+def style_module_types(
+    plan: ir.Plan, resolution: Resolution, predictions: Predictions, shapes: Shapes
+) -> list[Diagnostic]:
     """SL202: a style on a module it cannot shard (colwise/rowwise on anything but Linear and Embedding,
     the Conv1D styles on anything but a layer with a 2-D [in, out] weight, packed_colwise on anything but
     a Linear whose rows split into its parts), or sequence_parallel / replicated_with_grad_allreduce on a
@@ -98,7 +101,9 @@ def _nested_parameters(module: nn.Module) -> list[str]:
     return [n for n, _ in module.named_parameters() if "." in n]
 
 
-def loss_parallel_output(plan, resolution, predictions, shapes) -> list[Diagnostic]:
+def loss_parallel_output(
+    plan: ir.Plan, resolution: Resolution, predictions: Predictions, shapes: Shapes
+) -> list[Diagnostic]:
     """SL207: loss_parallel needs an output layer that leaves class-sharded logits as a DTensor."""
     if plan.loss_parallel is None:
         return []
