@@ -6,11 +6,10 @@ import inspect
 import torch
 
 import shardlang
+from examples.mlp import MLP
 from shardlang.compiler.lint import lint
 from shardlang.compiler.rules import RULES, Rule, unused_dims
 from shardlang.frontend.diagnostics import SL209, Diagnostic
-
-from examples.mlp import MLP
 
 # A tp dim the plan uses and a dp dim nothing names: SL217 from `unused_dims`, and only from it.
 UNUSED_DIM = """shardlang 1
