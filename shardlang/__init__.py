@@ -43,10 +43,10 @@ __all__ = [
 #: Names imported on first use: the checkpoint functions need torch.distributed.checkpoint, which
 #: `shardlang lint` and the parser never do.
 _LAZY = {
-    "save_checkpoint": "checkpoints.dcp",
-    "load_checkpoint": "checkpoints.dcp",
-    "read_checkpoint": "checkpoints.dcp",
-    "convert_checkpoint": "checkpoints.dcp",
+    "save_checkpoint": "checkpoints.saving",
+    "load_checkpoint": "checkpoints.loading",
+    "read_checkpoint": "checkpoints.reading",
+    "convert_checkpoint": "checkpoints.converting",
     "load_hf_weights": "checkpoints.hf",
     "save_hf_weights": "checkpoints.hf",
     "init_plan": "compiler.starter",

@@ -13,7 +13,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 import shardlang
-from shardlang.checkpoints.dcp import load_checkpoint, save_checkpoint
+from shardlang.checkpoints.loading import load_checkpoint
+from shardlang.checkpoints.saving import save_checkpoint
 from shardlang.runtime.apply import apply_plan
 
 from .dist_jobs import load

@@ -10,7 +10,9 @@ import torch
 import torch.nn as nn
 
 from shardlang import PlanError
-from shardlang.checkpoints.dcp import load_checkpoint, publish, read_checkpoint, save_checkpoint
+from shardlang.checkpoints.loading import load_checkpoint
+from shardlang.checkpoints.reading import read_checkpoint
+from shardlang.checkpoints.saving import publish, save_checkpoint
 from shardlang.cli import main
 from shardlang.launch.workers import WorkerError
 
@@ -128,7 +130,7 @@ def test_a_save_killed_part_way_keeps_the_previous_checkpoint(pools, saved, tmp_
 
 
 def test_publish_swaps_in_one_step_and_without_renameat2(tmp_path, monkeypatch):
-    import shardlang.checkpoints.dcp as ck
+    import shardlang.checkpoints.saving as saving
 
     def checkpoint_dir(name: str, marker: str):
         path = tmp_path / name
@@ -139,7 +141,7 @@ def test_publish_swaps_in_one_step_and_without_renameat2(tmp_path, monkeypatch):
     target = checkpoint_dir("ck", "old")
     publish(checkpoint_dir(".ck.saving-a", "new"), target)
     assert (target / ".metadata").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
-    monkeypatch.setattr(ck, "_exchange", lambda a, b: False)  # a system without an atomic swap
+    monkeypatch.setattr(saving, "_exchange", lambda a, b: False)  # a system without an atomic swap
     publish(checkpoint_dir(".ck.saving-b", "newer"), target)
     assert (target / ".metadata").read_text() == "newer" and sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 

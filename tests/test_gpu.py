@@ -170,7 +170,7 @@ def test_meta_init_discarding_the_models_own_init_fails_on_cuda(tmp_path):
 def test_checkpoint_of_cuda_shards_loads_bitwise_under_other_plans(tmp_path):
     """Saved from (dp 2 x tp 2) on GPUs when there are 4 (else tp 2), loaded under tp 2 on 2 GPUs and in
     one process on the CPU: every model and Adam tensor bit for bit (as the CPU tests check on gloo)."""
-    from shardlang.checkpoints.dcp import load_checkpoint
+    from shardlang.checkpoints.loading import load_checkpoint
     from shardlang.launch.workers import WorkerPool
 
     from . import checkpoint_jobs as jobs

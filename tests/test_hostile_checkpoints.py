@@ -18,14 +18,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from shardlang import PlanError
-from shardlang.checkpoints.dcp import (
-    Checkpoint,
-    convert_checkpoint,
-    load_checkpoint,
-    read_checkpoint,
-    read_metadata,
-    save_checkpoint,
-)
+from shardlang.checkpoints.converting import convert_checkpoint
+from shardlang.checkpoints.loading import load_checkpoint
+from shardlang.checkpoints.reading import read_checkpoint, read_metadata
+from shardlang.checkpoints.records import Checkpoint
+from shardlang.checkpoints.saving import save_checkpoint
 from shardlang.cli import main
 
 from .conftest import ROOT
@@ -300,7 +297,7 @@ def test_symlinks_that_lead_nowhere_or_in_circles_and_a_planted_lock(tmp_path):
 HOLD = """
 import sys, time
 from pathlib import Path
-from shardlang.checkpoints.dcp import _save_lock
+from shardlang.checkpoints.saving import _save_lock
 target = Path(sys.argv[1])
 with _save_lock(target):
     staging = target.parent / f".{target.name}.saving-theirs"

@@ -91,8 +91,8 @@ def test_every_check_runs_on_a_model_whose_state_dict_hooks_rename_tensors(pools
 def save_under(plan_text: str, model: str, directory: str, form: str) -> dict:
     """Apply the plan to a model built with seed 0, save it as a DCP checkpoint or Hugging Face weights;
     every parameter and buffer, whole, by name."""
-    from shardlang.checkpoints.dcp import save_checkpoint
     from shardlang.checkpoints.hf import save_hf_weights
+    from shardlang.checkpoints.saving import save_checkpoint
 
     module = _applied(plan_text, model, seed=0)
     (save_checkpoint if form == "dcp" else save_hf_weights)(module, directory)
@@ -103,8 +103,8 @@ def load_under(plan_text: str, model: str, directory: str, form: str) -> dict:
     """Apply the plan to a model built with another seed on every rank, load `directory`; as save_under."""
     import torch.distributed as dist
 
-    from shardlang.checkpoints.dcp import load_checkpoint
     from shardlang.checkpoints.hf import load_hf_weights
+    from shardlang.checkpoints.loading import load_checkpoint
 
     module = _applied(plan_text, model, seed=1 + dist.get_rank())
     (load_checkpoint if form == "dcp" else load_hf_weights)(module, directory)
@@ -139,8 +139,8 @@ def test_a_checkpoint_holds_the_hooked_names_and_loads_back_under_another_plan(p
     another world loads it bitwise."""
     import torch
 
-    from shardlang.checkpoints.dcp import read_checkpoint
     from shardlang.checkpoints.hf import read_hf_weights
+    from shardlang.checkpoints.reading import read_checkpoint
 
     model, plan, fused = HOOKED[which]
     _titan_or_skip(model)

@@ -262,7 +262,7 @@ def _pipelined(plan_path: str, params: dict):
 def _train_pipelined_and_save(plan_path: str, params: dict, directory: str) -> dict:
     """Two Adam steps through the schedule, then save; this rank's stages' full state."""
     from examples.llama_pipeline import example_input
-    from shardlang.checkpoints.dcp import save_checkpoint
+    from shardlang.checkpoints.saving import save_checkpoint
 
     from .checkpoint_jobs import full_state
 
@@ -277,7 +277,7 @@ def _train_pipelined_and_save(plan_path: str, params: dict, directory: str) -> d
 
 
 def _load_pipelined(plan_path: str, params: dict, directory: str) -> dict:
-    from shardlang.checkpoints.dcp import load_checkpoint
+    from shardlang.checkpoints.loading import load_checkpoint
 
     from .checkpoint_jobs import full_state
 

@@ -9,16 +9,8 @@ from pathlib import Path
 import torch
 
 from ..frontend.diagnostics import SL501
-from .dcp import (
-    Checkpoint,
-    Transfer,
-    _error,
-    check_fits,
-    check_save_target,
-    load_checkpoint,
-    read_checkpoint,
-    save_checkpoint,
-)
+from .common import plan_error
+from .fitting import check_fits
 from .hf import (
     HFWeights,
     check_hf_fits,
@@ -28,6 +20,10 @@ from .hf import (
     read_hf_weights,
     save_hf_weights,
 )
+from .loading import load_checkpoint
+from .reading import read_checkpoint
+from .records import Checkpoint, Transfer
+from .saving import check_save_target, save_checkpoint
 
 
 def read_weights(path: str | os.PathLike) -> Checkpoint | HFWeights:
@@ -36,7 +32,7 @@ def read_weights(path: str | os.PathLike) -> Checkpoint | HFWeights:
         return read_hf_weights(path)
     folder = Path(path)
     if folder.is_dir() and not (folder / ".metadata").exists() and any(folder.glob("pytorch_model*.bin")):
-        raise _error(
+        raise plan_error(
             SL501,
             f"{folder} holds pickled PyTorch weights (pytorch_model*.bin), which shardlang does not read",
             ("save them as safetensors first: from_pretrained(DIR).save_pretrained(NEW_DIR)",),

@@ -44,7 +44,9 @@ from torch.distributed.tensor import DTensor
 
 from ..frontend.diagnostics import SL500, SL501, PlanError
 from ..runtime.torchcompat import hf_storage_writer, strided_shard_class
-from .dcp import Transfer, _distributed, _error, _first_line, _name, _plain_name, check_save_target, write_staged
+from .common import dtype_name, first_line, is_plain_name, plan_error, process_group_up
+from .records import Transfer
+from .saving import check_save_target, write_staged
 
 #: The index of a checkpoint of several files, and the one file of a small checkpoint.
 INDEX_FILE = "model.safetensors.index.json"
@@ -128,7 +130,7 @@ def read_hf_weights(path: str | os.PathLike) -> HFWeights:
     `*.safetensors` in the directory (a name in two of them is refused)."""
     path = Path(path)
     if not path.is_dir():
-        raise _error(SL501, f"no Hugging Face weights at {path}: it is not a directory")
+        raise plan_error(SL501, f"no Hugging Face weights at {path}: it is not a directory")
     index = path / INDEX_FILE
     if index.is_file():
         weight_map = _read_index(index)
@@ -138,12 +140,12 @@ def read_hf_weights(path: str | os.PathLike) -> HFWeights:
     else:
         weight_map, files = None, sorted(f.name for f in path.glob("*.safetensors"))
         if not files:
-            raise _error(SL501, f"no Hugging Face weights at {path}: no *.safetensors file and no {INDEX_FILE}")
+            raise plan_error(SL501, f"no Hugging Face weights at {path}: no *.safetensors file and no {INDEX_FILE}")
     tensors: dict[str, Stored] = {}
     for name in files:
         for key, stored in _read_header(path / name).items():
             if key in tensors:
-                raise _error(
+                raise plan_error(
                     SL501,
                     f"the weights at {path} hold {key} twice, in {tensors[key].file} and {name}",
                     (f"give the directory a {INDEX_FILE} naming the file of each tensor",),
@@ -151,27 +153,31 @@ def read_hf_weights(path: str | os.PathLike) -> HFWeights:
             tensors[key] = stored
     for key, name in (weight_map or {}).items():
         if key not in tensors or tensors[key].file != name:
-            raise _error(SL501, f"the weights at {path} are damaged: {INDEX_FILE} puts {key} in {name}, which lacks it")
+            raise plan_error(
+                SL501, f"the weights at {path} are damaged: {INDEX_FILE} puts {key} in {name}, which lacks it"
+            )
     return HFWeights(path, tensors)
 
 
 def _read_index(index: Path) -> dict[str, str]:
     try:
         if index.stat().st_size > _INDEX_LIMIT:
-            raise _error(SL501, f"{index} is not an index of safetensors files: larger than {_INDEX_LIMIT >> 20} MiB")
+            raise plan_error(
+                SL501, f"{index} is not an index of safetensors files: larger than {_INDEX_LIMIT >> 20} MiB"
+            )
         data = json.loads(index.read_text(encoding="utf-8"))
     except OSError as e:
-        raise _error(SL501, f"cannot read {index}: {e.strerror or e}") from None
+        raise plan_error(SL501, f"cannot read {index}: {e.strerror or e}") from None
     except ValueError as e:
-        raise _error(SL501, f"{index} is not valid JSON: {_first_line(e)}") from None
+        raise plan_error(SL501, f"{index} is not valid JSON: {first_line(e)}") from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
-        raise _error(SL501, f"{index} has no weight_map of tensor names to file names")
-    strange = next((v for v in weight_map.values() if not _plain_name(v)), None)
+        raise plan_error(SL501, f"{index} has no weight_map of tensor names to file names")
+    strange = next((v for v in weight_map.values() if not is_plain_name(v)), None)
     if strange is not None:
-        raise _error(SL501, f"{index} names the file {strange!r}, which is not a file in its directory")
+        raise plan_error(SL501, f"{index} names the file {strange!r}, which is not a file in its directory")
     return weight_map
 
 
@@ -184,16 +190,16 @@ def _read_header(file: Path) -> dict[str, Stored]:
             head = f.read(8)
             length = int.from_bytes(head, "little") if len(head) == 8 else -1
             if not 0 < length <= min(_HEADER_LIMIT, size - 8):
-                raise _error(SL501, f"{damaged} is not a safetensors file (no header)")
+                raise plan_error(SL501, f"{damaged} is not a safetensors file (no header)")
             header = json.loads(f.read(length))
     except FileNotFoundError:
-        raise _error(SL501, f"the weights at {file.parent} are damaged: {file.name} is missing") from None
+        raise plan_error(SL501, f"the weights at {file.parent} are damaged: {file.name} is missing") from None
     except OSError as e:
-        raise _error(SL501, f"cannot read {file}: {e.strerror or e}") from None
+        raise plan_error(SL501, f"cannot read {file}: {e.strerror or e}") from None
     except ValueError as e:
-        raise _error(SL501, f"{damaged} has a header that is not JSON: {_first_line(e)}") from None
+        raise plan_error(SL501, f"{damaged} has a header that is not JSON: {first_line(e)}") from None
     if not isinstance(header, dict):
-        raise _error(SL501, f"{damaged} has a header that is not a JSON object")
+        raise plan_error(SL501, f"{damaged} has a header that is not a JSON object")
     data_bytes = size - 8 - length
     tensors = {}
     for key, entry in header.items():
@@ -203,12 +209,12 @@ def _read_header(file: Path) -> dict[str, Stored]:
         shape, offsets = (entry.get(k) if isinstance(entry, dict) else None for k in ("shape", "data_offsets"))
         if dtype is None:
             kind = entry.get("dtype") if isinstance(entry, dict) else None
-            raise _error(SL501, f"{file} holds {key} as {kind!r}, a dtype shardlang does not read")
+            raise plan_error(SL501, f"{file} holds {key} as {kind!r}, a dtype shardlang does not read")
         if not _sizes(shape) or not (_sizes(offsets) and len(offsets) == 2 and offsets[0] <= offsets[1]):
-            raise _error(SL501, f"{damaged}: the header's entry for {key} is not a shape and data offsets")
+            raise plan_error(SL501, f"{damaged}: the header's entry for {key} is not a shape and data offsets")
         stored = Stored(file.name, dtype, tuple(shape))
         if offsets[1] - offsets[0] != stored.nbytes or offsets[1] > data_bytes:
-            raise _error(
+            raise plan_error(
                 SL501,
                 f"{damaged} is truncated or altered: {key} should take bytes {offsets[0]}-{offsets[1]} "
                 f"of {data_bytes}, {stored.nbytes} for its shape and dtype",
@@ -269,7 +275,7 @@ def match(weights: HFWeights, model: torch.nn.Module) -> tuple[dict[str, str], l
             found.append(f"{shown}: shape {tuple(stored.shape)} in the checkpoint, {tuple(value.shape)} in the model")
         elif stored.dtype != value.dtype and not (stored.dtype.is_floating_point and value.dtype.is_floating_point):
             found.append(
-                f"{shown}: dtype {_name(stored.dtype)} in the checkpoint, {_name(value.dtype)} in the model "
+                f"{shown}: dtype {dtype_name(stored.dtype)} in the checkpoint, {dtype_name(value.dtype)} in the model "
                 "(only floating-point tensors are converted)"
             )
         else:
@@ -283,7 +289,7 @@ def check_hf_fits(weights: HFWeights, model: torch.nn.Module) -> dict[str, str]:
     pairs, found = match(weights, model)
     if found:
         help_ = tuple(found) + _conversion_note(model)  # every one: a misfit is fixed once, not six at a time
-        raise _error(
+        raise plan_error(
             SL500,
             f"the Hugging Face weights at {weights.path} do not fit the model: "
             f"{len(found)} mismatch{'es' if len(found) > 1 else ''}",
@@ -372,7 +378,7 @@ def load_hf_weights(model: torch.nn.Module, weights: str | os.PathLike | HFWeigh
     try:
         blocks = {key: shard_block(state[key]) for key in pairs}
     except ValueError as e:
-        problem = _error(
+        problem = plan_error(
             SL501, f"cannot load {weights.path}: a tensor's shards are laid out as shardlang cannot slice: {e}"
         )
     read: dict[str, torch.Tensor] = {}
@@ -395,7 +401,7 @@ def load_hf_weights(model: torch.nn.Module, weights: str | os.PathLike | HFWeigh
     if hooked:
         left = model.load_state_dict(hooked, strict=False).unexpected_keys
         if left:  # the model's load hooks do not take back what its save hooks give: nothing would load them
-            raise _error(
+            raise plan_error(
                 SL500,
                 f"the model's state-dict hooks save {', '.join(left[:3])} but its load_state_dict does not take them",
             )
@@ -413,7 +419,7 @@ def _read_blocks(weights: HFWeights, pairs: Mapping[str, str], blocks: Mapping, 
     try:
         from safetensors import safe_open
     except ImportError:
-        raise _error(SL501, "loading Hugging Face weights needs safetensors: pip install 'shardlang[hf]'") from None
+        raise plan_error(SL501, "loading Hugging Face weights needs safetensors: pip install 'shardlang[hf]'") from None
     by_file: dict[str, list[str]] = {}
     for key, name in pairs.items():
         by_file.setdefault(weights.tensors[name].file, []).append(key)
@@ -434,13 +440,13 @@ def _read_blocks(weights: HFWeights, pairs: Mapping[str, str], blocks: Mapping, 
         except (PlanError, KeyboardInterrupt):
             raise
         except Exception as e:  # noqa: BLE001 - safetensors' errors name no common class
-            raise _error(SL501, f"cannot read {weights.path / file}: {_first_line(e)}") from None
+            raise plan_error(SL501, f"cannot read {weights.path / file}: {first_line(e)}") from None
     return read
 
 
 def _agree(problem: PlanError | None) -> PlanError | None:
     """The first rank's problem on every rank (so that every rank changes the model, or none does)."""
-    if not _distributed() or dist.get_world_size() == 1:
+    if not process_group_up() or dist.get_world_size() == 1:
         return problem
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, problem.diagnostics if problem else None)
@@ -460,7 +466,7 @@ def save_hf_weights(model: torch.nn.Module, path: str | os.PathLike, *, shard_by
     written once. The directory is replaced only once all is written (as save_checkpoint does), and only
     if it holds nothing but what this writes (SL501)."""
     start = time.perf_counter()
-    distributed = _distributed()
+    distributed = process_group_up()
     state: dict[str, torch.Tensor] = {}
     seen = set()
     for key, value in model.state_dict(keep_vars=True).items():

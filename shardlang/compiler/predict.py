@@ -54,10 +54,11 @@ class Placed:
             return f"not predicted ({self.note})" if self.note else "not predicted"
         if self.mesh is None:
             return "plain tensor"
-        return f"{self.mesh}[{', '.join(self.dims)}] ({', '.join(map(_placement_text, self.placements))})"
+        return f"{self.mesh}[{', '.join(self.dims)}] ({', '.join(map(placement_text, self.placements))})"
 
 
-def _placement_text(p) -> str:
+def placement_text(p) -> str:
+    """A placement as it prints in messages: `Shard(0)`, `Replicate()`, `Partial()`."""
     return {ir.Replicate: "Replicate()", ir.Partial: "Partial()"}.get(type(p)) or (
         f"Shard({p.dim})" if isinstance(p, ir.Shard) else str(p)
     )
@@ -256,7 +257,7 @@ def _fsdp(
     if tp.mesh is not None and tp.mesh != dp.mesh:
         return unknown(f"tensor parallel on mesh '{tp.mesh}' and fully_shard on mesh '{dp.mesh}'")
     if any(not isinstance(p, (ir.Shard, ir.StridedShard, ir.Replicate)) for p in tp_dims.values()):
-        return unknown(f"fully_shard over {', '.join(map(_placement_text, tp.placements))} a `use` style left")
+        return unknown(f"fully_shard over {', '.join(map(placement_text, tp.placements))} a `use` style left")
     packed = any(isinstance(p, ir.StridedShard) for p in tp_dims.values())
     if packed and not packs_for_fsdp(plan):
         return unknown("fully_shard over the _StridedShard a `use` style left, without packed_colwise's placement fn")

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from attrs import frozen
 
-from ..checkpoints.dcp import Transfer
 from ..checkpoints.formats import load_weights, read_weights, save_weights
+from ..checkpoints.records import Transfer
 from ..compiler.devices import mesh_device
 from ..compiler.trace import Order
 from ..frontend import ir

@@ -14,7 +14,7 @@ from ..frontend.source import Source
 from ..verification import PASS, SKIPPED, CheckResult, summary
 
 if TYPE_CHECKING:
-    from ..checkpoints.dcp import Transfer
+    from ..checkpoints.records import Transfer
 
 
 @frozen

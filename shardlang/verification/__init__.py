@@ -54,8 +54,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from ..checkpoints.dcp import Checkpoint
     from ..checkpoints.hf import HFWeights
+    from ..checkpoints.records import Checkpoint
 
 
 @define

@@ -346,7 +346,7 @@ def _anywhere(flag: bool) -> bool:
 def _resume(ctx, optim, reference, ref_optim) -> str:
     """Load the checkpoint's optimizer state into both optimizers, if it holds state of their class; what
     was done, for the message ("" if the checkpoint holds none)."""
-    from ..checkpoints.dcp import load_checkpoint
+    from ..checkpoints.loading import load_checkpoint
 
     checkpoint = ctx.checkpoint
     if checkpoint is None or not checkpoint.has_optimizer:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..compiler.predict import Placed, _placement_text
+from ..compiler.predict import Placed, placement_text
 from ..frontend import ir
 from ..runtime.simulated import placed_as
 from .outcome import FAIL, PASS, SKIPPED, Outcome
@@ -74,4 +74,4 @@ def _how(placed: Placed) -> str:
 def _show(placed: Placed) -> str:
     if placed.mesh is None:
         return "plain tensor"
-    return f"[{', '.join(placed.dims)}] ({', '.join(_placement_text(p) for p in placed.placements)})"
+    return f"[{', '.join(placed.dims)}] ({', '.join(placement_text(p) for p in placed.placements)})"
