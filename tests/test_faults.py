@@ -278,6 +278,8 @@ def test_planted_fault_fails_its_check_and_the_fix_passes(pools, tmp_path, fault
     assert result.check == check and result.status == "fail", result
     for word in words:
         assert word in result.message, f"{word!r} not in {result.message!r}"
+    if check == "gradients" and result.worst is not None and result.worst > 1:  # the table's number, told
+        assert f"worst {result.worst:.3g} x the allowed error" in result.message, (result.worst, result.message)
     errors = [d for d in report.diagnostics if d.is_error]
     assert {d.code for d in errors} == {"SL400"} and errors[0].span.line == faulty.count(
         "\n", 0, faulty.index("verify")

@@ -8,6 +8,7 @@ every rank, and its message and data come from the first rank that failed (else 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -123,11 +124,16 @@ def run_checks(
 
 def combine(per_rank: Sequence[Sequence[CheckResult]]) -> list[CheckResult]:
     """One result per check from every rank's: failed anywhere is failed; otherwise skipped anywhere is
-    skipped (a rank compared nothing), then reported, then passed; the slowest rank's time."""
+    skipped (a rank compared nothing), then reported, then passed; the slowest rank's time. The message is
+    the first such rank's, or of a failure the worst failing rank's, so that it tells of the error the
+    table shows (the largest over the ranks)."""
     merged = []
     for results in zip(*per_rank):
         status = next(s for s in (FAIL, SKIPPED, REPORTED, PASS) if any(r.status == s for r in results))
-        rank, first = next((r, res) for r, res in enumerate(results) if res.status == status)
+        ranked = [(r, res) for r, res in enumerate(results) if res.status == status]
+        if status == FAIL:  # max keeps the lowest rank among equals
+            ranked = [max(ranked, key=lambda pair: -math.inf if pair[1].worst is None else pair[1].worst)]
+        rank, first = ranked[0]
         message = f"rank {rank}: {first.message}" if status == FAIL and len(results) > 1 else first.message
         worsts = [res.worst for res in results if res.worst is not None]
         merged.append(

@@ -196,7 +196,9 @@ def run(ctx, check: ir.Check) -> Outcome:
         more = f" (and {len(tally.failures) - LISTED} more)" if len(tally.failures) > LISTED else ""
         if localised is not None:
             data["localised"] = localised
-        return Outcome(FAIL, "; ".join(tally.failures[:LISTED]) + more, data, top["ratio"])
+        # The table shows the worst error: say which it was, whichever failure comes first.
+        worst = f"worst {top['ratio']:.3g} x the allowed error ({top['tensor']}): " if top["ratio"] > 1.0 else ""
+        return Outcome(FAIL, worst + "; ".join(tally.failures[:LISTED]) + more, data, top["ratio"])
     replicas = f"{where.replicas} replica{'s' if where.replicas > 1 else ''}"
     return Outcome(
         PASS,
