@@ -185,7 +185,7 @@ def _faulty(fault: str, job: Job):
     from shardlang.runtime import pipeline as runtime_pipeline
 
     if fault == "microbatch order":
-        real = runtime_pipeline._stage_inputs
+        real = runtime_pipeline.stage_inputs
 
         def shuffled(carry, receives):
             hook = real(carry, receives)
@@ -201,7 +201,7 @@ def _faulty(fault: str, job: Job):
 
             return wrong
 
-        runtime_pipeline._stage_inputs = shuffled
+        runtime_pipeline.stage_inputs = shuffled
     elif fault == "dropped block":
         real = compiler_stages.Stages.dropped
 
@@ -218,7 +218,7 @@ def _faulty(fault: str, job: Job):
         return run(job)
     finally:
         if fault == "microbatch order":
-            runtime_pipeline._stage_inputs = real
+            runtime_pipeline.stage_inputs = real
         elif fault == "dropped block":
             compiler_stages.Stages.dropped = real
         else:

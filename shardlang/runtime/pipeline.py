@@ -48,17 +48,17 @@ def split_stages(model, blocks, dropped, stages):
         for fqn, role in dropped[stage]:
             part.set_submodule(fqn, PassThrough(role, carry))
         if stage > 0:
-            part.get_submodule(blocks[stage][0]).register_forward_pre_hook(_take_received(carry), with_kwargs=True)
+            part.get_submodule(blocks[stage][0]).register_forward_pre_hook(take_received(carry), with_kwargs=True)
         if stage < last:
-            part.get_submodule(blocks[stage][-1]).register_forward_hook(_keep_sent(carry))
-        part.register_forward_pre_hook(_stage_inputs(carry, stage > 0), with_kwargs=True, prepend=True)
-        part.register_forward_hook(_stage_output(carry, stage == last), prepend=True)
+            part.get_submodule(blocks[stage][-1]).register_forward_hook(keep_sent(carry))
+        part.register_forward_pre_hook(stage_inputs(carry, stage > 0), with_kwargs=True, prepend=True)
+        part.register_forward_hook(stage_output(carry, stage == last), prepend=True)
         part.shardlang_carry = carry
         parts[stage] = part
     return parts
 
 
-def _stage_inputs(carry, receives):
+def stage_inputs(carry, receives):
     """The stage's forward takes the received activation (not the first stage) and the model's inputs as
     `shardlang_inputs`; the model's forward is called with the model's inputs."""
 
@@ -77,7 +77,7 @@ def _stage_inputs(carry, receives):
     return hook
 
 
-def _take_received(carry):
+def take_received(carry):
     def hook(module, args, kwargs):
         given = args[0] if args else kwargs.get("hidden_states")
         if getattr(given, "shardlang_received", False):
@@ -91,14 +91,14 @@ def _take_received(carry):
     return hook
 
 
-def _keep_sent(carry):
+def keep_sent(carry):
     def hook(module, args, output):
         carry["sent"] = output
 
     return hook
 
 
-def _stage_output(carry, last):
+def stage_output(carry, last):
     """What the stage returns: the last block's output, or (the last stage) the model's output as a tuple of
     tensors, its structure kept in `carry` for the loss."""
     from torch.utils._pytree import tree_flatten
