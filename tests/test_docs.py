@@ -47,6 +47,11 @@ def test_every_code_is_described():
     assert [c.name for c in Code] == re.findall(r"^- \*\*(SL\d{3})\*\*", text, re.MULTILINE)
 
 
+def test_readme_is_a_front_door():
+    lines = _text(ROOT / "README.md").splitlines()
+    assert len(lines) <= 300, len(lines)
+
+
 def _slug(heading: str) -> str:
     """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
     text = re.sub(r"`|\*\*|\[([^\]]*)\]\([^)]*\)", r"\1", heading.strip()).lower()
