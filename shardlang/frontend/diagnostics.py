@@ -1,4 +1,4 @@
-"""Diagnostics as data: the table of stable codes (docs/language.md §5), the Diagnostic record, its text and JSON forms."""
+"""Diagnostics as data: the table of stable codes (docs/diagnostics.md), the Diagnostic record, its text and JSON forms."""
 
 from __future__ import annotations
 
@@ -18,22 +18,25 @@ class Severity(enum.Enum):
 
 
 class Code(enum.Enum):
-    """The stable diagnostic codes (docs/language.md §5), each with its severity and what it means: the one
-    table of codes (the README mirrors it)."""
+    """The stable diagnostic codes, each with its severity and what it means: the one table of codes.
+    docs/diagnostics.md shows it word for word (tests/test_docs.py holds the two to each other)."""
 
     SL100 = (Severity.ERROR, "syntax error")
     SL101 = (Severity.ERROR, "unknown keyword: statement, option, argument, layout, dtype or check name")
     SL102 = (Severity.ERROR, "invalid value (bad size, version, file too large, ...)")
-    SL103 = (Severity.ERROR, "duplicate name (mesh, param, use)")
+    SL103 = (
+        Severity.ERROR,
+        "declared or given twice: a name, an argument, an option, a check or a once-only statement",
+    )
     SL104 = (Severity.ERROR, "undefined reference: mesh, mesh dim, param or style")
     SL105 = (Severity.ERROR, "mesh shape does not fit the world size, or more than one `auto` dim")
-    SL106 = (Severity.ERROR, "fully_shard / replicate mesh is not 1-D or 2-D")
+    SL106 = (Severity.ERROR, "fully_shard / replicate mesh is not 1-D or 2-D, or hybrid_shard on a 1-D mesh")
     SL107 = (Severity.ERROR, "parallelize mesh is not 1-D")
     SL200 = (Severity.ERROR, "pattern matches no module")
-    SL201 = (Severity.ERROR, "module matched by two rules of one block")
+    SL201 = (Severity.ERROR, "module matched by two rules, or made a unit of one kind twice")
     SL202 = (Severity.ERROR, "style does not apply to this module type")
     SL203 = (Severity.WARNING, "sharded dimension not divisible by the mesh dim size (uneven shards)")
-    SL204 = (Severity.ERROR, "tied parameters would get different placements")
+    SL204 = (Severity.ERROR, "tied parameters would get different placements or different units")
     SL205 = (Severity.ERROR, "module is both a fully_shard unit and a replicate unit")
     SL206 = (
         Severity.WARNING,
@@ -71,7 +74,7 @@ class Code(enum.Enum):
     SL300 = (Severity.ERROR, "apply failed (the model is left exactly as it was)")
     SL301 = (
         Severity.ERROR,
-        "a step the installed torch cannot run, found before apply: an uneven tensor-parallel shard (a rowwise Linear's local input), a zero-bubble schedule with data parallelism",
+        "a step the installed torch cannot run correctly, found before apply: some uneven shards and pipeline schedules",
     )
     SL400 = (Severity.ERROR, "a verification check failed")
     SL500 = (
@@ -255,7 +258,7 @@ def sort_key(d: Diagnostic) -> tuple:
 
 
 def render_text(diagnostic: Diagnostic, sources: Mapping[str, Source] = {}) -> str:
-    """The docs/language.md §5 text form: `file:line:col: severity[CODE] message`, the source line, carets, help lines."""
+    """The text form (docs/diagnostics.md): `file:line:col: severity[CODE] message`, the source line, carets, help lines."""
     d, span = diagnostic, diagnostic.span
     head = f"{d.severity.value}[{d.code}] {d.message}"
     if span is None:
