@@ -1,7 +1,7 @@
 """The seed scenarios (issue 5): PyTorch's own FSDP/TP tests, each declared as a plan and run through
 what `shardlang apply` runs on every rank, with the assertions the original test makes.
 
-Test names start with the PyTorch test file and case they come from; the README lists every scenario
+Test names start with the PyTorch test file and case they come from; docs/design-notes.md lists every scenario
 with its plan."""
 
 import re

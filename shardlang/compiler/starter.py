@@ -15,7 +15,7 @@ from .trace import Order
 
 #: Hugging Face TP styles (transformers' ParallelInterface names) and the shardlang style that does the
 #: same (docs/language.md §4.2 has what each does), or None where no style does (the rule is written as a
-#: comment saying why, WHY_NOT). The README's table is this one.
+#: comment saying why, WHY_NOT). docs/huggingface.md's table is this one.
 HF_STYLES: Mapping[str, str | None] = {
     "colwise": "colwise",
     "rowwise": "rowwise",
