@@ -26,7 +26,7 @@ from ..compiler.lint import lint
 from ..compiler.predict import enclosing, units_by_module
 from ..frontend import ir
 from ..frontend.diagnostics import PlanError
-from ..runtime.apply import apply_plan
+from ..runtime.apply import SIMULATED, apply_plan
 from ..runtime.modelfile import ModelFile
 from ..runtime.simulated import placed_as, simulated_world
 from ..runtime.torchcompat import local_shape_and_offset
@@ -190,7 +190,7 @@ def _explain_here(
             return _explain_pipelined(
                 plan, simulated, original, world_size, rank, model_file, blocks_for, step, batch, hardware, fit, meshes
             )
-        applied = apply_plan(simulated, model)
+        applied = apply_plan(simulated, model, mode=SIMULATED)
         tensors, ranks = _tensors_and_ranks(simulated, applied, world_size, blocks_for)
         collectives, notes, peak, timed, fitted = (), (), None, None, None
         if not step:
@@ -225,7 +225,9 @@ def _explain_pipelined(
     the step simulated stage by stage (pipelined.py)."""
     pp = pp_size(simulated, world_size)
     index, stride = pp_coordinates(simulated, world_size)
-    applied_by_rank = {p: apply_plan(simulated, copy.deepcopy(original), pp_rank=p) for p in range(pp)}
+    applied_by_rank = {
+        p: apply_plan(simulated, copy.deepcopy(original), mode=SIMULATED.at_pp_rank(p)) for p in range(pp)
+    }
     tensors, ranks = _tensors_and_ranks(simulated, applied_by_rank[index[rank]], world_size, blocks_for)
     by_index = {
         p: ranks if p == index[rank] else _tensors_and_ranks(simulated, applied_by_rank[p], world_size, None)[1]
@@ -465,7 +467,7 @@ class _Stepper:
     def _cut(self, depth: int):
         if depth not in self._cuts:
             path, keys = self.stack
-            self._cuts[depth] = apply_plan(self.plan, cut_stack(self.model, path, keys[:depth]))
+            self._cuts[depth] = apply_plan(self.plan, cut_stack(self.model, path, keys[:depth]), mode=SIMULATED)
         return self._cuts[depth]
 
     def measure(self, batch: int | None) -> tuple[_Measure, str | None]:
