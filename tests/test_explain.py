@@ -129,7 +129,7 @@ def test_local_sizes_are_torchs():
     from hypothesis import strategies as st
     from torch.distributed.tensor import Replicate, Shard
 
-    from shardlang.explain.simulate import local_sizes
+    from shardlang.explain.layouts import local_sizes
     from shardlang.runtime.torchcompat import local_shape_and_offset
 
     @st.composite

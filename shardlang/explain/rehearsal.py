@@ -36,7 +36,8 @@ from ..launch import raised
 from ..runtime.apply import SIMULATED, apply_plan
 from ..runtime.modelfile import ModelFile
 from ..runtime.simulated import in_fork, placed_as, simulated_world
-from .simulate import cut_stack, named_mesh_dims, on_cpu, repeated_stack
+from .simulate import named_mesh_dims, on_cpu
+from .stepping import cut_stack, repeated_stack
 
 #: How long the forked child may take to simulate the step (on the cut model and, after a failure, the whole one).
 TIMEOUT_S = 120.0
