@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import shardlang
+from shardlang.explain.options import ExplainOptions
 from shardlang.explain.simulate import explain
 from shardlang.runtime.modelfile import load_model_file
 
@@ -57,7 +58,7 @@ def test_explain_equals_a_real_run(pools, plan, model, world):
     # Every rank at world 2; at world 4 the first and the last (they differ along both mesh dims, and the
     # last holds the smallest of uneven shards), to keep the suite's time.
     for rank in range(world) if world == 2 else (0, world - 1):
-        predicted = explain(loaded, meta, world, rank=rank, model_file=model_file)
+        predicted = explain(loaded, meta, ExplainOptions(world, rank), model_file)
         shapes = {t.name: (t.local_shape, t.local_bytes) for t in predicted.tensors}
         assert shapes == real[rank]["shapes"], f"rank {rank}"
         assert predicted.ranks[rank].params == real[rank]["param_bytes"]
@@ -203,7 +204,7 @@ def test_svg_has_one_block_per_shard():
     model_file = load_model_file(str(ROOT / "examples" / "llama.py"))
     from shardlang.explain.pictures import render_svg
 
-    e = explain(plan, model_file.build_on_meta(), 4, rank=0, model_file=model_file, blocks_for="layers.0.**")
+    e = explain(plan, model_file.build_on_meta(), ExplainOptions(4, 0, blocks_for="layers.0.**"), model_file)
     svg = render_svg(e, "layers.0.**")
     root = ET.fromstring(svg)
     rects = [r for r in root.iter("{http://www.w3.org/2000/svg}rect") if r.get("class") == "shard"]
@@ -280,7 +281,7 @@ def test_peak_and_step_time_of_the_1b_plans_are_pinned(name):
 
     model_file = load_model_file(None, entry="benchmarks.llama_1b:build_model")
     plan = shardlang.load(ROOT / "benchmarks" / "plans" / f"llama_1b_{name}.sl")
-    e = explain(plan, model_file.build_on_meta(), 2, 0, model_file, batch=4, hardware=hardware("h100"))
+    e = explain(plan, model_file.build_on_meta(), ExplainOptions(2, batch=4, hardware=hardware("h100")), model_file)
     assert "extrapolated" in e.notes[0]
     assert (e.peak.bytes, e.time.seconds) == pytest.approx(PINNED_1B[name], rel=1e-12, abs=0)
     assert e.peak.bytes == sum(n for _, n in e.peak.categories)
@@ -308,7 +309,7 @@ def test_cpu_offload_of_the_1b_plan_is_pinned():
 
     model_file = load_model_file(None, entry="benchmarks.llama_1b:build_model")
     plan = shardlang.load(ROOT / "benchmarks" / "plans" / "llama_1b_fsdp_offload.sl")
-    e = explain(plan, model_file.build_on_meta(), 2, 0, model_file, batch=4, hardware=hardware("h100"))
+    e = explain(plan, model_file.build_on_meta(), ExplainOptions(2, batch=4, hardware=hardware("h100")), model_file)
     assert "extrapolated" in e.notes[0]
     assert (e.peak.bytes, e.peak.host, e.time.seconds) == pytest.approx(PINNED_1B_OFFLOAD, rel=1e-12, abs=0)
     tensors = sum(1 for t in e.tensors if t.kind == "parameter")

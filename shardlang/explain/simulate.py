@@ -2,10 +2,13 @@
 
 The plan is applied to the model on the meta device in a simulated world (torch's fake process group,
 standing for rank R of N), so the placements and rank R's local shapes are torch's own; every other
-rank's share follows from the same placements (torchcompat.local_shape_and_offset, torch's sharding
-arithmetic). One training step then runs on fake tensors under the fake process group to record each
-collective, its mesh dim and its size. Nothing is allocated: an 80-layer, 8192-wide model explains at
-1024 ranks in a few hundred MiB.
+rank's share follows from the same placements (layouts.py). One training step then runs on fake tensors
+under the fake process group to record each collective, its mesh dim and its size (stepping.py; a
+pipelined plan's stage by stage, pipelined.py). Nothing is allocated: an 80-layer, 8192-wide model
+explains at 1024 ranks in a few hundred MiB.
+
+What one explain is asked travels as one record (options.ExplainOptions); apply is told it runs in a
+simulated world (runtime.apply.SIMULATED).
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ from ..runtime.modelfile import ModelFile
 from ..runtime.simulated import simulated_world
 from .fakestep import Collective, Peak
 from .layouts import RankBytes, TensorInfo, tensors_and_ranks
+from .options import ExplainOptions
 from .pipelined import PipelineReport, pipeline_report, pp_coordinates, pp_size
 from .stepping import Stepper
-from .timing import Fit, Hardware, StepTime, step_time
+from .timing import Fit, StepTime, step_time
 
 
 @frozen
@@ -84,75 +88,56 @@ _simulated_before = False
 
 
 def explain(
-    plan: ir.Plan,
-    model: nn.Module,
-    world_size: int,
-    rank: int = 0,
-    model_file: ModelFile | None = None,
-    blocks_for: str | None = None,
-    step: bool = True,
-    full_step: bool = False,
-    batch: int | None = None,
-    hardware: Hardware | None = None,
-    fit: int | None = None,
+    plan: ir.Plan, model: nn.Module, options: ExplainOptions, model_file: ModelFile | None = None
 ) -> Explanation:
-    """What `plan` gives every rank of a `world_size` world, seen from `rank`. `model` should be on the
-    meta device (it is copied, not changed). With a model file's `example_input`, also one training
-    step (unless `step` is False): its collectives, its peak memory with `batch` (per data-parallel
-    replica; default twice the TP size) and, on `hardware` (default an H100), its estimated time; with
-    `full_step`, never extrapolated from a few repeated blocks (see `_step`); with `fit` (bytes), the
-    largest batch whose peak fits. For the tensors a `blocks_for` pattern picks, every block and who
-    holds it.
+    """What `plan` gives every rank of a world of `options.world_size`, seen from `options.rank`. `model`
+    should be on the meta device (it is copied, not changed). With a model file's `example_input`, also
+    one training step (unless `options.step` is False): its collectives, its peak memory with
+    `options.batch` (per data-parallel replica; default twice the TP size) and, on `options.hardware`, its
+    estimated time; with `full_step`, never extrapolated from a few repeated blocks (stepping.Stepper);
+    with `fit` (bytes), the largest batch whose peak fits. For the tensors a `blocks_for` pattern picks,
+    every block and who holds it (ExplainOptions says each).
     PlanError if the plan does not fit the model at that world size.
 
     The first call in a process simulates here; later ones (and any call inside a process group) in a
     fresh process, since torch's DTensor caches remember the meshes of a world that is gone."""
-    arguments = (world_size, rank, model_file, blocks_for, step, full_step, batch, hardware, fit)
     if _simulated_before or (dist.is_available() and dist.is_initialized()):
         from ..launch.workers import in_fresh_process
 
         # A model from a model file loaded by path cannot be unpickled elsewhere: rebuild it there.
         rebuild = model_file is not None and (model_file.path or model_file.entry)
-        return in_fresh_process(_explain_here, plan, None if rebuild else model, *arguments)
-    return _explain_here(plan, model, *arguments)
+        return in_fresh_process(_explain_here, plan, None if rebuild else model, options, model_file)
+    return _explain_here(plan, model, options, model_file)
 
 
-def _explain_here(
-    plan, model, world_size, rank, model_file, blocks_for, step, full_step, batch, hardware, fit
-) -> Explanation:
+def _explain_here(plan: ir.Plan, model: nn.Module | None, options: ExplainOptions, model_file) -> Explanation:
     global _simulated_before
-    from .timing import hardware as default_hardware
 
     if model is None:
         model = model_file.build_on_meta()
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in a world of {world_size}")
-    linted = lint(plan, model, world_size, runs=False)  # what torch cannot run shows as a failed step
+    linted = lint(plan, model, options.world_size, runs=False)  # what torch cannot run shows as a failed step
     if not linted.ok:
         raise PlanError(linted.diagnostics, {plan.source.name: plan.source})
     simulated = on_cpu(plan)
-    original, model = model, copy.deepcopy(model)
-    hardware = hardware if hardware is not None else default_hardware()
+    world_size, rank = options.world_size, options.rank
     _simulated_before = True
     with simulated_world(world_size, rank), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         meshes = named_mesh_dims(plan, world_size)
         if plan.pipeline is not None:
-            return _explain_pipelined(
-                plan, simulated, original, world_size, rank, model_file, blocks_for, step, batch, hardware, fit, meshes
-            )
-        applied = apply_plan(simulated, model, mode=SIMULATED)
-        tensors, ranks = tensors_and_ranks(simulated, applied, world_size, blocks_for)
+            return _explain_pipelined(plan, simulated, model, model_file, options, meshes)
+        applied = apply_plan(simulated, copy.deepcopy(model), mode=SIMULATED)
+        tensors, ranks = tensors_and_ranks(simulated, applied, world_size, options.blocks_for)
         collectives, notes, peak, timed, fitted = (), (), None, None, None
-        if not step:
+        if not options.step:
             notes = ("no collectives: the training step was not simulated (--no-step)",)
         elif model_file is not None and model_file.example_input is not None:
-            stepper = Stepper(simulated, original, applied, model_file, full_step)
+            stepper = Stepper(simulated, model, applied, model_file, options.full_step)
             try:
-                collectives, notes, peak, tally = stepper.run(batch)
-                timed = step_time(tally, collectives, meshes, world_size, hardware, peak.tokens, peak.replicas)
-                if fit is not None:
-                    fitted = stepper.fit(fit, peak)
+                collectives, notes, peak, tally = stepper.run(options.batch)
+                timed = step_time(tally, collectives, meshes, world_size, options.hardware, peak.tokens, peak.replicas)
+                if options.fit is not None:
+                    fitted = stepper.fit(options.fit, peak)
             except Exception as e:  # noqa: BLE001 - the layouts stand; the step is what fails
                 notes = (_failed(e),)
         else:
@@ -168,18 +153,19 @@ def _failed(e: Exception) -> str:
 
 
 def _explain_pipelined(
-    plan, simulated, original, world_size, rank, model_file, blocks_for, step, batch, hardware, fit, meshes
+    plan: ir.Plan, simulated: ir.Plan, original: nn.Module, model_file, options: ExplainOptions, meshes
 ) -> Explanation:
     """A pipelined plan, applied once for each pp index (the ranks of one pp index differ from those of
     another only in the stages they hold): rank R's tensors, every rank's bytes (each from the
     application of its pp index, at its own place on the other dims), and the pipeline's report, with
     the step simulated stage by stage (pipelined.py)."""
+    world_size, rank = options.world_size, options.rank
     pp = pp_size(simulated, world_size)
     index, stride = pp_coordinates(simulated, world_size)
     applied_by_rank = {
         p: apply_plan(simulated, copy.deepcopy(original), mode=SIMULATED.at_pp_rank(p)) for p in range(pp)
     }
-    tensors, ranks = tensors_and_ranks(simulated, applied_by_rank[index[rank]], world_size, blocks_for)
+    tensors, ranks = tensors_and_ranks(simulated, applied_by_rank[index[rank]], world_size, options.blocks_for)
     by_index = {
         p: ranks if p == index[rank] else tensors_and_ranks(simulated, applied_by_rank[p], world_size, None)[1]
         for p in range(pp)
@@ -187,18 +173,17 @@ def _explain_pipelined(
     ranks = tuple(
         attrs.evolve(by_index[index[g]][g + (index[rank] - index[g]) * stride], rank=g) for g in range(world_size)
     )
-    with_step = step and model_file is not None and model_file.example_input is not None
-    report, collectives, peak, timed, failure = pipeline_report(
-        simulated, applied_by_rank, world_size, rank, *((model_file, batch, hardware, meshes) if with_step else ())
-    )
+    with_step = options.step and model_file is not None and model_file.example_input is not None
+    stepped = (model_file, options.batch, options.hardware, meshes) if with_step else ()
+    report, collectives, peak, timed, failure = pipeline_report(simulated, applied_by_rank, world_size, rank, *stepped)
     notes: tuple[str, ...] = ()
-    if not step:
+    if not options.step:
         notes = ("no collectives: the training step was not simulated (--no-step)",)
     elif not with_step:
         notes = ("no collectives: the model file defines no example_input",)
     elif failure is not None:
         notes = (_failed(failure),)
-    elif fit is not None:
+    elif options.fit is not None:
         notes = ("--fit is not searched for a pipelined plan yet: give --batch instead",)
     return Explanation(
         plan.source.name, world_size, rank, meshes, tensors, ranks, collectives, notes, peak, timed, None, report
