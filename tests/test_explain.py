@@ -245,6 +245,66 @@ def test_text_rendering_is_pinned(name, args, golden):
     golden(FIXTURES / "cli" / f"{name}.txt", done.stdout)
 
 
+def count_resolutions(plan_path: str, layers: int | None, world: int, step: bool) -> dict[str, int]:
+    """In a fresh process (explain simulates here only once a process): how many times one explain
+    resolves and predicts the plan (compiler.lint's calls) and applies it (runtime.apply_plan)."""
+    from collections import Counter
+    from unittest import mock
+
+    import shardlang.compiler.lint as lint_module
+    import shardlang.explain.simulate as simulate
+    import shardlang.explain.stepping as stepping
+    from examples.llama import loss
+
+    counts: Counter = Counter()
+
+    def counting(name, fn):
+        def counted(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    plan = shardlang.load(ROOT / plan_path)
+    if layers is None:
+        from examples.llama_pipeline import build_model
+
+        model_file = load_model_file(str(ROOT / "examples" / "llama_pipeline.py"))
+        with torch.device("meta"):
+            model = build_model()
+    else:
+        from examples.llama import Transformer
+        from shardlang.runtime.modelfile import ModelFile
+
+        with torch.device("meta"):
+            model = Transformer(layers=layers, seq=64)
+        model_file = ModelFile("library", lambda: model, long_input, loss)
+    with (
+        mock.patch.object(lint_module, "resolve", counting("resolve", lint_module.resolve)),
+        mock.patch.object(lint_module, "predict", counting("predict", lint_module.predict)),
+        mock.patch.object(simulate, "apply_plan", counting("apply", simulate.apply_plan)),
+        mock.patch.object(stepping, "apply_plan", counting("apply", stepping.apply_plan)),
+    ):
+        e = explain(plan, model, ExplainOptions(world, step=step, batch=3 if layers else None), model_file)
+    counts["notes"] = len(e.notes)
+    return dict(counts)
+
+
+def test_one_resolution_per_model_tree_applied():
+    """explain lints a plan once for every module tree it applies it to: the model's (once for every pp
+    index of a pipeline: copies of one tree) and each cut of a repeated stack the step runs on; apply is
+    handed that lint instead of linting again. (It linted before apply did, so a plain plan resolved
+    twice and a pipelined plan 1 + pp times.)"""
+    from shardlang.launch.workers import in_fresh_process
+
+    # 10 Llama blocks stepped on cuts of 2, 3, 4 and 5 of them, then extrapolated: five trees.
+    stepped = in_fresh_process(count_resolutions, "plans/llama_2d.sl", 10, 8, True)
+    assert stepped == {"resolve": 5, "predict": 5, "apply": 5, "notes": 1}, stepped
+    # pp 2 x dp 2: applied once for each pp index, to copies of one model, linted once.
+    piped = in_fresh_process(count_resolutions, "plans/llama_pipeline.sl", None, 4, False)
+    assert piped == {"resolve": 1, "predict": 1, "apply": 2, "notes": 1}, piped
+
+
 def test_library_explain_and_json_data():
     import torch
 

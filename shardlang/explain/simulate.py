@@ -7,8 +7,9 @@ under the fake process group to record each collective, its mesh dim and its siz
 pipelined plan's stage by stage, pipelined.py). Nothing is allocated: an 80-layer, 8192-wide model
 explains at 1024 ranks in a few hundred MiB.
 
-What one explain is asked travels as one record (options.ExplainOptions); apply is told it runs in a
-simulated world (runtime.apply.SIMULATED).
+What one explain is asked travels as one record (options.ExplainOptions). The plan is linted once, on
+the user's model, and that result handed to every application of it to a copy of that model (each pp
+index of a pipeline); apply is told it runs in a simulated world (runtime.apply.SIMULATED).
 """
 
 from __future__ import annotations
@@ -21,12 +22,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from attrs import frozen
 
-from ..compiler.lint import lint
+from ..compiler.lint import Linted, lint
 from ..frontend import ir
 from ..frontend.diagnostics import PlanError
-from ..runtime.apply import SIMULATED, apply_plan
+from ..runtime.apply import SIMULATED, apply_plan, import_uses, seeing_styles
 from ..runtime.modelfile import ModelFile
 from ..runtime.simulated import simulated_world
+from ..runtime.torchcompat import fsdp_strided_shard
 from .fakestep import Collective, Peak
 from .layouts import RankBytes, TensorInfo, tensors_and_ranks
 from .options import ExplainOptions
@@ -110,14 +112,26 @@ def explain(
     return _explain_here(plan, model, options, model_file)
 
 
+def lint_once(plan: ir.Plan, model: nn.Module, world_size: int) -> Linted:
+    """`plan` linted on `model` at `world_size` as apply lints it (what `use` styles place seen by running
+    them), once for every application of one explain to that model's module tree: PlanError if it does not
+    fit. SL301 (what the installed torch cannot run) is left out: it shows as a failed step. Linted on the
+    plan's own meshes (a cpu and a cuda mesh on one module is SL208), not the ones put on the CPU."""
+    sources = {plan.source.name: plan.source}
+    linted = lint(plan, model, world_size, None, fsdp_strided_shard(), runs=False)
+    if linted.ok:
+        linted = seeing_styles(plan, model, world_size, import_uses(plan), linted, runs=False)
+    if not linted.ok:
+        raise PlanError(linted.diagnostics, sources)
+    return linted
+
+
 def _explain_here(plan: ir.Plan, model: nn.Module | None, options: ExplainOptions, model_file) -> Explanation:
     global _simulated_before
 
     if model is None:
         model = model_file.build_on_meta()
-    linted = lint(plan, model, options.world_size, runs=False)  # what torch cannot run shows as a failed step
-    if not linted.ok:
-        raise PlanError(linted.diagnostics, {plan.source.name: plan.source})
+    linted = lint_once(plan, model, options.world_size)
     simulated = on_cpu(plan)
     world_size, rank = options.world_size, options.rank
     _simulated_before = True
@@ -125,8 +139,8 @@ def _explain_here(plan: ir.Plan, model: nn.Module | None, options: ExplainOption
         warnings.simplefilter("ignore")
         meshes = named_mesh_dims(plan, world_size)
         if plan.pipeline is not None:
-            return _explain_pipelined(plan, simulated, model, model_file, options, meshes)
-        applied = apply_plan(simulated, copy.deepcopy(model), mode=SIMULATED)
+            return _explain_pipelined(plan, simulated, model, model_file, options, linted, meshes)
+        applied = apply_plan(simulated, copy.deepcopy(model), mode=SIMULATED, linted=linted)
         tensors, ranks = tensors_and_ranks(simulated, applied, world_size, options.blocks_for)
         collectives, notes, peak, timed, fitted = (), (), None, None, None
         if not options.step:
@@ -153,17 +167,18 @@ def _failed(e: Exception) -> str:
 
 
 def _explain_pipelined(
-    plan: ir.Plan, simulated: ir.Plan, original: nn.Module, model_file, options: ExplainOptions, meshes
+    plan: ir.Plan, simulated: ir.Plan, original: nn.Module, model_file, options: ExplainOptions, linted: Linted, meshes
 ) -> Explanation:
     """A pipelined plan, applied once for each pp index (the ranks of one pp index differ from those of
-    another only in the stages they hold): rank R's tensors, every rank's bytes (each from the
-    application of its pp index, at its own place on the other dims), and the pipeline's report, with
-    the step simulated stage by stage (pipelined.py)."""
+    another only in the stages they hold), each time to a copy of one model, so linted once (`linted`):
+    rank R's tensors, every rank's bytes (each from the application of its pp index, at its own place on
+    the other dims), and the pipeline's report, with the step simulated stage by stage (pipelined.py)."""
     world_size, rank = options.world_size, options.rank
     pp = pp_size(simulated, world_size)
     index, stride = pp_coordinates(simulated, world_size)
     applied_by_rank = {
-        p: apply_plan(simulated, copy.deepcopy(original), mode=SIMULATED.at_pp_rank(p)) for p in range(pp)
+        p: apply_plan(simulated, copy.deepcopy(original), mode=SIMULATED.at_pp_rank(p), linted=linted)
+        for p in range(pp)
     }
     tensors, ranks = tensors_and_ranks(simulated, applied_by_rank[index[rank]], world_size, options.blocks_for)
     by_index = {
