@@ -45,11 +45,14 @@ def card_kind(name: str) -> str:
 
 
 def predict(plan, world: int, batch: int, gpu: str, model_file) -> dict:
+    from shardlang.explain.options import ExplainOptions
     from shardlang.explain.simulate import explain
     from shardlang.explain.timing import hardware
 
     start = time.perf_counter()
-    e = explain(plan, model_file.build_on_meta(), world, 0, model_file, batch=batch, hardware=hardware(gpu))
+    e = explain(
+        plan, model_file.build_on_meta(), ExplainOptions(world, batch=batch, hardware=hardware(gpu)), model_file
+    )
     if e.peak is None:
         raise SystemExit(f"explain could not simulate the step: {e.notes}")
     return {

@@ -77,23 +77,15 @@ class Plan(ir.Plan):
         import copy
         import functools
 
+        from .explain.options import ExplainOptions
         from .explain.simulate import explain
         from .explain.timing import hardware
         from .runtime.modelfile import ModelFile
 
+        options = ExplainOptions(world_size, rank, full_step=full_step, batch=batch, hardware=hardware(gpu), fit=fit)
         build = functools.partial(copy.deepcopy, model)  # picklable, for a simulation in a fresh process
         model_file = ModelFile("library", build, example_input, loss) if example_input is not None else None
-        return explain(
-            self,
-            model,
-            world_size,
-            rank,
-            model_file,
-            full_step=full_step,
-            batch=batch,
-            hardware=hardware(gpu),
-            fit=fit,
-        )
+        return explain(self, model, options, model_file)
 
     def to_python(self, model: Any = None, world_size: int | None = None) -> str:
         """The program as plain torch code; resolved against `model` (any device, meta is enough) if given."""

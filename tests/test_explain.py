@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import shardlang
+from shardlang.explain.options import ExplainOptions
 from shardlang.explain.simulate import explain
 from shardlang.runtime.modelfile import load_model_file
 
@@ -57,7 +58,7 @@ def test_explain_equals_a_real_run(pools, plan, model, world):
     # Every rank at world 2; at world 4 the first and the last (they differ along both mesh dims, and the
     # last holds the smallest of uneven shards), to keep the suite's time.
     for rank in range(world) if world == 2 else (0, world - 1):
-        predicted = explain(loaded, meta, world, rank=rank, model_file=model_file)
+        predicted = explain(loaded, meta, ExplainOptions(world, rank), model_file)
         shapes = {t.name: (t.local_shape, t.local_bytes) for t in predicted.tensors}
         assert shapes == real[rank]["shapes"], f"rank {rank}"
         assert predicted.ranks[rank].params == real[rank]["param_bytes"]
@@ -129,7 +130,7 @@ def test_local_sizes_are_torchs():
     from hypothesis import strategies as st
     from torch.distributed.tensor import Replicate, Shard
 
-    from shardlang.explain.simulate import local_sizes
+    from shardlang.explain.layouts import local_sizes
     from shardlang.runtime.torchcompat import local_shape_and_offset
 
     @st.composite
@@ -203,7 +204,7 @@ def test_svg_has_one_block_per_shard():
     model_file = load_model_file(str(ROOT / "examples" / "llama.py"))
     from shardlang.explain.pictures import render_svg
 
-    e = explain(plan, model_file.build_on_meta(), 4, rank=0, model_file=model_file, blocks_for="layers.0.**")
+    e = explain(plan, model_file.build_on_meta(), ExplainOptions(4, 0, blocks_for="layers.0.**"), model_file)
     svg = render_svg(e, "layers.0.**")
     root = ET.fromstring(svg)
     rects = [r for r in root.iter("{http://www.w3.org/2000/svg}rect") if r.get("class") == "shard"]
@@ -244,6 +245,66 @@ def test_text_rendering_is_pinned(name, args, golden):
     golden(FIXTURES / "cli" / f"{name}.txt", done.stdout)
 
 
+def count_resolutions(plan_path: str, layers: int | None, world: int, step: bool) -> dict[str, int]:
+    """In a fresh process (explain simulates here only once a process): how many times one explain
+    resolves and predicts the plan (compiler.lint's calls) and applies it (runtime.apply_plan)."""
+    from collections import Counter
+    from unittest import mock
+
+    import shardlang.compiler.lint as lint_module
+    import shardlang.explain.simulate as simulate
+    import shardlang.explain.stepping as stepping
+    from examples.llama import loss
+
+    counts: Counter = Counter()
+
+    def counting(name, fn):
+        def counted(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    plan = shardlang.load(ROOT / plan_path)
+    if layers is None:
+        from examples.llama_pipeline import build_model
+
+        model_file = load_model_file(str(ROOT / "examples" / "llama_pipeline.py"))
+        with torch.device("meta"):
+            model = build_model()
+    else:
+        from examples.llama import Transformer
+        from shardlang.runtime.modelfile import ModelFile
+
+        with torch.device("meta"):
+            model = Transformer(layers=layers, seq=64)
+        model_file = ModelFile("library", lambda: model, long_input, loss)
+    with (
+        mock.patch.object(lint_module, "resolve", counting("resolve", lint_module.resolve)),
+        mock.patch.object(lint_module, "predict", counting("predict", lint_module.predict)),
+        mock.patch.object(simulate, "apply_plan", counting("apply", simulate.apply_plan)),
+        mock.patch.object(stepping, "apply_plan", counting("apply", stepping.apply_plan)),
+    ):
+        e = explain(plan, model, ExplainOptions(world, step=step, batch=3 if layers else None), model_file)
+    counts["notes"] = len(e.notes)
+    return dict(counts)
+
+
+def test_one_resolution_per_model_tree_applied():
+    """explain lints a plan once for every module tree it applies it to: the model's (once for every pp
+    index of a pipeline: copies of one tree) and each cut of a repeated stack the step runs on; apply is
+    handed that lint instead of linting again. (It linted before apply did, so a plain plan resolved
+    twice and a pipelined plan 1 + pp times.)"""
+    from shardlang.launch.workers import in_fresh_process
+
+    # 10 Llama blocks stepped on cuts of 2, 3, 4 and 5 of them, then extrapolated: five trees.
+    stepped = in_fresh_process(count_resolutions, "plans/llama_2d.sl", 10, 8, True)
+    assert stepped == {"resolve": 5, "predict": 5, "apply": 5, "notes": 1}, stepped
+    # pp 2 x dp 2: applied once for each pp index, to copies of one model, linted once.
+    piped = in_fresh_process(count_resolutions, "plans/llama_pipeline.sl", None, 4, False)
+    assert piped == {"resolve": 1, "predict": 1, "apply": 2, "notes": 1}, piped
+
+
 def test_library_explain_and_json_data():
     import torch
 
@@ -280,7 +341,7 @@ def test_peak_and_step_time_of_the_1b_plans_are_pinned(name):
 
     model_file = load_model_file(None, entry="benchmarks.llama_1b:build_model")
     plan = shardlang.load(ROOT / "benchmarks" / "plans" / f"llama_1b_{name}.sl")
-    e = explain(plan, model_file.build_on_meta(), 2, 0, model_file, batch=4, hardware=hardware("h100"))
+    e = explain(plan, model_file.build_on_meta(), ExplainOptions(2, batch=4, hardware=hardware("h100")), model_file)
     assert "extrapolated" in e.notes[0]
     assert (e.peak.bytes, e.time.seconds) == pytest.approx(PINNED_1B[name], rel=1e-12, abs=0)
     assert e.peak.bytes == sum(n for _, n in e.peak.categories)
@@ -308,7 +369,7 @@ def test_cpu_offload_of_the_1b_plan_is_pinned():
 
     model_file = load_model_file(None, entry="benchmarks.llama_1b:build_model")
     plan = shardlang.load(ROOT / "benchmarks" / "plans" / "llama_1b_fsdp_offload.sl")
-    e = explain(plan, model_file.build_on_meta(), 2, 0, model_file, batch=4, hardware=hardware("h100"))
+    e = explain(plan, model_file.build_on_meta(), ExplainOptions(2, batch=4, hardware=hardware("h100")), model_file)
     assert "extrapolated" in e.notes[0]
     assert (e.peak.bytes, e.peak.host, e.time.seconds) == pytest.approx(PINNED_1B_OFFLOAD, rel=1e-12, abs=0)
     tensors = sum(1 for t in e.tensors if t.kind == "parameter")

@@ -785,6 +785,7 @@ def run_convert(args: argparse.Namespace) -> int:
 def run_explain(args: argparse.Namespace) -> int:
     """Per-parameter layouts, per-rank memory, one step's collectives, peak memory and time at `--world N`
     (docs/language.md §8); `--compare` a second plan, `--fit` the largest batch."""
+    from ..explain.options import ExplainOptions
     from ..explain.pictures import render_compare, render_svg, render_text
     from ..explain.simulate import explain
     from ..explain.timing import hardware, parse_number, parse_size
@@ -806,6 +807,7 @@ def run_explain(args: argparse.Namespace) -> int:
             args.gpus_per_node,
         )
         fit = parse_size(args.fit) if args.fit else None
+        options = ExplainOptions(args.world, args.rank, args.param, args.step, args.full_step, args.batch, machine, fit)
     except ValueError as e:
         raise UsageError(str(e)) from None
     explanations = []
@@ -816,21 +818,7 @@ def run_explain(args: argparse.Namespace) -> int:
             return UNUSABLE
         try:
             with time_limit(args.timeout, "explain (building the model and simulating the step)"):
-                explanations.append(
-                    explain(
-                        plan,
-                        _meta_model(model_file),
-                        args.world,
-                        args.rank,
-                        model_file,
-                        blocks_for=args.param,
-                        step=args.step,
-                        full_step=args.full_step,
-                        batch=args.batch,
-                        hardware=machine,
-                        fit=fit,
-                    )
-                )
+                explanations.append(explain(plan, _meta_model(model_file), options, model_file))
         except PlanError as e:
             emit_diagnostics(sorted([*found, *e.diagnostics], key=sort_key), sources, "text", stream=sys.stderr)
             return UNUSABLE

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.table import Table
 
-from .simulate import Explanation, TensorInfo, select
+from .layouts import TensorInfo
+from .simulate import Explanation, select
 
 #: Block symbols of the terminal grid, and fill colours of the SVG (colour-blind-safe, then more).
 SYMBOLS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"

@@ -33,10 +33,11 @@ from attrs import frozen
 from ..frontend import ir
 from ..frontend.diagnostics import SL220, SL221, SL222, Diagnostic, PlanError
 from ..launch import raised
-from ..runtime.apply import apply_plan
+from ..runtime.apply import SIMULATED, apply_plan
 from ..runtime.modelfile import ModelFile
 from ..runtime.simulated import in_fork, placed_as, simulated_world
-from .simulate import cut_stack, named_mesh_dims, on_cpu, repeated_stack
+from .simulate import named_mesh_dims, on_cpu
+from .stepping import cut_stack, repeated_stack
 
 #: How long the forked child may take to simulate the step (on the cut model and, after a failure, the whole one).
 TIMEOUT_S = 120.0
@@ -98,12 +99,14 @@ def _pipelined(plan: ir.Plan, model: nn.Module, model_file: ModelFile, world_siz
     from .timing import hardware
 
     pp = pp_size(plan, world_size)
-    applied_by_rank = {}
+    applied_by_rank, linted = {}, None
     for index in range(pp):
-        try:
-            applied_by_rank[index] = apply_plan(plan, copy.deepcopy(model), pp_rank=index)
+        try:  # a copy of one model each time: linted by the first application, handed on to the others
+            mode = SIMULATED.at_pp_rank(index)
+            applied_by_rank[index] = apply_plan(plan, copy.deepcopy(model), mode=mode, linted=linted)
         except PlanError as e:
             return Rehearsal(tuple(e.diagnostics), f"the plan could not be applied for pp rank {index}")
+        linted = applied_by_rank[index].linted
     meshes = named_mesh_dims(plan, world_size)
     *_, failure = pipeline_report(plan, applied_by_rank, world_size, 0, model_file, None, hardware(), meshes)
     note = f"one training step simulated stage by stage, for each of the {pp} pp ranks"
@@ -146,7 +149,7 @@ def _step(plan: ir.Plan, model: nn.Module, model_file: ModelFile) -> tuple[list[
 
     reference = copy.deepcopy(model)
     try:
-        applied = apply_plan(plan, model)
+        applied = apply_plan(plan, model, mode=SIMULATED)
     except PlanError as e:  # what lint finds once `use` styles are run (SL203/SL204), or a step that fails
         return list(e.diagnostics), False
     ctx = Context(plan, applied, model_file)

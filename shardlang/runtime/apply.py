@@ -4,7 +4,9 @@ Everything that can be checked is checked before the first mutation (lint at the
 imports of `use` styles, the model's devices against `init`). If a step still fails, the model is put
 back exactly as it was (module classes, parameters, buffers, hooks and composable-API state: see
 snapshot.py) and every rank raises PlanError(SL300) naming the plan line and the failing call. Each
-step runs by its entry in the table of steps.py.
+step runs by its entry in the table of steps.py. The caller says how it runs (ApplyMode): for real, or
+in a simulated world (explain), where nothing is moved and nobody else is asked; and a caller that
+applies one plan to one model tree more than once hands on the plan it linted instead of linting again.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from attrs import define, field
+from attrs import define, evolve, field, frozen
 
 from ..compiler import program as p
 from ..compiler.devices import mesh_device
@@ -56,19 +58,54 @@ class Applied:
         return helpers.submesh(self.meshes[ref.mesh], ref.dims)
 
 
-def simulated() -> bool:
-    """Whether this is torch's fake process group: one process standing for a whole world, no data."""
-    return dist.get_backend() == "fake"
+@frozen
+class ApplyMode:
+    """How `apply_plan` runs a program, told by its caller: for real, one process a rank of an initialised
+    process group (`REAL`, the default), or in a simulated world (`SIMULATED`: torch's fake process group,
+    one process standing for every rank, the model left on the meta device; explain and lint's step)."""
+
+    #: Whether lint's SL301 (what the installed torch cannot run) stops the run. A simulated world runs
+    #: nothing: what torch cannot run shows as explain's failed step instead.
+    check_torch: bool = True
+    #: Whether the model's devices are checked against the plan's `init` (a simulated world's model is on
+    #: the meta device whatever `init` says).
+    check_devices: bool = True
+    #: Whether the steps that allocate or move data run (steps.py's `moves_data`); without them the
+    #: program only places tensors.
+    move_data: bool = True
+    #: Whose pipeline stages a split cuts: None, this rank's own (its place on the pp dim); else that pp
+    #: rank's (explain stands one process for every pp rank).
+    pp_rank: int | None = None
+    #: Whether every rank is a process of its own, to be asked: what `use` styles place is observed on rank
+    #: 0 and broadcast, and whether any rank failed is agreed by all. A simulated world asks nobody.
+    ranks_apart: bool = True
+
+    def at_pp_rank(self, pp_rank: int) -> ApplyMode:
+        """This mode, cutting the pipeline stages of `pp_rank`."""
+        return evolve(self, pp_rank=pp_rank)
 
 
-def apply_plan(plan: ir.Plan, model: nn.Module, pp_rank: int | None = None, order: Order | None = None) -> Applied:
+#: A real run: every check, every step, this rank's own stages, the ranks agreeing.
+REAL = ApplyMode()
+#: A simulated world (explain, lint's step): tensors placed on the meta model, nothing moved, nobody asked.
+SIMULATED = ApplyMode(check_torch=False, check_devices=False, move_data=False, ranks_apart=False)
+
+
+def apply_plan(
+    plan: ir.Plan,
+    model: nn.Module,
+    order: Order | None = None,
+    *,
+    mode: ApplyMode = REAL,
+    linted: Linted | None = None,
+) -> Applied:
     """Lint, lower and run `plan` on `model` across the current process group. PlanError if anything fails.
 
-    In a simulated world (the fake process group) the model stays on the meta device: the program
-    places every tensor but skips the steps that allocate or move data. There `pp_rank` cuts the
-    pipeline stages of that pp rank instead of this rank's own (explain stands one process for every
-    pp rank; the ranks of one pp index differ from those of another only in the stages they hold).
-    `order`: the order the model's modules run in (compiler.trace), for lint's SL210."""
+    `mode` says how (ApplyMode): for real (the default), or in a simulated world, where the model stays on
+    the meta device and the program places every tensor but skips the steps that allocate or move data.
+    `order`: the order the model's modules run in (compiler.trace), for lint's SL210. `linted`: the plan
+    already linted against this model's module tree at this world size (lint_seeing_styles, by a caller
+    that applies it more than once: explain, once per pp rank), not linted again."""
     sources = {plan.source.name: plan.source}
     if not dist.is_available() or not dist.is_initialized():
         raise PlanError(
@@ -83,11 +120,12 @@ def apply_plan(plan: ir.Plan, model: nn.Module, pp_rank: int | None = None, orde
         )
     world_size = dist.get_world_size()
     imported = _import_uses(plan, sources)
-    # In a simulated world (explain) nothing runs: what torch cannot run shows as explain's failed step.
-    linted = lint_seeing_styles(plan, model, world_size, imported, runs=not simulated(), order=order, share=_on_rank0)
+    if linted is None:
+        share = _on_rank0 if mode.ranks_apart else _here
+        linted = lint_seeing_styles(plan, model, world_size, imported, mode.check_torch, order, share)
     if not linted.ok:
         raise PlanError(linted.diagnostics, sources)
-    problems = [] if simulated() else _check_devices(plan, model)
+    problems = _check_devices(plan, model) if mode.check_devices else []
     if problems:
         raise PlanError(problems, sources)
     program = lower(plan, linted.resolution, world_size)
@@ -95,10 +133,10 @@ def apply_plan(plan: ir.Plan, model: nn.Module, pp_rank: int | None = None, orde
     snapshot = Snapshot.take(model)
     failure, details = None, ""
     try:
-        running = Running(model, applied.meshes, imported, pp_rank=pp_rank if simulated() else None)
+        running = Running(model, applied.meshes, imported, pp_rank=mode.pp_rank)
         for step in program.steps:
             kind = STEPS[type(step)]
-            if simulated() and kind.moves_data:
+            if kind.moves_data and not mode.move_data:
                 continue
             try:
                 # After a pipeline's split, each step runs on every stage this rank holds that holds its module.
@@ -113,7 +151,8 @@ def apply_plan(plan: ir.Plan, model: nn.Module, pp_rank: int | None = None, orde
                 break
         applied.parts = running.parts
     finally:
-        failure = _agree(failure)
+        if mode.ranks_apart:
+            failure = _agree(failure)
         if failure is not None:
             snapshot.restore()
     if failure is not None:
@@ -131,19 +170,35 @@ def lint_seeing_styles(
     imported: dict[str, Any],
     runs: bool = True,
     order: Order | None = None,
-    share=lambda compute: compute(),
+    share=None,
 ) -> Linted:
     """lint, where what `use` styles place is seen by running each of them in a simulated world (on a meta
     copy of its module), so that SL203/SL204 and the placements check see their tensors too instead of
     guessing. `share(compute)`: how the observation is made and handed out (apply: on rank 0, broadcast)."""
     linted = lint(plan, model, world_size, None, fsdp_strided_shard(), runs=runs, order=order)
+    return seeing_styles(plan, model, world_size, imported, linted, runs, order, share)
+
+
+def seeing_styles(
+    plan: ir.Plan,
+    model: nn.Module,
+    world_size: int,
+    imported: dict[str, Any],
+    linted: Linted,
+    runs: bool = True,
+    order: Order | None = None,
+    share=None,
+) -> Linted:
+    """`linted` (lint's, without observations, with these `runs` and `order`) linted again with what the
+    plan's `use` styles place, seen by running them (lint_seeing_styles); `linted` itself for a plan
+    without `use` styles, or one that does not resolve or lower."""
     if linted.resolution is None or not any(rule.style.use for block in plan.parallelize for rule in block.rules):
         return linted
     try:
         program = lower(plan, linted.resolution, world_size)
     except Exception:  # noqa: BLE001 - a plan lint finds wrong may not lower: its diagnostics say why
         return linted
-    observed = share(lambda: observe_user_styles(plan, program, model, imported, world_size))
+    observed = (share or _here)(lambda: observe_user_styles(plan, program, model, imported, world_size))
     return lint(plan, model, world_size, observed, fsdp_strided_shard(), runs=runs, order=order)
 
 
@@ -164,21 +219,20 @@ def build_pipeline(applied: Applied, loss, scale_grads: bool = True) -> pipeline
     return pipeline.Pipeline(applied.parts, stages.count, schedule, n, mesh.get_group(), device, loss, scale_grads)
 
 
+def _here(compute):
+    """`compute()` in this process: a simulated world is one process, with nobody to share it with."""
+    return compute()
+
+
 def _on_rank0(compute):
-    """`compute()` on rank 0, its result on every rank: one answer however each rank's run went. (A
-    simulated world is one process: it computes it itself.)"""
-    if simulated():
-        return compute()
+    """`compute()` on rank 0, its result on every rank: one answer however each rank's run went."""
     box = [compute() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
 def _agree(failure: Diagnostic | None) -> Diagnostic | None:
-    """Every rank learns whether any rank failed, so that all of them roll back together. (A simulated
-    world, the fake process group, is one process: there is nobody to ask.)"""
-    if simulated():
-        return failure
+    """Every rank learns whether any rank failed, so that all of them roll back together."""
     flags = [None] * dist.get_world_size()
     dist.all_gather_object(flags, None if failure is None else (dist.get_rank(), failure))
     failed = [f for f in flags if f is not None]

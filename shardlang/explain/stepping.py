@@ -1,0 +1,381 @@
+"""One training step of an applied plan, recorded on fake tensors: its collectives, its peak memory and its
+ops' costs, at any batch; on a model with a long stack of identical blocks, stepped on a few of them and
+extrapolated exactly (`Stepper`), and the largest batch that fits a memory limit (`Stepper.fit`).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import Counter
+
+import attrs
+import torch.nn as nn
+
+from ..frontend import ir
+from ..runtime.apply import SIMULATED, apply_plan
+from ..runtime.modelfile import ModelFile
+from .fakestep import Collective, Peak, by_key, count_tokens, group_names, quiet, recording_fake_mode, warm_adamw
+from .timing import Fit, Tally
+
+#: Activations by module: how many of the largest the report keeps.
+TOP_MODULES = 10
+
+#: The depths a repeated stack of blocks is cut to for the step: the first and the last block of a
+#: stack can differ from the middle ones (FSDP's root unit, the last unit's reshard), so each of 2, 3
+#: and 4 blocks has both ends, and 3 - 2 and 4 - 3 are two separate measurements of a middle block.
+STEP_DEPTHS = (2, 3, 4)
+#: A stack shorter than this runs whole: cutting it would save little.
+EXTRAPOLATE_FROM = 8
+
+
+@attrs.define
+class _Measure:
+    """One simulated step: its collectives ((op, mesh dim) -> (count, bytes)), its peak and what was
+    live at it (by category, and activations by module), and its ops' costs."""
+
+    calls: dict
+    peak: int
+    categories: dict
+    modules: dict
+    tally: Counter
+    batch: int
+    tokens: int
+    replicas: int
+    host: int = 0  # bytes in host memory at its most (offloading units), and by category
+    host_categories: dict = attrs.Factory(dict)
+
+
+class Stepper:
+    """One training step on fake tensors, at any batch, on the whole model or extrapolated exactly.
+
+    A step on fake tensors costs ~70 us per op in torch's FakeTensorMode (more with the memory
+    trackers), so an 80-layer model takes seconds. When the model's largest stack of blocks (a
+    ModuleList, ModuleDict or Sequential) holds identical blocks that the plan treats identically, the
+    step runs on copies cut to 2, 3 and 4 blocks instead; if the 3rd and the 4th block each add exactly
+    the same collectives (count and bytes per op and mesh dim), the same peak bytes in every category,
+    the same ops' costs, and the 4-block step's middle blocks hold the same activations at its peak,
+    every middle block does, and the step of N blocks is the 2-block step plus N - 2 times that. Any
+    difference, any failure, or `full_step`: the whole model runs.
+    """
+
+    def __init__(self, plan: ir.Plan, model: nn.Module, applied, model_file: ModelFile, full_step: bool):
+        self.plan, self.model, self.applied, self.model_file = plan, model, applied, model_file
+        # DTensor's caches hand back the meshes of an earlier apply where a later one's are equal, so a
+        # step may run on any of them: groups are named from every apply in this world.
+        self.groups = group_names(applied)
+        self.stack = None if full_step else repeated_stack(model, applied.linted.resolution)
+        self._cuts: dict[int, object] = {}
+
+    def _step(self, applied, batch: int | None) -> _Measure:
+        self.groups.update(group_names(applied))
+        return _training_step(self.plan, applied, self.model_file, self.groups, batch)
+
+    def _cut(self, depth: int):
+        if depth not in self._cuts:
+            path, keys = self.stack
+            self._cuts[depth] = apply_plan(self.plan, cut_stack(self.model, path, keys[:depth]), mode=SIMULATED)
+        return self._cuts[depth]
+
+    def measure(self, batch: int | None) -> tuple[_Measure, str | None]:
+        if self.stack is not None:
+            path, keys = self.stack
+            steps: dict[int, _Measure] = {}
+            whole = None
+            try:
+                for depth in STEP_DEPTHS:
+                    steps[depth] = self._step(self._cut(depth), batch)
+                whole = _extrapolate(steps, STEP_DEPTHS[0], path, keys)
+                if whole is None and len(keys) > STEP_DEPTHS[-1] + 1:
+                    # The smallest cut may peak at another moment of the step than longer ones do (a
+                    # unit gathered at its peak, say): one block more, and the three longest decide.
+                    steps[STEP_DEPTHS[-1] + 1] = self._step(self._cut(STEP_DEPTHS[-1] + 1), batch)
+                    whole = _extrapolate(steps, STEP_DEPTHS[1], path, keys)
+            except Exception:  # noqa: BLE001 - a model that cannot run cut short runs whole
+                whole = None
+            if whole is not None:
+                *fewer, most = map(str, sorted(steps))
+                n = len(keys)
+                note = (
+                    f"the step was simulated on {', '.join(fewer)} and {most} of the {n} blocks of `{path}`: each block past "
+                    f"the {'second' if len(steps) == 3 else 'third'} added the same collectives, memory and ops, so they are "
+                    f"extrapolated to all {n} (--full-step simulates every block)"
+                )
+                return whole, note
+            self.stack = None  # not linear here: no other batch will be either
+        return self._step(self.applied, batch), None
+
+    def run(self, batch: int | None):
+        measured, note = self.measure(batch)
+        return _collectives(measured.calls), (note,) if note else (), _peak(measured), _tally(measured.tally)
+
+    def fit(self, limit: int, first: Peak) -> Fit:
+        """The largest batch whose peak is at most `limit`, found by a bracketed search on the simulated
+        step: the peak grows with the batch (about linearly), so each guess is where the line through the
+        two nearest known points meets the limit, and its neighbour is simulated too; a guess that does
+        not close the bracket is followed by a bisection step. It ends with batch b fitting and b + 1
+        not, both simulated."""
+        tried = {first.batch: first.bytes}
+
+        def peak(batch: int) -> int:
+            if batch not in tried:
+                tried[batch] = self.measure(batch)[0].peak
+            return tried[batch]
+
+        def result(batch: int) -> Fit:
+            return Fit(limit, batch, tried[batch] if batch else tried[1], tuple(sorted(tried.items())))
+
+        if peak(1) > limit:
+            return result(0)
+        bisect = False
+        while True:
+            fits = sorted(b for b, n in tried.items() if n <= limit)
+            over = sorted(b for b, n in tried.items() if n > limit)
+            low, high = fits[-1], (over[0] if over else None)
+            if high is not None and high - low <= 1:
+                return result(low)
+            if high is not None and bisect:
+                peak((low + high) // 2)
+                bisect = False
+                continue
+            near = fits[-2] if high is None and len(fits) > 1 else high
+            if near is None or tried[near] == tried[low]:
+                guess = low * 2 if high is None else (low + high) // 2
+            else:
+                slope = (tried[near] - tried[low]) / (near - low)
+                guess = low + math.floor((limit - tried[low]) / slope) if slope > 0 else low * 2
+            guess = max(guess, low + 1) if high is None else min(max(guess, low + 1), high - 1)
+            guess = min(guess, 1 << 24)
+            peak(guess)
+            peak(guess + 1 if tried[guess] <= limit else guess - 1)
+            bisect = high is not None
+            if guess >= 1 << 24:
+                return result(max(b for b, n in tried.items() if n <= limit))
+
+
+def _peak(m: _Measure) -> Peak:
+    modules = sorted(
+        ((name or "(top level)", n) for name, n in m.modules.items() if n),
+        key=lambda x: (-x[1], [int(p) if p.isdigit() else p for p in x[0].split(".")]),
+    )
+    host = tuple(m.host_categories.items()) if m.host else ()
+    return Peak(
+        m.peak, tuple(m.categories.items()), tuple(modules[:TOP_MODULES]), m.batch, m.tokens, m.replicas, m.host, host
+    )
+
+
+def _tally(tally: Counter) -> Tally:
+    return tuple(sorted(tally.items()))
+
+
+def _extrapolate(steps: dict[int, _Measure], k: int, path: str, keys: list[str]) -> _Measure | None:
+    """The step of all len(keys) blocks from those of k, k + 1 and k + 2 blocks (`Stepper`), or None if
+    they do not grow by exactly the same amounts."""
+    first, second, third = steps[k], steps[k + 1], steps[k + 2]
+    more = len(keys) - k
+    block = _minus(second.calls, first.calls)
+    if block is None or block != _minus(third.calls, second.calls):
+        return None
+    calls = {}
+    zero = (0, 0)
+    for key in first.calls.keys() | block.keys():
+        (count, nbytes), (extra, extra_bytes) = first.calls.get(key, zero), block.get(key, zero)
+        calls[key] = (count + more * extra, nbytes + more * extra_bytes)
+    if second.peak - first.peak != third.peak - second.peak or second.host - first.host != third.host - second.host:
+        return None
+    categories, host_categories = {}, {}
+    for whole, part in ((categories, "categories"), (host_categories, "host_categories")):
+        one, two, three = getattr(first, part), getattr(second, part), getattr(third, part)
+        for key in one:
+            step = two[key] - one[key]
+            if three[key] - two[key] != step:
+                return None
+            whole[key] = one[key] + more * step
+    tally_block = _grown(third.tally, second.tally)
+    if tally_block is None or tally_block != _grown(second.tally, first.tally):
+        return None
+    tally = Counter(first.tally)
+    for key, count in tally_block.items():
+        tally[key] += more * count
+    modules = _modules_extrapolated(second.modules, third.modules, k + 2, path, keys, categories, third.categories)
+    if modules is None:
+        return None
+    peak = first.peak + more * (second.peak - first.peak)
+    host = first.host + more * (second.host - first.host)
+    return _Measure(
+        calls, peak, categories, modules, tally, first.batch, first.tokens, first.replicas, host, host_categories
+    )
+
+
+def _grown(more: Counter, fewer: Counter) -> Counter | None:
+    if any(more[k] < count for k, count in fewer.items()):
+        return None
+    return Counter({k: count - fewer[k] for k, count in more.items() if count != fewer[k]})
+
+
+def _modules_extrapolated(
+    shorter: dict, longest: dict, depth: int, path: str, keys: list[str], whole: dict, at_longest: dict
+):
+    """Activations by module at the peak of all the blocks, from the `depth`-block step's: its first
+    block and its last ones that differ from the middle as they are, each middle block as its 2nd (all
+    its middle blocks must be equal), the rest as the step one block shorter had it. None unless that
+    adds up to the extrapolated activations."""
+    prefix = f"{path}." if path else ""
+
+    def split(modules: dict, count: int) -> tuple[list[dict], dict]:
+        blocks: list[dict] = [{} for _ in range(count)]
+        outside = {}
+        for name, n in modules.items():
+            for i, key in enumerate(keys[:count]):
+                head = f"{prefix}{key}"
+                if name == head or name.startswith(head + "."):
+                    blocks[i][name[len(head) :]] = n
+                    break
+            else:
+                outside[name] = n
+        return blocks, outside
+
+    blocks, outside = split(longest, depth)
+    # The last blocks may differ from the middle ones (at a peak in backward: the last freed, the one
+    # before half-way); the middle blocks, 1 to depth - 1 - tail, must be equal.
+    tail = 1
+    while tail < depth - 2 and blocks[depth - 1 - tail] != blocks[1]:
+        tail += 1
+    if any(b != blocks[1] for b in blocks[1 : depth - tail]) or outside != split(shorter, depth - 1)[1]:
+        return None
+    n = len(keys)
+    modules = dict(outside)
+    for i, key in enumerate(keys):
+        source = blocks[0] if i == 0 else blocks[depth - (n - i)] if i >= n - tail else blocks[1]
+        for rest, count in source.items():
+            modules[f"{prefix}{key}{rest}"] = count
+    # The middle blocks' activations must be what the extrapolated step adds over the longest cut.
+    if sum(modules.values()) - sum(longest.values()) != whole["activations"] - at_longest["activations"]:
+        return None
+    return modules
+
+
+def repeated_stack(model: nn.Module, resolution) -> tuple[str, list[str]] | None:
+    """The container of the most identical blocks, if it is long enough to be worth cutting:
+    its path and its child names. Identical: same module types, parameter and buffer shapes and
+    dtypes, and the same plan statements (styles, units and their options, checkpointing) on the
+    same relative paths; no tensor shared between blocks."""
+    best = None
+    for path, container in model.named_modules():
+        if not isinstance(container, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            continue
+        keys = list(container._modules)
+        blocks = [container._modules[k] for k in keys]
+        if len(keys) < EXTRAPOLATE_FROM or None in blocks or len({id(b) for b in blocks}) < len(blocks):
+            continue
+        if best is not None and len(keys) <= len(best[1]):
+            continue
+        prefix = f"{path}." if path else ""
+        signatures = {_signature(block, f"{prefix}{key}", resolution) for key, block in zip(keys, blocks)}
+        tensors = [id(t) for b in blocks for t in (*b.parameters(), *b.buffers())]
+        if len(signatures) == 1 and len(set(tensors)) == len(tensors):
+            best = (path, keys)
+    return best
+
+
+def _signature(block: nn.Module, fqn: str, resolution) -> tuple:
+    """What makes a block what it is, by paths relative to it: a hashable summary."""
+
+    def inside(name: str) -> str | None:
+        return name[len(fqn) :] if name == fqn or name.startswith(fqn + ".") else None
+
+    structure = tuple((name, type(m)) for name, m in block.named_modules())
+    tensors = tuple((name, tuple(t.shape), t.dtype) for name, t in (*block.named_parameters(), *block.named_buffers()))
+    rules = tuple(
+        (r.block, inside(r.scope) if inside(r.scope) is not None else ("outside", r.scope), inside(r.fqn), r.rule)
+        for r in resolution.rules
+        if inside(r.fqn) is not None
+    )
+    units = tuple((u.block, inside(u.fqn), u.unit) for u in resolution.units if inside(u.fqn) is not None)
+    checkpoint = tuple(inside(f) for f in resolution.checkpoint if inside(f) is not None)
+    return structure, tensors, rules, units, checkpoint
+
+
+def cut_stack(model: nn.Module, path: str, keep: list[str]) -> nn.Module:
+    """A copy of `model` whose container at `path` holds only the children `keep`."""
+    container = model.get_submodule(path)
+    children = container._modules
+    container._modules = {k: children[k] for k in keep}
+    try:
+        return copy.deepcopy(model)
+    finally:
+        container._modules = children
+
+
+def _minus(more: dict, fewer: dict) -> dict | None:
+    """What `more` has beyond `fewer`, per key; None if it has less of anything."""
+    difference = {}
+    for key in more.keys() | fewer.keys():
+        (c1, b1), (c0, b0) = more.get(key, (0, 0)), fewer.get(key, (0, 0))
+        if c1 < c0 or b1 < b0:
+            return None
+        if (c1, b1) != (c0, b0):
+            difference[key] = (c1 - c0, b1 - b0)
+    return difference
+
+
+def _collectives(tally: dict[tuple[str, str], tuple[int, int]]) -> tuple[Collective, ...]:
+    return tuple(Collective(op, dim, n, b) for (op, dim), (n, b) in sorted(tally.items()))
+
+
+def _training_step(
+    plan: ir.Plan, applied, model_file: ModelFile, groups: dict[str, str], batch: int | None
+) -> _Measure:
+    """One forward, loss, backward and AdamW step on fake tensors, under torch's memory trackers
+    (`memory`): the collectives of the forward, loss and backward, each group named as `groups` names
+    it (process group name -> `mesh.dim`), the peak memory, and the ops' costs. The inputs and loss
+    are those of the checks (SPEC §7); `batch` per data-parallel replica (default: twice the TP size)."""
+    from ..verification import Context
+    from ..verification import layout as lay
+    from ..verification.comms import Calls
+    from .memory import cuda_like_rms_norm, tracker
+
+    recorder = Calls()
+    ctx = Context(plan, applied, model_file)
+    gradients = next((c for c in plan.checks if c.name == "gradients"), None)
+    input_layout = gradients.get("input") if gradients is not None else None
+    output_layout = gradients.get("output") if gradients is not None else None
+    # A step that fails is reported in a note; fake tensors' own error log would repeat it at length.
+    with quiet("torch._subclasses.fake_tensor"), recording_fake_mode(recorder):
+        model = applied.model
+        model.to_empty(device="cpu")
+        where = lay.layout(ctx)
+        batch = batch if batch is not None else 2 * max(where.tp_size, 1)
+        full = lay.replica_inputs(ctx, -1, where.replica, batch)
+        inputs = lay.local_inputs(full, where, input_layout)
+        optimizer = warm_adamw(model)
+        memory = tracker(model, optimizer)
+        memory.track_inputs(inputs)
+        recorder.calls.clear()
+        with memory, cuda_like_rms_norm():
+            output = model(*inputs)
+            with recorder.paused():
+                whole = lay.full_output(ctx, where, output, output_layout)
+            with lay.loss_context(plan):
+                lay.loss(ctx, whole, full).backward()
+            del output, whole
+            with recorder.paused():
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        del optimizer
+    peak, categories = memory.peak()
+    host, host_categories = memory.host_peak()
+    tokens = count_tokens(full, batch)
+    calls = by_key(recorder.calls, groups)
+    return _Measure(
+        calls,
+        peak,
+        categories,
+        memory.peak_by_module,
+        memory.costs,
+        batch,
+        tokens,
+        where.replicas,
+        host,
+        host_categories,
+    )
