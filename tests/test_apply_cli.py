@@ -355,7 +355,7 @@ def test_frames_are_told_apart_by_package_and_version():
     import torch.nn.functional as F
 
     from shardlang.launch import job
-    from shardlang.launch.workers import package_of
+    from shardlang.launch.frames import package_of
 
     assert package_of(F.__file__) == (f"torch {torch.__version__}", "torch/nn/functional.py")
     assert package_of(job.__file__)[1] == "shardlang/launch/job.py"

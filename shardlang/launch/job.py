@@ -230,7 +230,7 @@ def _raised(ctx: Context, name: str, checks, error: Exception, finished: dict[st
     """SL400 at the check's statement for a check that raised, with the user's frames as help; and where
     a module of the sharded model was running (its forward or its hooks), SL400 at the plan statement
     that governs it, with the line of its code that was running and the package that code belongs to."""
-    from .workers import package_of, user_stack, where
+    from .frames import package_of, user_stack, where
 
     what = raised.summary(error)
     rank = dist.get_rank() if dist.is_initialized() else 0

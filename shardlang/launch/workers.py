@@ -18,10 +18,8 @@ import queue
 import signal
 import socket
 import sys
-import sysconfig
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -29,125 +27,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-
-class WorkerError(RuntimeError):
-    """A job failed on a worker (or a worker died, or the workers did not start).
-
-    `details` is the whole traceback; `user` the frames of it in the user's own files (their model
-    file, their styles), one `file:line in function: code` each, which is what a user needs; `diagnostics` the
-    Diagnostics when the job said where in the plan it failed (a check that raised: SL400 at the check, and
-    at the rule of the module that was running)."""
-
-    def __init__(
-        self,
-        rank: int,
-        message: str,
-        details: str = "",
-        user: tuple[str, ...] = (),
-        diagnostics: tuple[Any, ...] = (),
-        died: bool = False,
-        summary: str | None = None,
-        kind: str = "raised",
-    ):
-        super().__init__(f"rank {rank}: {message}")
-        self.rank, self.message, self.details, self.user = rank, message, details, user
-        self.diagnostics, self.died = tuple(diagnostics), died
-        self.summary = summary  # the one line that says what happened (default: `rank R failed: message`)
-        #: What ended the job: "raised", "died", "timeout" (a job past its time) or "startup" (the workers
-        #: did not all start); and what every rank last said (WorkerPool.ranks), set by the pool.
-        self.kind = "died" if died else kind
-        self.ranks: list[dict[str, Any]] = []
-
-    @property
-    def headline(self) -> str:
-        if self.summary is not None:
-            return self.summary
-        first = self.message.splitlines()[0] if self.message else ""
-        return f"rank {self.rank} {'died' if self.died else 'failed'}: {first}"
-
-    @property
-    def diagnostic(self) -> Any:
-        """The first diagnostic (the check's SL400), or None."""
-        return self.diagnostics[0] if self.diagnostics else None
-
-    def __str__(self) -> str:
-        text = f"rank {self.rank}: {self.message}"
-        return f"{text}\n{self.details.rstrip()}" if self.details else text
-
-
-#: Where code that is not the user's lives: shardlang, torch, the standard library, installed packages.
-def _library_dirs() -> tuple[str, ...]:
-    dirs = {str(Path(__file__).resolve().parents[1])}
-    try:
-        import torch
-
-        dirs.add(str(Path(torch.__file__).resolve().parent))
-    except ImportError:
-        pass
-    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-        path = sysconfig.get_paths().get(key)
-        if path:
-            dirs.add(str(Path(path).resolve()))
-    return tuple(sorted(dirs))
-
-
-def chain(error: BaseException) -> list[BaseException]:
-    """`error` and what caused it, the first cause first (whose traceback reaches deepest)."""
-    found, seen = [], set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        found.append(error)
-        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
-    return found[::-1]
-
-
-def user_stack(error: BaseException, limit: int = 6) -> list[traceback.FrameSummary]:
-    """The frames of `error`'s traceback (and of what caused it) that are in the user's own files, innermost
-    last: what to show instead of shardlang's and torch's internals."""
-    frames = []
-    for e in chain(error):
-        for frame in traceback.extract_tb(e.__traceback__):
-            if package_of(frame.filename) is None:
-                frames.append(frame)
-    return frames[-limit:]
-
-
-def package_of(filename: str) -> tuple[str, str] | None:
-    """For a file that is not the user's: the package it belongs to, with its version where installed
-    (`transformers 5.24.0`, `torch 2.13.0`, `shardlang 0.4`, `python 3.11`), and its path inside the
-    directory it was installed in (`transformers/models/llama/modeling_llama.py`). None for the user's
-    own files (a model file, their styles, a package of theirs outside site-packages)."""
-    if filename.startswith("<"):
-        return "python", filename
-    path = str(Path(filename).resolve())
-    for root in sorted(_library_dirs(), key=len, reverse=True):  # site-packages before the stdlib holding it
-        if path.startswith(root + os.sep):
-            inside = Path(path).relative_to(root)
-            if root.endswith(("shardlang", "torch")):  # the package directory itself, not its parent
-                inside = Path(Path(root).name) / inside
-            return _versioned(inside.parts[0], root), str(inside)
-    return None
-
-
-def _versioned(top: str, root: str) -> str:
-    from importlib import metadata
-
-    if top.endswith(".py") or root in (sysconfig.get_paths().get("stdlib"), sysconfig.get_paths().get("platstdlib")):
-        return f"python {sys.version_info[0]}.{sys.version_info[1]}"
-    for name in metadata.packages_distributions().get(top, [top]):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            return f"{top} {metadata.version(name)}"
-    return top
-
-
-def where(frame: traceback.FrameSummary) -> str:
-    """`examples/model.py:12 in forward: raise ValueError(...)`, the path relative to here where it can be."""
-    path = Path(frame.filename)
-    with contextlib.suppress(ValueError):
-        path = path.resolve().relative_to(Path.cwd())
-    code = f": {frame.line.strip()}" if frame.line else ""
-    return f"{path}:{frame.lineno} in {frame.name}{code}"
-
+from .failures import WorkerError, failure_of, worker_error
 
 #: Set in a pool worker while a job runs: sends a progress message to the launcher.
 _progress = None
@@ -242,7 +122,7 @@ def _worker(
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     except Exception as e:  # noqa: BLE001
-        results.put((None, rank, "error", _failure(e)))
+        results.put((None, rank, "error", failure_of(e)))
         return
     results.put((None, rank, "ready", None))
     while True:
@@ -256,31 +136,13 @@ def _worker(
             fn, args, kwargs = pickle.loads(payload)
             value = pickle.dumps(fn(*args, **kwargs))
         except BaseException as e:  # noqa: BLE001 - report anything, including SystemExit
-            results.put((job_id, rank, "error", _failure(e)))
+            results.put((job_id, rank, "error", failure_of(e)))
             continue
         results.put((job_id, rank, "ok", value))
     try:
         destroy_process_groups()
     except Exception:  # noqa: BLE001 - teardown problems after the last job are not the job's
         pass
-
-
-def _failure(error: BaseException) -> dict[str, Any]:
-    """What the launcher needs to report a job's exception (plain data: it crosses a queue)."""
-    from ..runtime.modelfile import ModelFileError
-
-    message = str(error) if isinstance(error, ModelFileError) else f"{type(error).__name__}: {error}"
-    diagnostics = tuple(getattr(error, "diagnostics", ()))
-    try:
-        pickle.dumps(diagnostics)
-    except Exception:  # noqa: BLE001 - diagnostics that do not pickle are left out
-        diagnostics = ()
-    return {
-        "message": getattr(error, "summary", None) or message,
-        "details": "".join(traceback.format_exception(error)),
-        "user": tuple(where(f) for f in user_stack(error)),
-        "diagnostics": diagnostics,
-    }
 
 
 def destroy_process_groups() -> None:
@@ -290,7 +152,7 @@ def destroy_process_groups() -> None:
     destructors with its threads still joinable, and the process aborts ("terminate called without
     an active exception"; torch 2.13, about one torchrun exit in two). Collecting first lets most
     groups go while Python is alive (one torchrun exit in ten still aborted, so torchrun workers
-    also leave with os._exit: cli.main._exit_now).
+    also leave with os._exit: cli.signals.exit_now).
     """
     import gc
 
@@ -346,15 +208,11 @@ def _tell_ranks(error: BaseException, ranks: list[dict[str, Any]]) -> None:
             error.ranks = ranks
 
 
-def _error(rank: int, failure: dict[str, Any]) -> WorkerError:
-    return WorkerError(rank, failure["message"], failure["details"], failure["user"], failure["diagnostics"])
-
-
 def error_of(rank: int, error: BaseException) -> WorkerError:
     """This process's own failure as the launcher would report a worker's (a rank under torchrun, where
     no launcher collects the ranks: it can say only what it did itself)."""
-    failure = _failure(error)
-    found = _error(rank, failure)
+    failure = failure_of(error)
+    found = worker_error(rank, failure)
     found.ranks = [{"rank": rank, "said": _said, "state": "raised", "error": failure["message"]}]
     return found
 
@@ -497,7 +355,7 @@ class WorkerPool:
                 continue
             if status == "error":
                 self._ended[rank] = {"state": "raised", "error": value["message"]}
-                raise self._root_cause(_error(rank, value))
+                raise self._root_cause(worker_error(rank, value))
             values[rank] = value
             self._ended[rank] = {"state": "done" if job_id is not None else "ready"}
             if job_id is None:
@@ -530,7 +388,7 @@ class WorkerPool:
                 continue
             if status == "error":
                 self._ended[rank] = {"state": "raised", "error": value["message"]}
-                errors.append(_error(rank, value))
+                errors.append(worker_error(rank, value))
         self.stop()
         causes = [e for e in errors if not any(s in e.message for s in self._SYMPTOMS)]
         return (causes or errors)[0]
