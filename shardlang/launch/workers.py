@@ -10,14 +10,12 @@ other ranks may be waiting in a collective that will never complete, so they are
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import pickle
 import queue
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,6 +25,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from ..runtime.lifetime import die_with
 from .failures import WorkerError, failure_of, worker_error
 
 #: Set in a pool worker while a job runs: sends a progress message to the launcher.
@@ -54,28 +53,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with(parent: int, deathsig: bool = True) -> None:
-    """End this worker when the launcher dies, whatever killed it (SIGTERM, the OOM killer's SIGKILL):
-    the kernel's parent-death signal on Linux, and a thread watching the parent's pid everywhere (for
-    other systems, and for the moment before prctl took effect). The kernel sends that signal when the
-    parent *thread* that started the worker ends, so `deathsig` is off for a pool started from a thread
-    other than the main one, and only the watcher acts."""
-    if deathsig and sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:
-        os._exit(1)  # the launcher died before prctl
-
-    def watch() -> None:
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="shardlang-parent-watch", daemon=True).start()
-
-
 def _worker(
     rank: int,
     world_size: int,
@@ -91,7 +68,7 @@ def _worker(
     # Ctrl-C is the launcher's to handle (it stops every worker): a worker prints no KeyboardInterrupt.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if parent is not None:
-        _die_with(parent, deathsig)
+        die_with(parent, deathsig)
     if log is not None:
         # What torch and gloo print (C++ warnings, logged tracebacks, teardown notices) goes to a file: the
         # launcher reports failures itself, and shows these logs with --debug.
@@ -162,7 +139,9 @@ def destroy_process_groups() -> None:
     dist.destroy_process_group()
 
 
-def _fresh(fn, args, results) -> None:
+def _fresh(fn, args, results, parent: int | None = None, deathsig: bool = True) -> None:
+    if parent is not None:
+        die_with(parent, deathsig)
     try:
         results.put(("ok", pickle.dumps(fn(*args))))
     except BaseException as e:  # noqa: BLE001 - any failure goes back to the caller
@@ -176,13 +155,15 @@ def in_fresh_process(fn: Callable[..., Any], *args: Any, timeout_s: float = 600.
     """`fn(*args)` in a newly spawned process (no state of this one), its result or its exception."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    proc = ctx.Process(target=_fresh, args=(fn, args, results), daemon=True)
+    main = threading.current_thread() is threading.main_thread()
+    proc = ctx.Process(target=_fresh, args=(fn, args, results, os.getpid(), main), daemon=True)
     proc.start()
-    deadline = time.monotonic() + timeout_s
+    deadline, returned = time.monotonic() + timeout_s, False
     try:
         while True:
             try:
                 status, payload = results.get(timeout=0.5)
+                returned = True
                 break
             except queue.Empty:
                 if not proc.is_alive():
@@ -190,10 +171,13 @@ def in_fresh_process(fn: Callable[..., Any], *args: Any, timeout_s: float = 600.
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no result within {timeout_s:.0f} s") from None
     finally:
-        if proc.is_alive():
+        # After its result, it gets a moment to exit; on a timeout, an error or an interrupt here (explain's
+        # --timeout, Ctrl-C), it is killed at once: nothing is left running once this returns or raises.
+        if returned:
             proc.join(5)
         if proc.is_alive():
             proc.kill()
+        proc.join(5)
     value = pickle.loads(payload)
     if status == "error":
         raise value
