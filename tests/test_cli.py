@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -74,6 +75,59 @@ def test_library_verify_stays_a_function_after_the_checks_are_imported():
     code = "import shardlang, shardlang.explain.simulate, shardlang.launch.job; assert callable(shardlang.verify), shardlang.verify"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr
+
+
+def test_compile_prints_python_without_emit(capsys, monkeypatch):
+    """`--emit python` is compile's only choice: the default, and still accepted."""
+    monkeypatch.chdir(ROOT)
+    assert main(["compile", "plans/mlp_tp.sl", "--emit", "python"]) == 0
+    given = capsys.readouterr().out
+    assert main(["compile", "plans/mlp_tp.sl"]) == 0
+    assert given and capsys.readouterr().out == given
+
+
+def _explain(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "shardlang", "explain", *args], capture_output=True, text=True, cwd=ROOT, timeout=600
+    )
+
+
+FIXED_TP = """shardlang 1
+mesh world = cpu[tp=2]
+parallelize on world.tp {
+    net1 : colwise
+    net2 : rowwise
+}
+"""
+
+
+@pytest.mark.distributed
+def test_explain_takes_the_world_the_plan_fixes(tmp_path):
+    """explain needs --world only where the meshes leave it open (an `auto` dim): as apply and compile do."""
+    plan = tmp_path / "fixed.sl"
+    plan.write_text(FIXED_TP)
+    done = _explain(str(plan), "examples/mlp.py", "--no-step")
+    assert done.returncode == 0, done.stderr
+    assert "at world 2" in done.stdout, done.stdout
+    auto = _explain("plans/mlp_tp.sl", "examples/mlp.py", "--no-step")
+    assert auto.returncode == 2 and auto.stdout == "", auto.stdout
+    assert "shardlang: error: mesh 'world' has an auto dim: give the world size with --world N" in auto.stderr
+
+
+@pytest.mark.distributed
+def test_explain_compare_without_the_step_compares_what_ranks_hold(tmp_path):
+    """Without the step there is no peak, no bytes sent and no time: the comparison shows what rank R and the
+    largest rank hold (it was a table of headers alone)."""
+    plan = tmp_path / "fixed.sl"
+    plan.write_text(FIXED_TP)
+    done = _explain("plans/mlp_tp.sl", "examples/mlp.py", "--world", "2", "--no-step", "--compare", str(plan))
+    assert done.returncode == 0, done.stderr
+    compared = done.stdout.split(f"plans/mlp_tp.sl against {plan}", 1)[1]
+    assert "drop --no-step" in compared
+    for row in ("rank 0: parameters", "rank 0: gradients", "rank 0: optimizer states", "largest rank's total"):
+        assert re.search(rf"{row} +│ +[\d.]+ [KMG]?i?B │ +[\d.]+ [KMG]?i?B │ +[+-][\d.]+ [KMG]?i?B │", compared), (
+            compared
+        )
 
 
 HANGS = """

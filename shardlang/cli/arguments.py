@@ -95,7 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     explain.add_argument("plan", metavar="PLAN", help="the .sl plan file")
     add_model(explain, required=False)
-    explain.add_argument("--world", type=_positive, metavar="N", required=True, help="the world size to simulate")
+    explain.add_argument(
+        "--world", type=_positive, metavar="N", help="the world size to simulate (default: what the meshes fix)"
+    )
     explain.add_argument(
         "--rank", type=_non_negative, default=0, metavar="R", help="the rank whose view to show (default 0)"
     )
@@ -148,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model(compile_, required=False)
     compile_.add_argument("--world", type=_positive, metavar="N", help="world size (default: what the meshes fix)")
     add_params(compile_)
-    compile_.add_argument("--emit", choices=("python",), required=True, help="what to print: python")
+    compile_.add_argument("--emit", choices=("python",), default="python", help="what to print (default python)")
     compile_.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
 
     init = commands.add_parser(

@@ -8,9 +8,10 @@ import json
 import sys
 
 from rich.console import Console
+from rich.table import Table
 
 from ...frontend.diagnostics import PlanError, sort_key
-from ..inputs import compile_plan, load_model, meta_model
+from ..inputs import compile_plan, load_model, meta_model, plan_world
 from ..output import check_output, emit_diagnostics, explanation_data, write_output
 from ..signals import time_limit
 from ..status import OK, UNUSABLE, UsageError
@@ -18,7 +19,7 @@ from ..status import OK, UNUSABLE, UsageError
 
 def run_explain(args: argparse.Namespace) -> int:
     """Per-parameter layouts, per-rank memory, one step's collectives, peak memory and time at `--world N`
-    (docs/language.md §8); `--compare` a second plan, `--fit` the largest batch."""
+    (or the world the plan's meshes fix; docs/language.md §8); `--compare` a second plan, `--fit` the largest batch."""
     from ...explain.pictures import render_compare, render_svg, render_text
     from ...explain.simulate import explain
     from ...explain.timing import hardware, parse_number, parse_size
@@ -29,8 +30,6 @@ def run_explain(args: argparse.Namespace) -> int:
         raise UsageError(
             "explain needs a model: MODEL (a file defining build_model), --entry package.module:function or --hf PATH"
         )
-    if not 0 <= args.rank < args.world:
-        raise UsageError(f"--rank {args.rank} is not in a world of {args.world}")
     try:
         machine = hardware(
             args.gpu,
@@ -42,19 +41,23 @@ def run_explain(args: argparse.Namespace) -> int:
         fit = parse_size(args.fit) if args.fit else None
     except ValueError as e:
         raise UsageError(str(e)) from None
-    explanations = []
+    explanations, world = [], args.world
     for path in (args.plan, args.compare) if args.compare else (args.plan,):
-        plan, found, sources = compile_plan(path, args.params, args.world)
+        plan, found, sources = compile_plan(path, args.params, world)
         if plan is None:
             emit_diagnostics(found, sources, "text", stream=sys.stderr)
             return UNUSABLE
+        if world is None:  # the world the first plan's meshes fix, which --compare's plan is explained at too
+            world = plan_world(plan, None)
+        if not 0 <= args.rank < world:
+            raise UsageError(f"--rank {args.rank} is not in a world of {world}")
         try:
             with time_limit(args.timeout, "explain (building the model and simulating the step)"):
                 explanations.append(
                     explain(
                         plan,
                         meta_model(model_file),
-                        args.world,
+                        world,
                         args.rank,
                         model_file,
                         blocks_for=args.param,
@@ -82,11 +85,42 @@ def run_explain(args: argparse.Namespace) -> int:
         console = Console(file=stream if args.output else sys.stdout, highlight=False, soft_wrap=False, width=160)
         for one in explanations:
             render_text(one, console, args.param)
-        if args.compare:
+        if args.compare and any(e.peak is not None or e.collectives or e.time is not None for e in explanations):
             render_compare(*explanations, console)
+        elif args.compare:  # no step (--no-step, or no example_input): what each rank holds is what compares
+            render_held_compare(*explanations, console)
         text = stream.getvalue() if args.output else None
     if text is not None and args.output:
         write_output(args.output, text)
     elif text is not None:
         sys.stdout.write(text)
     return OK
+
+
+def render_held_compare(a, b, console: Console) -> None:
+    """Two plans side by side without a simulated step, which has the peak, the bytes sent and the step time:
+    what rank R and the largest rank hold for training (the memory-per-rank table's columns)."""
+    from ...explain.pictures import size
+
+    console.print(
+        f"\n[bold]{a.plan}[/bold] against [bold]{b.plan}[/bold] at world {a.world_size}, rank {a.rank}: what each"
+        " rank holds (peak memory, bytes sent and step time need the training step: drop --no-step)"
+    )
+    table = Table(header_style="bold")
+    for column, justify in (("", "left"), (a.plan, "right"), (b.plan, "right"), ("difference", "right")):
+        table.add_column(column, justify=justify)
+
+    def row(label: str, x: int, y: int) -> None:
+        table.add_row(label, size(x), size(y), ("+" if y >= x else "-") + size(abs(y - x)))
+
+    mine, theirs = a.this_rank, b.this_rank
+    for label, field in (
+        ("parameters", "params"),
+        ("gradients", "grads"),
+        ("optimizer states", "optimizer"),
+        ("gathered (largest unit)", "gathered"),
+    ):
+        row(f"rank {a.rank}: {label}", getattr(mine, field), getattr(theirs, field))
+    row(f"rank {a.rank}: total", mine.total, theirs.total)
+    row("largest rank's total", a.largest.total, b.largest.total)
+    console.print(table)
