@@ -355,7 +355,7 @@ def test_frames_are_told_apart_by_package_and_version():
     import torch.nn.functional as F
 
     from shardlang.launch import job
-    from shardlang.launch.workers import package_of
+    from shardlang.launch.frames import package_of
 
     assert package_of(F.__file__) == (f"torch {torch.__version__}", "torch/nn/functional.py")
     assert package_of(job.__file__)[1] == "shardlang/launch/job.py"
@@ -383,3 +383,23 @@ def test_a_job_past_its_time_is_a_timeout_with_what_each_rank_said():
     assert raised.value.kind == "timeout" and "timed out after 1 s: rank 0 still running" in raised.value.headline
     assert raised.value.ranks == [{"rank": 0, "said": "running its job", "state": "running"}]
     assert pool.broken
+
+
+def test_a_check_that_compared_nothing_is_a_note_said_once():
+    """The note read "compared nothing: nothing compared: ...", and was printed as a yellow `warning:` on a
+    run that failed because of it (exit 2): it is the run's own account, printed as a note."""
+    from rich.console import Console
+
+    from shardlang.launch.job import unanswered
+    from shardlang.launch.report import Report, render
+    from shardlang.verification import SKIPPED, CheckResult
+
+    skipped = CheckResult("module_states", SKIPPED, "nothing compared: no mesh dim has replicas of any tensor", 0.1)
+    note = unanswered(skipped)
+    assert note == "check module_states was asked for but compared nothing: no mesh dim has replicas of any tensor"
+    report = Report(ok=False, world_size=2, device="cpu (gloo)", checks=(skipped,), notes=(note,), usable=False)
+    console = Console(record=True, width=200)
+    render(report, {}, console)
+    text = console.export_text()
+    assert f"note: {note}" in text and "warning:" not in text, text
+    assert report.to_json()["warnings"] == [note]  # the JSON keeps notes where they were

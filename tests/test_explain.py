@@ -584,7 +584,7 @@ def test_explain_a_pipelined_plan():
 
     from examples.llama import DIM, SEQ
     from examples.llama_pipeline import build_model, example_input, loss
-    from shardlang.cli.main import explanation_data
+    from shardlang.cli.output import explanation_data
 
     with torch.device("meta"):
         model = build_model()

@@ -179,3 +179,21 @@ def test_a_misspelt_diagnostic_code_fails_where_it_is_written():
         diagnostics.Diagnostic("SL999", "no such code")
     assert diagnostics.Diagnostic(diagnostics.SL201, "x").code == "SL201"
     assert set(diagnostics.CODES) == {code.name for code in diagnostics.Code}
+
+
+@pytest.mark.parametrize(
+    "text, line, col",
+    [
+        ("mesh world = cpu[dp=2]\nparam tp = 1{zeros}\n", 2, 12),
+        ("shardlang 1{zeros}\nmesh world = cpu[dp=2]\n", 1, 11),
+        ("mesh world = cpu[dp=1{zeros}]\n", 1, 21),
+    ],
+    ids=["param", "version", "mesh"],
+)
+def test_a_number_of_thousands_of_digits_is_sl102_at_it(text, line, col):
+    """Python's int() refuses text of over 4,300 digits (ValueError, a traceback): the plan's number is SL102."""
+    with pytest.raises(shardlang.PlanError) as raised:
+        shardlang.loads(text.format(zeros="0" * 5000))
+    (d,) = raised.value.diagnostics
+    assert (d.code, d.span.line, d.span.col) == ("SL102", line, col), d
+    assert "5,001 digits" in d.message

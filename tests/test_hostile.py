@@ -180,7 +180,7 @@ def test_numeric_flags_are_checked_when_parsed(args, capsys):
 def test_seed_takes_what_torch_manual_seed_takes():
     import torch
 
-    from shardlang.cli.main import SEEDS
+    from shardlang.cli.arguments import SEEDS
 
     torch.manual_seed(SEEDS.start)
     torch.manual_seed(SEEDS.stop - 1)

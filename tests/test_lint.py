@@ -196,21 +196,20 @@ def test_sl210_says_when_it_could_not_trace():
 def test_a_forward_that_never_returns_is_not_traced_for_ever(monkeypatch):
     """The trace runs the user's forward in the command's own process, before any worker (and its
     --timeout) exists: a forward that never returns leaves the order unknown after TRACE_S, saying so."""
-    import importlib
     import time
     import types
 
-    main = importlib.import_module("shardlang.cli.main")  # the module (shardlang.cli.main is also its function)
+    from shardlang.cli import inputs
 
     class Hangs(torch.nn.Module):
         def forward(self, x):
             while True:
                 time.sleep(0.01)
 
-    monkeypatch.setattr(main, "TRACE_S", 0.3)
+    monkeypatch.setattr(inputs, "TRACE_S", 0.3)
     start = time.monotonic()
     model_file = types.SimpleNamespace(example_input=lambda batch, g: torch.zeros(batch, 2), origin="hangs.py")
-    order = main._order_always(Hangs(), model_file)
+    order = inputs.order_always(Hangs(), model_file)
     assert not order.traced and "did not finish within 0.3 s" in order.why, order
     assert time.monotonic() - start < 5
 

@@ -400,3 +400,30 @@ def render_svg(e: Explanation, pattern: str | None) -> str:
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{max(y, 60):.0f}" '
         f'viewBox="0 0 {width} {max(y, 60):.0f}">\n{body}\n</svg>\n'
     )
+
+
+def render_held_compare(a, b, console: Console) -> None:
+    """Two plans side by side without a simulated step, which has the peak, the bytes sent and the step time:
+    what rank R and the largest rank hold for training (the memory-per-rank table's columns)."""
+    console.print(
+        f"\n[bold]{a.plan}[/bold] against [bold]{b.plan}[/bold] at world {a.world_size}, rank {a.rank}: what each"
+        " rank holds (peak memory, bytes sent and step time need the training step: drop --no-step)"
+    )
+    table = Table(header_style="bold")
+    for column, justify in (("", "left"), (a.plan, "right"), (b.plan, "right"), ("difference", "right")):
+        table.add_column(column, justify=justify)
+
+    def row(label: str, x: int, y: int) -> None:
+        table.add_row(label, size(x), size(y), ("+" if y >= x else "-") + size(abs(y - x)))
+
+    mine, theirs = a.this_rank, b.this_rank
+    for label, field in (
+        ("parameters", "params"),
+        ("gradients", "grads"),
+        ("optimizer states", "optimizer"),
+        ("gathered (largest unit)", "gathered"),
+    ):
+        row(f"rank {a.rank}: {label}", getattr(mine, field), getattr(theirs, field))
+    row(f"rank {a.rank}: total", mine.total, theirs.total)
+    row("largest rank's total", a.largest.total, b.largest.total)
+    console.print(table)

@@ -15,7 +15,7 @@ from lark.lexer import PatternStr
 from . import syntax
 from .diagnostics import SL100, SL101, SL102, Diagnostic, did_you_mean
 from .source import MAX_PLAN_BYTES, Source, Span
-from .transformer import Build
+from .transformer import Build, NumberTooLong
 
 #: Words that start a statement, for "did you mean" and for finding where to resume after an error.
 STATEMENT_KEYWORDS = (
@@ -107,6 +107,8 @@ def parse(source: Source) -> tuple[syntax.Module | None, list[Diagnostic]]:
     while len(diagnostics) < MAX_SYNTAX_ERRORS:
         try:
             module = _run(text, source.name, "start")
+        except NumberTooLong as e:  # a value no plan means, too long even to convert: not parsed further
+            return None, [*diagnostics, Diagnostic(SL102, str(e), e.span, label="too long")]
         except UnexpectedInput as e:
             diagnostics.append(_syntax_error(e, source))
             at_end = isinstance(e, UnexpectedToken) and e.token.type == "$END" or e.pos_in_stream is None
@@ -126,7 +128,7 @@ def parse_value(text: str, origin: str) -> syntax.Value | None:
     """A value written outside a plan, e.g. `-D tp=4`; None when it is not one (the caller takes it as a string)."""
     try:
         return _run(text, origin, "param_value")
-    except UnexpectedInput:
+    except (UnexpectedInput, NumberTooLong):
         return None
 
 

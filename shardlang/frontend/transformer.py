@@ -38,6 +38,18 @@ def _end(item) -> tuple[int, int] | None:
     return (span.end_line, span.end_col) if span else None
 
 
+#: The most digits an integer in a plan may have: no size, count or seed comes near (2**64 has 20).
+MAX_DIGITS = 100
+
+
+class NumberTooLong(Exception):
+    """An integer with more than MAX_DIGITS digits: parse reports it as SL102 at `span`."""
+
+    def __init__(self, digits: int, span: Span):
+        super().__init__(f"a number of {digits:,} digits; the most a plan takes is {MAX_DIGITS}")
+        self.digits, self.span = digits, span
+
+
 class Build(Transformer):
     """One method per grammar rule, each given the rule's children (all tokens kept) and returning a node.
 
@@ -66,8 +78,8 @@ class Build(Transformer):
         return children[0]
 
     def version(self, children):
-        number = children[1]
-        return s.VersionStmt(s.Int(int(number), self._tok(number)), self._cover(children))
+        number = self.number([children[1]])
+        return s.VersionStmt(number, self._cover(children))
 
     def param(self, children):
         name, value = _parts(children)
@@ -190,6 +202,9 @@ class Build(Transformer):
     def number(self, children):
         (token,) = children
         if re.fullmatch(r"-?[0-9]+", token.value):
+            digits = len(token.value.lstrip("-"))
+            if digits > MAX_DIGITS:  # past Python's own limit on int(text) too (4,300 digits)
+                raise NumberTooLong(digits, self._tok(token))
             return s.Int(int(token.value), self._tok(token))
         return s.Float(float(token.value), self._tok(token))
 

@@ -182,19 +182,26 @@ def _run(job: Job) -> Report:
         ("total", total),
     )
     seconds = {name: getattr(t, "seconds", t) for name, t in stages if t is not None}
-    notes += tuple(f"check {c.check} was asked for but compared nothing: {c.message}" for c in unrun)
+    notes += tuple(unanswered(c) for c in unrun)
     return Report(
         ok=not failures and not unrun,
         world_size=world,
         device=_device(plan),
         checks=checks,
         diagnostics=warnings + failures,
-        warnings=notes,
+        notes=notes,
         usable=not unrun,
         seconds=seconds,
         layout=shape,
         checkpoints=transfers,
     )
+
+
+def unanswered(result) -> str:
+    """The note on a check that was asked for and compared nothing: its reason said once (the checks'
+    messages themselves start `nothing compared: ...`)."""
+    why = result.message.removeprefix("nothing compared: ")
+    return f"check {result.check} was asked for but compared nothing: {why}"
 
 
 def _failure(result, checks) -> tuple[Diagnostic, ...]:
@@ -230,7 +237,7 @@ def _raised(ctx: Context, name: str, checks, error: Exception, finished: dict[st
     """SL400 at the check's statement for a check that raised, with the user's frames as help; and where
     a module of the sharded model was running (its forward or its hooks), SL400 at the plan statement
     that governs it, with the line of its code that was running and the package that code belongs to."""
-    from .workers import package_of, user_stack, where
+    from .frames import package_of, user_stack, where
 
     what = raised.summary(error)
     rank = dist.get_rank() if dist.is_initialized() else 0

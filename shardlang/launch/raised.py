@@ -74,7 +74,7 @@ def module_text(found) -> str:
 
 
 def filenames(error: BaseException) -> list[str]:
-    from .workers import chain
+    from .frames import chain
 
     return [tb.tb_frame.f_code.co_filename for e in chain(error) for tb in _tracebacks(e)]
 
@@ -93,7 +93,7 @@ def raising_module(model: torch.nn.Module, error: BaseException):
     import traceback
 
     from ..verification.localise import plain_name
-    from .workers import chain
+    from .frames import chain
 
     names = {id(m): plain_name(n) for n, m in model.named_modules()}
     found = None
@@ -111,7 +111,7 @@ def raising_module(model: torch.nn.Module, error: BaseException):
 def place(frame) -> str:
     """`transformers/models/llama/modeling_llama.py:123 in forward, transformers 5.24.0: code`, or the
     user's own file as `where` writes it."""
-    from .workers import package_of, where
+    from .frames import package_of, where
 
     found = package_of(frame.filename)
     if found is None:

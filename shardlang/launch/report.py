@@ -25,6 +25,9 @@ class Report:
     checks: tuple[CheckResult, ...] = ()
     diagnostics: tuple[Diagnostic, ...] = ()  # lint warnings, and errors when the plan or a check failed
     warnings: tuple[str, ...] = ()  # not diagnostics of the plan: e.g. a worker's abnormal teardown
+    #: What the run says about itself, which is no warning: a check asked for that compared nothing (why the
+    #: run exits 2), a --save not done because a check failed. In the JSON's `warnings`, ahead of the warnings.
+    notes: tuple[str, ...] = ()
     seconds: dict[str, float] = field(factory=dict)  # apply, checks, total
     layout: str = ""
     checkpoints: dict[str, Transfer] = field(factory=dict)  # "loaded" and "saved", where --load / --save ran
@@ -60,7 +63,7 @@ class Report:
             "checks": [c.to_json() for c in self.checks],
             "skipped": [{"check": c.check, "message": c.message} for c in self.skipped],
             "diagnostics": [d.to_json() for d in self.diagnostics],
-            "warnings": list(self.warnings),
+            "warnings": [*self.notes, *self.warnings],
             "checkpoint": {
                 k: self.checkpoints[k].to_json() if k in self.checkpoints else None for k in ("loaded", "saved")
             },
@@ -102,6 +105,8 @@ def render(report: Report, sources: dict[str, Source], console: Console) -> None
         console.print(render_all(report.diagnostics, sources), highlight=False, markup=False)
     for kind, transfer in report.checkpoints.items():
         console.print(f"{kind} {transfer.path}: {transfer.describe()}", highlight=False, markup=False)
+    for note in report.notes:  # plain, as the run's own account: the verdict below says how it ended
+        console.print(f"note: {note}", highlight=False, markup=False)
     for warning in report.warnings:
         console.print(f"warning: {warning}", highlight=False, markup=False, style="yellow")
     timing = ", ".join(f"{k} {v:.1f} s" for k, v in report.seconds.items())

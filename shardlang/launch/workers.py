@@ -10,18 +10,14 @@ other ranks may be waiting in a collective that will never complete, so they are
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import pickle
 import queue
 import signal
 import socket
-import sys
-import sysconfig
 import threading
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -29,125 +25,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-
-class WorkerError(RuntimeError):
-    """A job failed on a worker (or a worker died, or the workers did not start).
-
-    `details` is the whole traceback; `user` the frames of it in the user's own files (their model
-    file, their styles), one `file:line in function: code` each, which is what a user needs; `diagnostics` the
-    Diagnostics when the job said where in the plan it failed (a check that raised: SL400 at the check, and
-    at the rule of the module that was running)."""
-
-    def __init__(
-        self,
-        rank: int,
-        message: str,
-        details: str = "",
-        user: tuple[str, ...] = (),
-        diagnostics: tuple[Any, ...] = (),
-        died: bool = False,
-        summary: str | None = None,
-        kind: str = "raised",
-    ):
-        super().__init__(f"rank {rank}: {message}")
-        self.rank, self.message, self.details, self.user = rank, message, details, user
-        self.diagnostics, self.died = tuple(diagnostics), died
-        self.summary = summary  # the one line that says what happened (default: `rank R failed: message`)
-        #: What ended the job: "raised", "died", "timeout" (a job past its time) or "startup" (the workers
-        #: did not all start); and what every rank last said (WorkerPool.ranks), set by the pool.
-        self.kind = "died" if died else kind
-        self.ranks: list[dict[str, Any]] = []
-
-    @property
-    def headline(self) -> str:
-        if self.summary is not None:
-            return self.summary
-        first = self.message.splitlines()[0] if self.message else ""
-        return f"rank {self.rank} {'died' if self.died else 'failed'}: {first}"
-
-    @property
-    def diagnostic(self) -> Any:
-        """The first diagnostic (the check's SL400), or None."""
-        return self.diagnostics[0] if self.diagnostics else None
-
-    def __str__(self) -> str:
-        text = f"rank {self.rank}: {self.message}"
-        return f"{text}\n{self.details.rstrip()}" if self.details else text
-
-
-#: Where code that is not the user's lives: shardlang, torch, the standard library, installed packages.
-def _library_dirs() -> tuple[str, ...]:
-    dirs = {str(Path(__file__).resolve().parents[1])}
-    try:
-        import torch
-
-        dirs.add(str(Path(torch.__file__).resolve().parent))
-    except ImportError:
-        pass
-    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-        path = sysconfig.get_paths().get(key)
-        if path:
-            dirs.add(str(Path(path).resolve()))
-    return tuple(sorted(dirs))
-
-
-def chain(error: BaseException) -> list[BaseException]:
-    """`error` and what caused it, the first cause first (whose traceback reaches deepest)."""
-    found, seen = [], set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        found.append(error)
-        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
-    return found[::-1]
-
-
-def user_stack(error: BaseException, limit: int = 6) -> list[traceback.FrameSummary]:
-    """The frames of `error`'s traceback (and of what caused it) that are in the user's own files, innermost
-    last: what to show instead of shardlang's and torch's internals."""
-    frames = []
-    for e in chain(error):
-        for frame in traceback.extract_tb(e.__traceback__):
-            if package_of(frame.filename) is None:
-                frames.append(frame)
-    return frames[-limit:]
-
-
-def package_of(filename: str) -> tuple[str, str] | None:
-    """For a file that is not the user's: the package it belongs to, with its version where installed
-    (`transformers 5.24.0`, `torch 2.13.0`, `shardlang 0.4`, `python 3.11`), and its path inside the
-    directory it was installed in (`transformers/models/llama/modeling_llama.py`). None for the user's
-    own files (a model file, their styles, a package of theirs outside site-packages)."""
-    if filename.startswith("<"):
-        return "python", filename
-    path = str(Path(filename).resolve())
-    for root in sorted(_library_dirs(), key=len, reverse=True):  # site-packages before the stdlib holding it
-        if path.startswith(root + os.sep):
-            inside = Path(path).relative_to(root)
-            if root.endswith(("shardlang", "torch")):  # the package directory itself, not its parent
-                inside = Path(Path(root).name) / inside
-            return _versioned(inside.parts[0], root), str(inside)
-    return None
-
-
-def _versioned(top: str, root: str) -> str:
-    from importlib import metadata
-
-    if top.endswith(".py") or root in (sysconfig.get_paths().get("stdlib"), sysconfig.get_paths().get("platstdlib")):
-        return f"python {sys.version_info[0]}.{sys.version_info[1]}"
-    for name in metadata.packages_distributions().get(top, [top]):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            return f"{top} {metadata.version(name)}"
-    return top
-
-
-def where(frame: traceback.FrameSummary) -> str:
-    """`examples/model.py:12 in forward: raise ValueError(...)`, the path relative to here where it can be."""
-    path = Path(frame.filename)
-    with contextlib.suppress(ValueError):
-        path = path.resolve().relative_to(Path.cwd())
-    code = f": {frame.line.strip()}" if frame.line else ""
-    return f"{path}:{frame.lineno} in {frame.name}{code}"
-
+from ..runtime.lifetime import die_with
+from .failures import WorkerError, failure_of, worker_error
 
 #: Set in a pool worker while a job runs: sends a progress message to the launcher.
 _progress = None
@@ -174,28 +53,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with(parent: int, deathsig: bool = True) -> None:
-    """End this worker when the launcher dies, whatever killed it (SIGTERM, the OOM killer's SIGKILL):
-    the kernel's parent-death signal on Linux, and a thread watching the parent's pid everywhere (for
-    other systems, and for the moment before prctl took effect). The kernel sends that signal when the
-    parent *thread* that started the worker ends, so `deathsig` is off for a pool started from a thread
-    other than the main one, and only the watcher acts."""
-    if deathsig and sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:
-        os._exit(1)  # the launcher died before prctl
-
-    def watch() -> None:
-        while True:
-            time.sleep(0.5)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch, name="shardlang-parent-watch", daemon=True).start()
-
-
 def _worker(
     rank: int,
     world_size: int,
@@ -211,7 +68,7 @@ def _worker(
     # Ctrl-C is the launcher's to handle (it stops every worker): a worker prints no KeyboardInterrupt.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if parent is not None:
-        _die_with(parent, deathsig)
+        die_with(parent, deathsig)
     if log is not None:
         # What torch and gloo print (C++ warnings, logged tracebacks, teardown notices) goes to a file: the
         # launcher reports failures itself, and shows these logs with --debug.
@@ -242,7 +99,7 @@ def _worker(
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     except Exception as e:  # noqa: BLE001
-        results.put((None, rank, "error", _failure(e)))
+        results.put((None, rank, "error", failure_of(e)))
         return
     results.put((None, rank, "ready", None))
     while True:
@@ -256,31 +113,13 @@ def _worker(
             fn, args, kwargs = pickle.loads(payload)
             value = pickle.dumps(fn(*args, **kwargs))
         except BaseException as e:  # noqa: BLE001 - report anything, including SystemExit
-            results.put((job_id, rank, "error", _failure(e)))
+            results.put((job_id, rank, "error", failure_of(e)))
             continue
         results.put((job_id, rank, "ok", value))
     try:
         destroy_process_groups()
     except Exception:  # noqa: BLE001 - teardown problems after the last job are not the job's
         pass
-
-
-def _failure(error: BaseException) -> dict[str, Any]:
-    """What the launcher needs to report a job's exception (plain data: it crosses a queue)."""
-    from ..runtime.modelfile import ModelFileError
-
-    message = str(error) if isinstance(error, ModelFileError) else f"{type(error).__name__}: {error}"
-    diagnostics = tuple(getattr(error, "diagnostics", ()))
-    try:
-        pickle.dumps(diagnostics)
-    except Exception:  # noqa: BLE001 - diagnostics that do not pickle are left out
-        diagnostics = ()
-    return {
-        "message": getattr(error, "summary", None) or message,
-        "details": "".join(traceback.format_exception(error)),
-        "user": tuple(where(f) for f in user_stack(error)),
-        "diagnostics": diagnostics,
-    }
 
 
 def destroy_process_groups() -> None:
@@ -290,7 +129,7 @@ def destroy_process_groups() -> None:
     destructors with its threads still joinable, and the process aborts ("terminate called without
     an active exception"; torch 2.13, about one torchrun exit in two). Collecting first lets most
     groups go while Python is alive (one torchrun exit in ten still aborted, so torchrun workers
-    also leave with os._exit: cli.main._exit_now).
+    also leave with os._exit: cli.signals.exit_now).
     """
     import gc
 
@@ -300,7 +139,9 @@ def destroy_process_groups() -> None:
     dist.destroy_process_group()
 
 
-def _fresh(fn, args, results) -> None:
+def _fresh(fn, args, results, parent: int | None = None, deathsig: bool = True) -> None:
+    if parent is not None:
+        die_with(parent, deathsig)
     try:
         results.put(("ok", pickle.dumps(fn(*args))))
     except BaseException as e:  # noqa: BLE001 - any failure goes back to the caller
@@ -314,13 +155,15 @@ def in_fresh_process(fn: Callable[..., Any], *args: Any, timeout_s: float = 600.
     """`fn(*args)` in a newly spawned process (no state of this one), its result or its exception."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    proc = ctx.Process(target=_fresh, args=(fn, args, results), daemon=True)
+    main = threading.current_thread() is threading.main_thread()
+    proc = ctx.Process(target=_fresh, args=(fn, args, results, os.getpid(), main), daemon=True)
     proc.start()
-    deadline = time.monotonic() + timeout_s
+    deadline, returned = time.monotonic() + timeout_s, False
     try:
         while True:
             try:
                 status, payload = results.get(timeout=0.5)
+                returned = True
                 break
             except queue.Empty:
                 if not proc.is_alive():
@@ -328,10 +171,13 @@ def in_fresh_process(fn: Callable[..., Any], *args: Any, timeout_s: float = 600.
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no result within {timeout_s:.0f} s") from None
     finally:
-        if proc.is_alive():
+        # After its result, it gets a moment to exit; on a timeout, an error or an interrupt here (explain's
+        # --timeout, Ctrl-C), it is killed at once: nothing is left running once this returns or raises.
+        if returned:
             proc.join(5)
         if proc.is_alive():
             proc.kill()
+        proc.join(5)
     value = pickle.loads(payload)
     if status == "error":
         raise value
@@ -346,15 +192,11 @@ def _tell_ranks(error: BaseException, ranks: list[dict[str, Any]]) -> None:
             error.ranks = ranks
 
 
-def _error(rank: int, failure: dict[str, Any]) -> WorkerError:
-    return WorkerError(rank, failure["message"], failure["details"], failure["user"], failure["diagnostics"])
-
-
 def error_of(rank: int, error: BaseException) -> WorkerError:
     """This process's own failure as the launcher would report a worker's (a rank under torchrun, where
     no launcher collects the ranks: it can say only what it did itself)."""
-    failure = _failure(error)
-    found = _error(rank, failure)
+    failure = failure_of(error)
+    found = worker_error(rank, failure)
     found.ranks = [{"rank": rank, "said": _said, "state": "raised", "error": failure["message"]}]
     return found
 
@@ -497,7 +339,7 @@ class WorkerPool:
                 continue
             if status == "error":
                 self._ended[rank] = {"state": "raised", "error": value["message"]}
-                raise self._root_cause(_error(rank, value))
+                raise self._root_cause(worker_error(rank, value))
             values[rank] = value
             self._ended[rank] = {"state": "done" if job_id is not None else "ready"}
             if job_id is None:
@@ -530,7 +372,7 @@ class WorkerPool:
                 continue
             if status == "error":
                 self._ended[rank] = {"state": "raised", "error": value["message"]}
-                errors.append(_error(rank, value))
+                errors.append(worker_error(rank, value))
         self.stop()
         causes = [e for e in errors if not any(s in e.message for s in self._SYMPTOMS)]
         return (causes or errors)[0]

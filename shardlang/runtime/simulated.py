@@ -31,6 +31,7 @@ import torch.nn as nn
 from ..compiler import program as p
 from ..compiler.predict import PLAIN, Observed, Placed, unknown
 from ..frontend import ir
+from .lifetime import die_with, kill_and_reap
 from .steps import STEPS, Running
 from .torchcompat import strided_shard_class
 
@@ -216,6 +217,7 @@ def in_fork(fn: Callable[[], Any], timeout_s: float) -> tuple[str, Any]:
     import torch.testing._internal.distributed.fake_pg  # noqa: F401 - imported before the fork, not in the child
 
     read, write = os.pipe()
+    parent = os.getpid()
     try:
         pid = os.fork()
     except OSError as e:
@@ -224,6 +226,7 @@ def in_fork(fn: Callable[[], Any], timeout_s: float) -> tuple[str, Any]:
         return "failed", f"cannot fork: {_why(e)}"
     if pid == 0:  # the child
         try:
+            die_with(parent)  # killed with the command (SIGTERM, SIGKILL), never left running on its own
             os.close(read)
             quiet = os.open(os.devnull, os.O_WRONLY)
             os.dup2(quiet, 1)
@@ -239,20 +242,23 @@ def in_fork(fn: Callable[[], Any], timeout_s: float) -> tuple[str, Any]:
         finally:
             os._exit(0)
     os.close(write)
-    chunks, deadline = [], time.monotonic() + timeout_s
+    chunks, deadline, ended = [], time.monotonic() + timeout_s, False
     try:
         while True:
             ready, _, _ = select.select([read], [], [], max(0.0, deadline - time.monotonic()))
             if not ready:
-                os.kill(pid, 9)
                 return "failed", f"no result within {timeout_s:.0f} s"
             chunk = os.read(read, 1 << 16)
             if not chunk:
+                ended = True
                 break
             chunks.append(chunk)
     finally:
         os.close(read)
-        os.waitpid(pid, 0)
+        if ended:  # it wrote its result and is leaving
+            os.waitpid(pid, 0)
+        else:  # its time ran out, or this process is being stopped (a time limit, Ctrl-C): killed, not waited for
+            kill_and_reap(pid)
     if not chunks:
         return "failed", "the simulated run ended without a result"
     return pickle.loads(b"".join(chunks))

@@ -1,0 +1,103 @@
+"""`shardlang init`: a starter plan for a model, linted and then applied with its checks on CPU workers."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+
+from ...frontend.diagnostics import sort_key
+from ...frontend.ir import Plan
+from ...frontend.source import Source
+from ..inputs import load_model, meta_model, model_arg, order_always
+from ..launcher import run_local, worker_failed
+from ..output import Out, check_output, emit_diagnostics
+from ..signals import terminable
+from ..status import FOUND, OK, UNUSABLE, UsageError
+
+if TYPE_CHECKING:
+    from ...runtime.modelfile import ModelFile
+
+
+def run_init(args: argparse.Namespace) -> int:
+    """A starter plan on stdout (or -o), linted against the model at tp x dp (dp 2 where it is auto), then
+    applied there on CPU workers with all its checks (unless --no-check). The plan is written all the same,
+    to edit; the last line (stderr when the plan goes to stdout) says what was found: exit 0 when it lints
+    clean and passes its checks, 1 when lint found errors or a check failed, 2 when the checks could not
+    run (a model file without example_input says so, and exits 0 after a clean lint)."""
+    from ...compiler.lint import lint
+    from ...compiler.starter import init_plan
+    from ...frontend.read import read_source
+
+    check_output(args.output)
+    model_file = load_model(args)
+    if model_file is None:
+        raise UsageError(
+            "init needs a model: MODEL (a file defining build_model), --entry package.module:function or --hf PATH"
+        )
+    model = meta_model(model_file)
+    order = order_always(model, model_file)
+    text = init_plan(model, tp=args.tp, dp=args.dp, name=model_arg(args).strip(), order=order)
+    source = Source(args.output or "<init>", text)
+    plan, found = read_source(source, None, None)
+    world = plan.meshes[0].fixed_size * (1 if args.dp else 2) if plan is not None else args.tp * (args.dp or 2)
+    if plan is not None:
+        found = sorted([*found, *lint(plan, model, world, order=order).diagnostics], key=sort_key)
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+    emit_diagnostics(found, {source.name: source}, "text", stream=sys.stderr)
+    linted = f"linted at world {world}: {'clean' if not found else f'{len(found)} diagnostics'}"
+    if plan is None or any(d.is_error for d in found):
+        _said(args, f"{linted}; not applied: fix the errors first")
+        return FOUND
+    if not args.check:
+        _said(args, f"{linted}; not applied (--no-check): run `shardlang apply` before training with it")
+        return OK
+    if model_file.example_input is None:
+        _said(
+            args,
+            f"{linted}; not applied: {model_file.origin} defines no example_input(batch, generator), which the "
+            "gradients check needs: add one, or run `shardlang apply --verify ...` yourself",
+        )
+        return OK
+    return _check_init(args, plan, source, model_file, world, order)
+
+
+def _said(args: argparse.Namespace, what: str) -> None:
+    """init's verdict: after `wrote PLAN` on stdout, or on stderr when the plan itself went to stdout."""
+    if args.output:
+        print(f"wrote {args.output} ({what})")
+    else:
+        print(f"shardlang init: {what}", file=sys.stderr)
+
+
+def _check_init(args: argparse.Namespace, plan: Plan, source: Source, model_file: ModelFile, world: int, order) -> int:
+    """Apply init's plan at `world` on CPU workers (gloo), as `apply --device cpu` does, with its checks."""
+    from ...launch.failures import WorkerError
+    from ...launch.job import Job
+
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the plan's `auto` mesh means cpu here, as on the workers
+    job = Job(plan, {}, args.model, args.entry, plan.checks, 0, model_file=model_file if args.hf else None, order=order)
+    console = Console(file=sys.stderr, highlight=False)
+    try:
+        with terminable():
+            report, _ = run_local(job, world, "cpu", args.timeout, console, False, Out(json=False))
+    except WorkerError as e:
+        worker_failed(e, {source.name: source}, False, Out(json=False))
+        _said(args, f"applied at world {world} on CPU: it did not run to the end; do not train with it as it is")
+        return UNUSABLE
+    counts = report.summary
+    if report.ok and report.usable:
+        _said(args, f"linted clean and applied at world {world} on CPU: {counts or 'every check passed'}")
+        return OK
+    from ...launch.report import render
+
+    render(report, {source.name: source}, Console(file=sys.stderr, highlight=False, soft_wrap=True))
+    _said(args, f"applied at world {world} on CPU, its checks FAILED ({counts}): edit it before training with it")
+    return FOUND

@@ -1,0 +1,41 @@
+"""Child processes that do not outlive the process that started them, however it ends."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+
+
+def die_with(parent: int, deathsig: bool = True) -> None:
+    """End this child when `parent` dies, whatever killed it (SIGTERM, the OOM killer's SIGKILL): the
+    kernel's parent-death signal on Linux, and a thread watching the parent's pid everywhere (for other
+    systems, and for the moment before prctl took effect). The kernel sends that signal when the parent
+    *thread* that started the child ends, so `deathsig` is off for a child started from a thread other
+    than the main one (a pool's workers outlive such a thread), and only the watcher acts."""
+    if deathsig and sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(1)  # the parent died before prctl
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="shardlang-parent-watch", daemon=True).start()
+
+
+def kill_and_reap(pid: int) -> None:
+    """SIGKILL a child of this process (if it is still there) and wait for it: nothing left running, no zombie."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)
