@@ -216,3 +216,44 @@ def test_lint_without_a_model_does_not_import_torch():
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n"
     )
     assert done.returncode == 0, done.stderr
+
+
+#: The most lines a module of shardlang/ may hold: past it, a module does more than one job.
+LONGEST = 600
+
+
+def test_no_module_is_longer_than_600_lines():
+    lengths = {name: len(path.read_text(encoding="utf-8").splitlines()) for name, path in _modules().items()}
+    assert not {name: n for name, n in lengths.items() if n > LONGEST}
+
+
+def _private_uses(name: str, path: Path, modules: dict[str, Path]) -> list[str]:
+    """Another shardlang module's private (`_x`) names that `name` imports or reads as `module._x`."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found, aliases = [], {}
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            if not target.startswith("shardlang"):
+                continue
+            for alias in node.names:
+                if f"{target}.{alias.name}" in modules:
+                    aliases[alias.asname or alias.name] = f"{target}.{alias.name}"
+                elif alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{target}.{alias.name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+            if node.attr.startswith("_") and not node.attr.startswith("__"):
+                found.append(f"{aliases[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_module_uses_another_modules_private_names():
+    modules = _modules()
+    used = {name: _private_uses(name, path, modules) for name, path in modules.items()}
+    assert not {name: names for name, names in used.items() if names}
