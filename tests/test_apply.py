@@ -210,7 +210,7 @@ def test_plan_equals_handwritten(pools, case, world):
 
 
 def test_spec_placements_for_tp_and_fsdp(pools):
-    """docs/language.md §7's examples: colwise + FSDP, rowwise weight, rowwise bias (torch's own placements)."""
+    """docs/checks.md's examples: colwise + FSDP, rowwise weight, rowwise bias (torch's own placements)."""
     plan, model, hand, make_input, _ = CASES["tp_fsdp_2d"]
     placements = pools(4).run(jobs.same_as_handwritten, plan, model, f"tests.dist_jobs:{hand}", make_input)[0]
     colwise = "(_StridedShard(dim=0, sf=2), Shard(dim=0))" if fsdp_strided_shard() else "(Shard(dim=0), Shard(dim=0))"

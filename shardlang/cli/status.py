@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-#: Exit statuses (docs/language.md §5).
+#: Exit statuses (docs/diagnostics.md).
 OK, FOUND, UNUSABLE = 0, 1, 2
 
 

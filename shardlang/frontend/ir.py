@@ -220,7 +220,7 @@ class Sync:
 
 @frozen
 class Check:
-    """A verification check (docs/language.md §7) with its typed arguments."""
+    """A verification check (docs/checks.md) with its typed arguments."""
 
     name: str
     args: tuple[tuple[str, Any], ...]

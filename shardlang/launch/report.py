@@ -1,4 +1,4 @@
-"""The result of `shardlang apply`: one report from every rank's checks, as a table or as JSON (docs/language.md §7)."""
+"""The result of `shardlang apply`: one report from every rank's checks, as a table or as JSON (docs/checks.md)."""
 
 from __future__ import annotations
 

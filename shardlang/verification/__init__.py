@@ -1,4 +1,4 @@
-"""The verification checks (docs/language.md §7), each a real measurement on every rank after apply.
+"""The verification checks (docs/checks.md), each a real measurement on every rank after apply.
 
 One module per check; each exposes `run(ctx, check) -> Outcome` and is called on every rank in the
 same order (most of them talk to the other ranks). `run_checks` runs the requested ones, and

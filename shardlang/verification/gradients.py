@@ -1,5 +1,5 @@
 """gradients: each part of a training step of the sharded model, checked on its own inputs against an
-unsharded reference (docs/language.md §7 and §10).
+unsharded reference (docs/checks.md).
 
 Per step, on every rank, for its own data-parallel replica:
 1. the loss and every gradient (`full_tensor()`) against the unsharded model trained on every

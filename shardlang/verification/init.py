@@ -1,4 +1,4 @@
-"""init: the sharded model starts where an unsharded model would (docs/language.md §7).
+"""init: the sharded model starts where an unsharded model would (docs/checks.md).
 
 Runs before anything trains. An unsharded model is built from the model file with the job's seed, as
 `build_model()` returns it (initialised by the model's own code), and compared tensor by tensor, by name:

@@ -1,4 +1,4 @@
-"""The unsharded references of the gradients check and the tolerance rule they give (docs/language.md §7).
+"""The unsharded references of the gradients check and the tolerance rule they give (docs/checks.md).
 
 The truth is the unsharded model in float64; kernels without a float64 version (torch._grouped_mm, which
 transformers' mixtures of experts run on) are computed by float64 replacements (truth.py). Where the

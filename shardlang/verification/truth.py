@@ -1,4 +1,4 @@
-"""The gradients check's truth in float64, through kernels that have no float64 version (docs/language.md §7).
+"""The gradients check's truth in float64, through kernels that have no float64 version (docs/checks.md).
 
 Some kernels refuse float64: `torch._grouped_mm`, which transformers 5 runs mixture-of-experts layers
 with by default, takes only float32, bfloat16 and float16. While the truth runs forward, a

@@ -18,7 +18,7 @@ from ..status import OK, UNUSABLE, UsageError
 
 def run_explain(args: argparse.Namespace) -> int:
     """Per-parameter layouts, per-rank memory, one step's collectives, peak memory and time at `--world N`
-    (or the world the plan's meshes fix; docs/language.md §8); `--compare` a second plan, `--fit` the largest batch."""
+    (or the world the plan's meshes fix; docs/commands.md); `--compare` a second plan, `--fit` the largest batch."""
     from ...explain.options import ExplainOptions
     from ...explain.pictures import render_compare, render_held_compare, render_svg, render_text
     from ...explain.simulate import explain
