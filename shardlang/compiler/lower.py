@@ -1,6 +1,6 @@
 """Plan + resolution -> program: the torch calls in the order of docs/language.md §4.4, whatever the plan's order.
 
-meshes -> (rank 0's values kept) -> parallelize / distribute -> re-tie -> checkpoint ->
+meshes -> (rank 0's values kept) -> parallelize / distribute -> re-tie -> checkpoint -> compile ->
 fully_shard and replicate units (children first, root last) -> materialise -> sync -> move leftovers.
 
 With a resolution (a model) every step names its module; without one (`plan.to_python()`, `compile`
@@ -41,9 +41,11 @@ def lower(plan: ir.Plan, resolution: Resolution | None, world_size: int | None) 
     origin = plan.checkpoint[0].span if plan.checkpoint else None
     if resolution is not None:
         steps += [p.Checkpoint(fqn, origin) for fqn in resolution.checkpoint]
+        steps += [p.Compile(fqn, c.options, c.span) for fqn, c in resolution.compiled]
         steps += [_unit(plan, plan.units[u.block], u.unit, u.fqn) for u in resolution.units]
     else:
         steps += [p.Checkpoint(p.Matching(str(target)), target.span) for target in plan.checkpoint]
+        steps += [p.Compile(p.Matching(str(c.target)), c.options, c.span) for c in plan.compiles]
         for block in plan.units:
             steps += [_unit(plan, block, unit, p.Matching(str(unit.target))) for unit in block.units]
             if block.root:

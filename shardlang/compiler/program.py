@@ -99,6 +99,15 @@ class Checkpoint:
 
 
 @frozen
+class Compile:
+    """torch.compile a module in place (`module.compile(**kwargs)`: its name and hooks stay; torchtitan's way)."""
+
+    module: Module
+    kwargs: tuple[tuple[str, Any], ...]
+    origin: Span | None = None
+
+
+@frozen
 class FullyShard:
     module: Module
     mesh: ir.MeshRef
@@ -167,6 +176,7 @@ Step = (
     | UserStyle
     | Retie
     | Checkpoint
+    | Compile
     | FullyShard
     | Replicate
     | TakeRank0Values

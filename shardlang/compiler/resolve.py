@@ -16,7 +16,7 @@ import torch.nn as nn
 from attrs import field, frozen
 
 from ..frontend import ir, patterns
-from ..frontend.diagnostics import SL200, Diagnostic, did_you_mean, few
+from ..frontend.diagnostics import SL200, SL201, Diagnostic, did_you_mean, few
 from ..frontend.syntax import ClassTarget, Pattern, Target
 from .stages import Stages, split
 from .trace import Order
@@ -69,6 +69,8 @@ class Resolution:
     stages: Stages | None = None  # the pipeline's split, when the plan has one
     #: The order the model's modules run in, when lint was given an example input to trace it (compiler.trace).
     order: Order = Order(None, "no example input was given")
+    #: The modules `compile` statements match, each with its statement, in model order.
+    compiled: tuple[tuple[str, ir.Compile], ...] = ()
 
 
 def resolve(plan: ir.Plan, model: nn.Module, pp: int = 1) -> tuple[Resolution, list[Diagnostic]]:
@@ -111,6 +113,9 @@ def resolve(plan: ir.Plan, model: nn.Module, pp: int = 1) -> tuple[Resolution, l
             found.append(_no_match(target, modules, ""))
         checkpoint += [f for f in fqns if f not in checkpoint]
 
+    compiled, problems = _compiled(plan, modules)
+    found += problems
+
     stages = None
     if plan.pipeline is not None:
         stages, problems = split(plan.pipeline, model, lambda target: _matches(target, modules, ""), pp)
@@ -118,7 +123,42 @@ def resolve(plan: ir.Plan, model: nn.Module, pp: int = 1) -> tuple[Resolution, l
 
     order = {fqn: i for i, (fqn, _) in enumerate(modules)}
     units.sort(key=lambda u: (-patterns.depth(u.fqn), order.get(u.fqn, 0)))
-    return Resolution(dict(modules), tuple(rules), tuple(units), tuple(checkpoint), stages), found
+    resolution = Resolution(dict(modules), tuple(rules), tuple(units), tuple(checkpoint), stages, compiled=compiled)
+    return resolution, found
+
+
+def _compiled(plan: ir.Plan, modules) -> tuple[tuple[tuple[str, ir.Compile], ...], list[Diagnostic]]:
+    """The modules each `compile` target matches (SL200 for none). A module compiled twice, or inside a
+    module already compiled (whose compiled forward traces through it), is SL201: say which to compile."""
+    found, by_fqn = [], {}
+    for c in plan.compiles:
+        fqns = _matches(c.target, modules, "")
+        if not fqns:
+            found.append(_no_match(c.target, modules, ""))
+        for fqn in fqns:
+            outer = next((o for o in by_fqn if _within(fqn, o) or _within(o, fqn)), None)
+            if outer is None:
+                by_fqn[fqn] = c
+                continue
+            first = by_fqn[outer]
+            if outer == fqn:
+                message = f"module '{fqn or 'root'}' is compiled twice (first at line {first.span.line})"
+            else:
+                where = "inside" if _within(outer, fqn) else "around"
+                message = (
+                    f"module '{fqn or 'root'}' is compiled, and so is '{outer or 'root'}' {where} it "
+                    f"(line {first.span.line})"
+                )
+            found.append(
+                Diagnostic(
+                    SL201,
+                    message,
+                    c.target.span,
+                    help=("compile each module once: a compiled module's forward compiles what it calls",),
+                )
+            )
+    order = {fqn: i for i, (fqn, _) in enumerate(modules)}
+    return tuple(sorted(by_fqn.items(), key=lambda item: order[item[0]])), found
 
 
 def _named_units_win(plan: ir.Plan, units: list[UnitMatch]) -> list[UnitMatch]:
@@ -238,3 +278,8 @@ def _children(parent: str, relative: list[str]) -> Iterator[str]:
 
 def _natural(name: str):
     return (0, int(name), "") if name.isdigit() else (1, 0, name)
+
+
+def _within(inner: str, outer: str) -> bool:
+    """Whether module `inner` is `outer` or inside it (every module is inside the root, '')."""
+    return not outer or inner == outer or inner.startswith(outer + ".")

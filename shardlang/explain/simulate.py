@@ -156,6 +156,7 @@ def _explain_here(plan: ir.Plan, model: nn.Module | None, options: ExplainOption
                 notes = (_failed(e),)
         else:
             notes = ("no collectives: the model file defines no example_input",)
+    notes += _compile_note(plan, peak)
     return Explanation(
         plan.source.name, world_size, rank, meshes, tensors, ranks, collectives, notes, peak, timed, fitted
     )
@@ -200,9 +201,17 @@ def _explain_pipelined(
         notes = (_failed(failure),)
     elif options.fit is not None:
         notes = ("--fit is not searched for a pipelined plan yet: give --batch instead",)
+    notes += _compile_note(plan, peak)
     return Explanation(
         plan.source.name, world_size, rank, meshes, tensors, ranks, collectives, notes, peak, timed, None, report
     )
+
+
+def _compile_note(plan: ir.Plan, peak) -> tuple[str, ...]:
+    """What explain leaves out of a plan that compiles modules: it steps them eager."""
+    if not plan.compiles or peak is None:
+        return ()
+    return ("compile is not modelled: the peak and the time are those of the modules run eager",)
 
 
 def select(explanation: Explanation, pattern: str | None) -> tuple[TensorInfo, ...]:

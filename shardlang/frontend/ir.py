@@ -205,6 +205,15 @@ class Units:
 
 
 @frozen
+class Compile:
+    """One target of a `compile` statement, with torch.compile's options (fullgraph, dynamic, mode, backend)."""
+
+    target: Target
+    options: tuple[tuple[str, Any], ...]
+    span: Span
+
+
+@frozen
 class Init:
     mode: str  # "meta" | "rank0" | "cpu" | "auto"
     #: `init meta with METHOD`; None: the model's own way (compiler.initialisers)
@@ -282,6 +291,7 @@ class Plan:
     meshes: tuple[Mesh, ...] = ()
     parallelize: tuple[Parallelize, ...] = ()
     checkpoint: tuple[Target, ...] = ()
+    compiles: tuple[Compile, ...] = ()
     units: tuple[Units, ...] = ()
     init: Init = Init("auto")
     syncs: tuple[Sync, ...] = ()

@@ -27,6 +27,7 @@ STATEMENT_KEYWORDS = (
     "fully_shard",
     "replicate",
     "checkpoint",
+    "compile",
     "init",
     "sync",
     "loss_parallel",

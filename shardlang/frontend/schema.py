@@ -207,6 +207,30 @@ UNIT_OPTIONS: dict[str, dict[str, Convert]] = {
 }
 BLOCK_OPTIONS: dict[str, Convert] = {"root": boolean}
 
+
+def compile_mode(value: s.Value) -> str:
+    """torch.compile's `mode`, a string (its names hold dashes)."""
+    if isinstance(value, s.Str) and value.value in COMPILE_MODES:
+        return value.value
+    text = value.value if isinstance(value, s.Str) else str(value)
+    hint = did_you_mean(text, COMPILE_MODES) or (f"one of {', '.join(repr(m) for m in COMPILE_MODES)}",)
+    raise Invalid(SL102, f"unknown compile mode {value}", *hint)
+
+
+#: torch.compile's modes.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+#: The backends a plan may name: torch's own (`inductor`, its default; `aot_eager` and `eager` compile
+#: without generating kernels: for debugging, and for CPUs without a C++ compiler).
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager", "cudagraphs")
+
+#: Options of a `compile` statement: torch.compile's keyword arguments.
+COMPILE_OPTIONS: dict[str, Convert] = {
+    "fullgraph": boolean,
+    "dynamic": boolean,
+    "mode": compile_mode,
+    "backend": choice(*COMPILE_BACKENDS, what="compile backend"),
+}
+
 #: Options of a `pipeline` block.
 PIPELINE_OPTIONS: dict[str, Convert] = {
     "schedule": choice(*ir.SCHEDULES, what="pipeline schedule"),

@@ -33,6 +33,7 @@ from .parse import parse_value
 from .schema import (
     BLOCK_OPTIONS,
     CHECKS,
+    COMPILE_OPTIONS,
     DEVICES,
     INIT_MODES,
     MIXED_PRECISION,
@@ -176,6 +177,7 @@ class _Checker:
         parallelize = [self.parallelize(p) for p in statements(s.ParallelizeStmt)]
         units = [self.units(u) for u in statements(s.UnitsStmt)]
         checkpoint = tuple(self.target(t) for c in statements(s.CheckpointStmt) for t in c.targets)
+        compiles = [self.compile(c) for c in statements(s.CompileStmt)]
         self.unique(statements(s.InitStmt), "init")
         inits = [self.init(i) for i in statements(s.InitStmt)]
         syncs = [self.sync(x) for x in statements(s.SyncStmt)]
@@ -197,6 +199,7 @@ class _Checker:
             meshes=tuple(meshes),
             parallelize=tuple(parallelize),
             checkpoint=checkpoint,
+            compiles=tuple(c for targets in compiles for c in targets),
             units=tuple(units),
             init=inits[0] if inits else ir.Init("auto"),
             syncs=tuple(syncs),
@@ -369,6 +372,11 @@ class _Checker:
             units.append(ir.Unit(self.target(each.target), _merge(block_options, own), each.span))
         self.check_strategy(block, mesh, block_options, units)
         return ir.Units(block.kind, mesh, tuple(units), block_options, root, block.span)
+
+    def compile(self, statement: s.CompileStmt) -> list[ir.Compile]:
+        """One ir.Compile per target, each with the statement's options."""
+        options = self.options(statement.options, COMPILE_OPTIONS, "compile")
+        return [ir.Compile(self.target(t), options, statement.span) for t in statement.targets]
 
     def options(
         self, options: list[s.Option] | tuple[s.Option, ...], schema: Mapping[str, Convert], where: str

@@ -245,6 +245,15 @@ class CheckpointStmt:
 
 
 @frozen
+class CompileStmt:
+    """`compile TARGET, ... (option=value, ...)`: torch.compile each matched module."""
+
+    targets: tuple[Target, ...]
+    options: tuple[Option, ...]
+    span: Span
+
+
+@frozen
 class InitStmt:
     mode: Name
     method: Name | None
@@ -276,6 +285,7 @@ Statement = (
     | ParallelizeStmt
     | UnitsStmt
     | CheckpointStmt
+    | CompileStmt
     | InitStmt
     | SyncStmt
     | LossParallelStmt

@@ -157,6 +157,12 @@ class Build(Transformer):
     def checkpoint(self, children):
         return s.CheckpointStmt(tuple(_parts(children)), self._cover(children))
 
+    def compile(self, children):
+        parts = _parts(children)
+        targets = tuple(x for x in parts if not isinstance(x, s.Option))
+        options = tuple(x for x in parts if isinstance(x, s.Option))
+        return s.CompileStmt(targets, options, self._cover(children))
+
     def init(self, children):
         mode, *method = _parts(children)
         return s.InitStmt(self._name(mode), self._name(method[0]) if method else None, self._cover(children))

@@ -73,6 +73,9 @@ class ApplyMode:
     #: Whether the steps that allocate or move data run (steps.py's `moves_data`); without them the
     #: program only places tensors.
     move_data: bool = True
+    #: Whether `compile` steps compile: a simulated world runs the modules eager (fake tensors through
+    #: torch.compile cost minutes and change no layout).
+    compile: bool = True
     #: Whose pipeline stages a split cuts: None, this rank's own (its place on the pp dim); else that pp
     #: rank's (explain stands one process for every pp rank).
     pp_rank: int | None = None
@@ -88,7 +91,7 @@ class ApplyMode:
 #: A real run: every check, every step, this rank's own stages, the ranks agreeing.
 REAL = ApplyMode()
 #: A simulated world (explain, lint's step): tensors placed on the meta model, nothing moved, nobody asked.
-SIMULATED = ApplyMode(check_torch=False, check_devices=False, move_data=False, ranks_apart=False)
+SIMULATED = ApplyMode(check_torch=False, check_devices=False, move_data=False, compile=False, ranks_apart=False)
 
 
 def apply_plan(
@@ -136,7 +139,7 @@ def apply_plan(
         running = Running(model, applied.meshes, imported, pp_rank=mode.pp_rank)
         for step in program.steps:
             kind = STEPS[type(step)]
-            if kind.moves_data and not mode.move_data:
+            if (kind.moves_data and not mode.move_data) or (kind.compiles and not mode.compile):
                 continue
             try:
                 # After a pipeline's split, each step runs on every stage this rank holds that holds its module.

@@ -62,6 +62,8 @@ class StepType:
     private_import: str | None = None
     #: Allocates or moves tensors: a simulated world (the fake process group) skips it.
     moves_data: bool = False
+    #: Compiles the module's forward (torch.compile): a simulated world runs it eager.
+    compiles: bool = False
 
 
 # --- printing helpers ---------------------------------------------------------------------------
@@ -220,6 +222,14 @@ def write_checkpoint(step: p.Checkpoint, program: p.Program, module: str) -> lis
     return [f"checkpoint({module})"]
 
 
+def run_compile(step: p.Compile, ctx: Running) -> None:
+    ctx.module(step.module).compile(**dict(step.kwargs))
+
+
+def write_compile(step: p.Compile, program: p.Program, module: str) -> list[str]:
+    return [f"{module}.compile({', '.join(f'{k}={v!r}' for k, v in step.kwargs)})"]
+
+
 def run_fully_shard(step: p.FullyShard, ctx: Running) -> None:
     from torch.distributed.fsdp import fully_shard
 
@@ -325,6 +335,7 @@ STEPS: dict[type, StepType] = {
         write_checkpoint,
         private_import="from torch.distributed._composable import checkpoint  # composable, non-reentrant, keeps FQNs",
     ),
+    p.Compile: StepType(run_compile, write_compile, compiles=True),
     p.FullyShard: StepType(
         run_fully_shard,
         write_fully_shard,

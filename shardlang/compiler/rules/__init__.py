@@ -3,6 +3,7 @@ predictions, mesh shapes) -> diagnostics; `RULES` is every one, in the order `li
 
 from .activations import partial_gradients
 from .common import Predictions, Rule, Shapes
+from .compiles import fullgraph_over_checkpoint
 from .coverage import unsynchronised_gradients
 from .devices import mixed_device_meshes, uninitialised_on_meta
 from .matches import duplicate_matches, unit_conflicts
@@ -28,6 +29,7 @@ RULES: tuple[Rule, ...] = (
     stage_count,
     zero_bubble_with_data_parallelism,
     v_schedule_over_gloo,
+    fullgraph_over_checkpoint,
 )
 
 __all__ = ["RULES", "Predictions", "Rule", "Shapes"]

@@ -1,0 +1,134 @@
+"""`compile TARGET, ... (options)`: torch.compile each matched module in place, after activation
+checkpointing and before fully_shard (torchtitan's order); checked at parse and at resolve, lowered,
+printed, rolled back, and applied under the gradients check."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import shardlang
+from examples.mlp import MLP
+from shardlang.compiler import program as p
+from shardlang.compiler.lower import lower
+from shardlang.compiler.resolve import resolve
+from shardlang.runtime.snapshot import Snapshot
+
+from .conftest import ROOT
+
+PLAN = """shardlang 1
+mesh world = cpu[dp=auto]
+checkpoint net1
+compile net1 (backend=aot_eager)
+compile net2 (backend=aot_eager, fullgraph=true)
+fully_shard on world.dp { each net1; each net2 }
+verify gradients(steps=2), placements
+"""
+
+
+#: Applied under the gradients check: FSDP units over compiled modules.
+APPLIED = """shardlang 1
+mesh world = cpu[dp=auto]
+compile net1, net2 (backend=aot_eager, fullgraph=true)
+fully_shard on world.dp { each net1; each net2 }
+verify gradients(steps=2), placements
+"""
+
+
+def _codes(text: str) -> list[tuple[str, int, int]]:
+    with pytest.raises(shardlang.PlanError) as raised:
+        shardlang.loads(text)
+    return [(d.code, d.span.line, d.span.col) for d in raised.value.diagnostics]
+
+
+def test_options_are_torch_compiles_keywords():
+    plan = shardlang.loads(PLAN)
+    assert [(str(c.target), c.options) for c in plan.compiles] == [
+        ("net1", (("backend", "aot_eager"),)),
+        ("net2", (("backend", "aot_eager"), ("fullgraph", True))),
+    ]
+    plan = shardlang.loads('compile layers.* (mode="max-autotune-no-cudagraphs", dynamic=false)')
+    assert plan.compiles[0].options == (("mode", "max-autotune-no-cudagraphs"), ("dynamic", False))
+
+
+def test_bad_options_are_diagnostics_at_them():
+    assert _codes("compile net1 (fulgraph=true)") == [("SL101", 1, 15)]
+    assert _codes('compile net1 (mode="fast")') == [("SL102", 1, 20)]
+    assert _codes("compile net1 (backend=inductr)") == [("SL101", 1, 23)]
+    assert _codes("compile net1 (fullgraph=yes)") == [("SL102", 1, 25)]
+    assert _codes("compile net1 (dynamic=true, dynamic=false)") == [("SL103", 1, 29)]
+
+
+def test_a_module_compiled_twice_or_inside_a_compiled_one_is_sl201():
+    plan = shardlang.loads("compile net1\ncompile net1, net2\ncompile root\ncompile nett")
+    _, found = resolve(plan, MLP())
+    assert [(d.code, d.span.line, d.message) for d in found] == [
+        ("SL201", 2, "module 'net1' is compiled twice (first at line 1)"),
+        ("SL201", 3, "module 'root' is compiled, and so is 'net1' inside it (line 1)"),
+        ("SL200", 4, found[2].message),
+    ]
+
+
+def test_compile_comes_after_checkpointing_and_before_fully_shard():
+    plan = shardlang.loads(PLAN)
+    resolution, found = resolve(plan, MLP())
+    assert not found
+    for program in (lower(plan, resolution, 2), lower(plan, None, None)):
+        kinds = [type(s).__name__ for s in program.steps if not isinstance(s, p.MakeMesh)]
+        assert kinds == ["Checkpoint", "Compile", "Compile", "FullyShard", "FullyShard", "FullyShard"]
+    text = plan.to_python(MLP(), 2)
+    compiled = text.index("model.get_submodule('net1').compile(backend='aot_eager')")
+    assert text.index("checkpoint(model.get_submodule('net1'))") < compiled < text.index("fully_shard(")
+    assert compiled < text.index(".compile(backend='aot_eager', fullgraph=True)") < text.index("fully_shard(")
+
+
+def test_fullgraph_over_a_checkpointed_module_is_sl301_where_torch_cannot_run_it():
+    """The limit in torchlimits says what the installed torch does: the case is run here."""
+    from torch.distributed._composable import checkpoint
+
+    from shardlang.compiler.lint import lint
+    from shardlang.compiler.torchlimits import COMPILE_FULLGRAPH_CHECKPOINT, cannot
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    checkpoint(model[0])
+    model.compile(backend="eager", fullgraph=True)
+    try:
+        model(torch.ones(2, 4, requires_grad=True)).sum().backward()
+        raised = False
+    except Exception:  # noqa: BLE001 - dynamo's Unsupported, whatever its module
+        raised = True
+    assert cannot(COMPILE_FULLGRAPH_CHECKPOINT) == raised
+    plan = shardlang.loads("mesh world = cpu[dp=auto]\ncheckpoint net1\ncompile root (fullgraph=true)\ncompile net2")
+    codes = [(d.code, d.span.line) for d in lint(plan, MLP(), 2).diagnostics if d.code == "SL301"]
+    assert codes == ([("SL301", 3)] if raised else [])
+    assert not [d for d in lint(shardlang.loads(PLAN), MLP(), 2).diagnostics if d.is_error]
+
+
+def test_rollback_undoes_compile():
+    model = MLP()
+    snapshot = Snapshot.take(model)
+    model.net1.compile(backend="eager")
+    assert model.net1._compiled_call_impl is not None
+    snapshot.restore()
+    assert getattr(model.net1, "_compiled_call_impl", None) is None
+    assert torch.equal(model(torch.ones(2, 16)), MLP.forward(model, torch.ones(2, 16)))
+
+
+@pytest.mark.distributed
+def test_compiled_fsdp_plan_passes_the_gradients_check(tmp_path):
+    path = tmp_path / "compiled.sl"
+    path.write_text(APPLIED)
+    done = subprocess.run(
+        [sys.executable, "-m", "shardlang", "apply", str(path), "examples/mlp.py", "--nproc", "2", "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [(c["check"], c["status"]) for c in json.loads(done.stdout)["checks"]] == [
+        ("gradients", "pass"),
+        ("placements", "pass"),
+    ]
