@@ -6,8 +6,9 @@ float32. The loss is the causal language-model loss on the inputs shifted by one
 """
 
 import torch
-import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from examples.llama import causal_lm_loss
 
 VOCAB, SEQ = 128, 16
 
@@ -38,5 +39,5 @@ def example_input(batch_size: int, generator: torch.Generator) -> torch.Tensor:
 
 
 def loss(output, inputs: torch.Tensor) -> torch.Tensor:
-    logits = output.logits[:, :-1].float()
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), inputs[:, 1:].reshape(-1))
+    """Next-token cross-entropy on the logits in place (examples/llama.py's causal_lm_loss)."""
+    return causal_lm_loss(output.logits, inputs)

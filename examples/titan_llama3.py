@@ -6,7 +6,6 @@ import sys
 import types
 
 import torch
-import torch.nn.functional as F
 
 try:
     import triton  # noqa: F401
@@ -19,6 +18,8 @@ except ImportError:  # only torchtitan's expert-parallel kernels need it; none o
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm  # noqa: E402
 from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
 from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers  # noqa: E402
+
+from examples.llama import causal_lm_loss  # noqa: E402
 
 VOCAB, SEQ, DIM = 128, 16, 64
 
@@ -51,5 +52,5 @@ def example_input(batch_size: int, generator: torch.Generator) -> torch.Tensor:
 
 
 def loss(output, inputs):
-    logits = output[:, :-1].float()
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), inputs[:, 1:].reshape(-1))
+    """Next-token cross-entropy on the logits in place (torchtitan's model returns the logits themselves)."""
+    return causal_lm_loss(output, inputs)

@@ -7,28 +7,14 @@ the whole [batch, seq, vocab] tensor, which at a real vocabulary is the largest 
 """
 
 import torch
-import torch.nn.functional as F
 
 # The small decoder the Hugging Face examples share: 2 layers, hidden 64, vocab 128, float32.
 from examples.hf_llama import SEQ, SMALL, VOCAB  # noqa: F401
-
-IGNORE = -100  # cross_entropy's default ignore_index
+from examples.llama import causal_lm_loss
 
 
 def example_input(batch_size: int, generator: torch.Generator) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch_size, SEQ), generator=generator)
-
-
-def shifted_labels(tokens: torch.Tensor) -> torch.Tensor:
-    """Next-token labels: position t is trained on token t + 1, the last position on nothing."""
-    labels = tokens.roll(-1, dims=1)
-    labels[:, -1] = IGNORE
-    return labels
-
-
-def causal_lm_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    logits = logits.float()  # a no-op (no copy) for float32 logits; bf16 ones are upcast for the loss
-    return F.cross_entropy(logits.flatten(0, 1), shifted_labels(tokens).flatten(), ignore_index=IGNORE)
 
 
 def loss(output, inputs: torch.Tensor) -> torch.Tensor:
