@@ -18,6 +18,8 @@ from shardlang.launch.job import Job, run
 from .conftest import ROOT
 from .test_field import FIELD_PLANS
 
+pytestmark = pytest.mark.distributed  # `shardlang apply` starts workers (one test here only names frames)
+
 PLANS = sorted((ROOT / "plans").glob("*.sl"))
 HF_PLANS = sorted((ROOT / "plans" / "hf").glob("*.sl"))
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None

@@ -240,6 +240,7 @@ def test_broken_model_file_in_the_launcher(command, model, message, capsys):
     assert message in one_error_line(text)
 
 
+@pytest.mark.distributed
 def test_os_exit_at_import_does_not_end_the_command():
     """A subprocess: were the guard to fail, os._exit would end this test process."""
     run = Run("lint", "plans/mlp_tp.sl", f"{H}/os_exit.py", "--world", "2")
@@ -255,6 +256,7 @@ def test_model_file_that_hangs_at_import_is_bounded_by_apply_timeout(capsys):
     assert time.perf_counter() - start < 20
 
 
+@pytest.mark.distributed
 def test_explain_of_a_forward_that_hangs_is_bounded_by_its_timeout(capsys):
     start = time.perf_counter()
     args = ["explain", "plans/mlp_tp.sl", f"{H}/forward_hangs.py", "--world", "2", "--timeout", "3"]
@@ -267,6 +269,7 @@ def test_explain_of_a_forward_that_hangs_is_bounded_by_its_timeout(capsys):
 # --- uneven shards: SL203 names the right statement and sizes; SL301 where torch cannot run one ---------
 
 
+@pytest.mark.distributed
 def test_sl203_blames_fsdp_with_the_real_sizes(capsys):
     status, text = call(["lint", "plans/llama_2d.sl", "examples/llama.py", "--world", "6"], capsys)
     assert status == 0
@@ -284,6 +287,7 @@ def test_uneven_rowwise_is_an_error_where_torch_cannot_run_it(capsys):
     assert status == 2 and "error[SL301]" in text and "Traceback" not in text
 
 
+@pytest.mark.distributed
 def test_torch_limits_match_the_installed_torch(pools):
     """The cases of compiler/torchlimits.py, run on gloo: the table says what this torch cannot run."""
     from .hostile_jobs import uneven_tp_cases
@@ -329,6 +333,7 @@ def runs():
         return {name: future.result() for name, future in futures.items()}
 
 
+@pytest.mark.distributed
 def test_forward_raising_on_rank_1_is_sl400_with_the_users_frame(runs):
     run = runs["forward_rank1"]
     assert_clean(run, 1)
@@ -337,12 +342,14 @@ def test_forward_raising_on_rank_1_is_sl400_with_the_users_frame(runs):
     assert "site-packages" not in run.output and "shardlang/" not in run.output
 
 
+@pytest.mark.distributed
 def test_debug_adds_the_full_traceback(runs):
     run = runs["forward_rank1_debug"]
     assert run.status == 1 and not run.left, run
     assert "Traceback" in run.stderr and "torch" in run.stderr
 
 
+@pytest.mark.distributed
 def test_example_input_of_the_wrong_shape_is_sl400_at_the_check(runs):
     run = runs["input_wrong_shape"]
     assert_clean(run, 1)
@@ -350,6 +357,7 @@ def test_example_input_of_the_wrong_shape_is_sl400_at_the_check(runs):
     assert f"at {H}/_base.py:15 in forward" in run.stderr
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "name, message",
     [
@@ -367,12 +375,14 @@ def test_broken_example_input_or_loss_is_one_line_and_exit_2(runs, name, message
     assert "site-packages" not in run.output
 
 
+@pytest.mark.distributed
 def test_os_exit_in_a_worker_is_a_dead_rank(runs):
     run = runs["os_exit_worker"]
     assert_clean(run, 2)
     assert "died: worker exited with code 5" in one_error_line(run.stderr)
 
 
+@pytest.mark.distributed
 def test_startup_timeout_follows_timeout_and_names_the_ranks(runs):
     run = runs["startup_timeout"]
     assert_clean(run, 2)
@@ -380,6 +390,7 @@ def test_startup_timeout_follows_timeout_and_names_the_ranks(runs):
     assert "start-up timed out after 0.2 s: ranks 0, 1 of 2 never reported" in line
 
 
+@pytest.mark.distributed
 def test_ctrl_c_exits_130_with_one_line_and_no_process_left(runs):
     run = runs["ctrl_c"]
     assert_clean(run, 130)
@@ -387,6 +398,7 @@ def test_ctrl_c_exits_130_with_one_line_and_no_process_left(runs):
     assert len(run.seen) >= 2  # the workers were running when it came
 
 
+@pytest.mark.distributed
 def test_sigterm_is_forwarded_exits_143_with_one_line(runs):
     run = runs["sigterm"]
     assert_clean(run, 143)
@@ -394,6 +406,7 @@ def test_sigterm_is_forwarded_exits_143_with_one_line(runs):
     assert run.seconds_after_signal < 10
 
 
+@pytest.mark.distributed
 def test_workers_die_with_a_killed_launcher(runs):
     run = runs["sigkill"]
     assert run.status == -signal.SIGKILL
@@ -440,6 +453,7 @@ def test_readme_library_verify_is_under_the_main_guard():
     assert guard < library.index("shardlang.verify(plan, build_model, example_input, nproc=4)")
 
 
+@pytest.mark.distributed
 def test_explain_lays_out_what_torch_cannot_run_and_notes_the_step(capsys):
     status, text = call(["explain", "plans/mlp_tp.sl", "examples/mlp.py", "--world", "3"], capsys)
     assert status == 0, text

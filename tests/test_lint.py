@@ -83,6 +83,7 @@ def test_lint_at_world_1024_in_one_process():
 HAS_TRANSFORMERS = __import__("importlib.util").util.find_spec("transformers") is not None
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     ("plan", "model"),
     [
