@@ -64,10 +64,8 @@ def test_every_example_plan_passes_its_checks_on_cpu(pools, plan):
 
 
 def test_readme_main_command_text_report():
-    start = time.perf_counter()
     done = shardlang_apply("plans/llama_2d.sl", "examples/llama.py", "--nproc", "4")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert time.perf_counter() - start < 60
     for check in ("init", "gradients", "module_states", "init_device", "placements"):
         assert re.search(rf"│ {check}\s+│ pass", done.stdout), done.stdout
     assert re.search(r"^5 passed \(", done.stdout, re.MULTILINE), done.stdout
@@ -110,13 +108,19 @@ def test_failed_check_exits_1_with_sl400(tmp_path):
     assert "all_reduce: expected 3, counted 1" in done.stdout
 
 
-def test_unusable_plan_exits_2_before_starting_workers():
-    start = time.perf_counter()
-    done = shardlang_apply("plans/llama_2d.sl", "examples/mlp.py", "--nproc", "4", "--json")
-    assert done.returncode == 2
-    report = json.loads(done.stdout)
+def test_unusable_plan_exits_2_before_starting_workers(capsys, monkeypatch):
+    """In this process, with starting a process refused: no worker is started (not: it was quick)."""
+    import multiprocessing.process
+
+    from shardlang.cli import main
+
+    started = []
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", lambda self: started.append(self) or 1 / 0)
+    monkeypatch.chdir(ROOT)
+    status = main(["apply", "plans/llama_2d.sl", "examples/mlp.py", "--nproc", "4", "--json"])
+    assert status == 2 and started == []
+    report = json.loads(capsys.readouterr().out)
     assert report["ok"] is False and {d["code"] for d in report["diagnostics"]} == {"SL200"}
-    assert time.perf_counter() - start < 20
 
 
 def test_verify_none_and_steps_override():
@@ -136,9 +140,8 @@ def test_verify_none_and_steps_override():
 
 @pytest.mark.parametrize("how", ["kill", "raise"])
 def test_a_dying_worker_stops_the_job_and_names_its_rank(how):
-    start = time.perf_counter()
-    done = shardlang_apply(
-        "plans/mlp_tp.sl", "tests/faults/dies.py", "--nproc", "2", env={"SHARDLANG_TEST_FAULT": how}, timeout=120
+    done = shardlang_apply(  # bounded: a job that did not stop would run into the timeout
+        "plans/mlp_tp.sl", "tests/faults/dies.py", "--nproc", "2", env={"SHARDLANG_TEST_FAULT": how}
     )
     assert done.returncode == 2
     assert "Traceback" not in done.stderr, done.stderr
@@ -148,7 +151,6 @@ def test_a_dying_worker_stops_the_job_and_names_its_rank(how):
         assert "at tests/faults/dies.py:" in done.stderr  # the user's frame, not shardlang's or torch's
     else:
         assert "shardlang: error: rank 1 died: worker exited with code -9 (killed by signal 9)" in done.stderr
-    assert time.perf_counter() - start < 60
 
 
 def test_two_node_torchrun_job_on_loopback():

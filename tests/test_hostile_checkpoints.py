@@ -358,7 +358,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_untouched(copy, tmp_path, 
     assert "the previous checkpoint" in str(e.value) and "is untouched" in str(e.value)
     assert {f.name: (f.read_bytes(), f.stat().st_mtime_ns) for f in path.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"], "a staging directory or the lock was left"
-    assert time.time() - started < 30
+    assert time.time() - started < 120  # the failure is reported, not retried or waited out
 
 
 def test_mutated_checkpoints_are_read_or_refused_never_crash(copy, tmp_path):
