@@ -312,7 +312,7 @@ def test_json_for_a_usage_error(tmp_path):
 def test_json_when_interrupted_says_what_each_rank_was_doing(signum, status, kind):
     from .test_hostile import Run, assert_clean
 
-    run = Run(*APPLY_HANGS, "--json", send=signum, to_group=signum == signal.SIGINT, after_s=15)
+    run = Run(*APPLY_HANGS, "--json", send=signum, to_group=signum == signal.SIGINT)
     assert_clean(run, status)
     report = one_object(run.stdout)
     assert report["exit_status"] == status and report["failure"]["kind"] == kind, report

@@ -9,11 +9,14 @@ that start workers run concurrently, a few at a time, so that the file stays nea
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -61,11 +64,17 @@ def descendants(root: int) -> set[int]:
 
 class Run:
     """`python -m shardlang ARGS` in its own session, its descendants watched; optionally a signal sent to
-    it once `after_s` has passed with workers running."""
+    it once every worker has reached the hanging forward of forward_hangs.py (an event, not a wait: start-up
+    takes seconds on an idle machine and much longer on a busy one)."""
 
-    def __init__(self, *args: str, send: signal.Signals | None = None, to_group=False, after_s=8.0, timeout=240):
+    def __init__(self, *args: str, send: signal.Signals | None = None, to_group=False, timeout=240):
         self.args = args
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        hanging = None
+        if send is not None:
+            hanging = Path(tempfile.mkdtemp(prefix="shardlang-hanging-"))
+            env["SHARDLANG_TEST_HANGING"] = str(hanging)
+            nproc = int(args[args.index("--nproc") + 1])
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "shardlang", *args],
             cwd=ROOT,
@@ -77,19 +86,16 @@ class Run:
         )
         self.seen: set[int] = set()
         start = time.monotonic()
-        workers_since = None
         signalled = None
         while self.proc.poll() is None and time.monotonic() - start < timeout:
             self.seen |= descendants(self.proc.pid)
-            if send is not None and signalled is None:
-                if workers_since is None and len(self.seen) >= 2:
-                    workers_since = time.monotonic()
-                if workers_since is not None and time.monotonic() - workers_since > after_s:
-                    if to_group:
-                        os.killpg(self.proc.pid, send)
-                    else:
-                        self.proc.send_signal(send)
-                    signalled = time.monotonic()
+            if hanging is not None and signalled is None and len(list(hanging.iterdir())) == nproc:
+                self.seen |= descendants(self.proc.pid)  # every worker is in the forward: all of them seen
+                if to_group:
+                    os.killpg(self.proc.pid, send)
+                else:
+                    self.proc.send_signal(send)
+                signalled = time.monotonic()
             time.sleep(0.1)
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -100,6 +106,8 @@ class Run:
         while any(alive(p) for p in self.seen) and time.monotonic() < deadline:
             time.sleep(0.1)
         self.left = sorted(p for p in self.seen if alive(p))
+        if hanging is not None:
+            shutil.rmtree(hanging, ignore_errors=True)
 
     @property
     def output(self) -> str:
