@@ -36,6 +36,33 @@ def shardlang_apply(*args, env=None, timeout=240):
     )
 
 
+@pytest.fixture(scope="module")
+def applied():
+    """`shardlang_apply(*args, env=...)`, run once per distinct command in this module: the tests that
+    read one job's text and its JSON share the run (each run starts a launcher and workers, all importing torch).
+    """
+    done = {}
+
+    def get(*args, env=None):
+        key = (args, tuple(sorted((env or {}).items())))
+        if key not in done:
+            done[key] = shardlang_apply(*args, env=env)
+        return done[key]
+
+    return get
+
+
+def in_process(args: list[str], capsys, monkeypatch) -> tuple[int, str, str]:
+    """`shardlang ARGS` through main in this process, for a usage error found before any worker: no
+    launcher to start and import torch."""
+    from shardlang.cli import main
+
+    monkeypatch.chdir(ROOT)
+    status = main(args)
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
 def model_of(plan) -> str:
     return re.search(r"Model: (\S+\.py)", plan.read_text()).group(1)
 
@@ -123,7 +150,7 @@ def test_unusable_plan_exits_2_before_starting_workers(capsys, monkeypatch):
     assert report["ok"] is False and {d["code"] for d in report["diagnostics"]} == {"SL200"}
 
 
-def test_verify_none_and_steps_override():
+def test_verify_none_and_steps_override(capsys, monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
 
     common = ("plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--json", "--verify")
@@ -134,15 +161,18 @@ def test_verify_none_and_steps_override():
     assert none.returncode == 0 and json.loads(none.stdout)["checks"] == []
     (check,) = json.loads(steps.stdout)["checks"]
     assert check["data"]["steps"] == 1
-    done = shardlang_apply("plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--verify", "gradient")
-    assert done.returncode == 2 and "did you mean 'gradients'" in done.stderr
+    status, _, err = in_process(["apply", *common[:4], "--verify", "gradient"], capsys, monkeypatch)
+    assert status == 2 and "did you mean 'gradients'" in err
+
+
+DIES = ("plans/mlp_tp.sl", "tests/faults/dies.py", "--nproc", "2")
 
 
 @pytest.mark.parametrize("how", ["kill", "raise"])
-def test_a_dying_worker_stops_the_job_and_names_its_rank(how):
-    done = shardlang_apply(  # bounded: a job that did not stop would run into the timeout
-        "plans/mlp_tp.sl", "tests/faults/dies.py", "--nproc", "2", env={"SHARDLANG_TEST_FAULT": how}
-    )
+def test_a_dying_worker_stops_the_job_and_names_its_rank(applied, how):
+    # Bounded: a job that did not stop would run into the timeout. The kill's run is also the JSON test's
+    # (main prints the same line on stderr with --json).
+    done = applied(*DIES, *(["--json"] if how == "kill" else []), env={"SHARDLANG_TEST_FAULT": how})
     assert done.returncode == 2
     assert "Traceback" not in done.stderr, done.stderr
     if how == "raise":
@@ -270,10 +300,8 @@ def test_check_raising_in_transformers_code_names_the_decoder_layer_and_the_pack
     assert "not in your files" not in done.stderr and "Traceback" not in done.stderr
 
 
-def test_json_when_a_worker_dies_by_a_signal():
-    done = shardlang_apply(
-        "plans/mlp_tp.sl", "tests/faults/dies.py", "--nproc", "2", "--json", env={"SHARDLANG_TEST_FAULT": "kill"}
-    )
+def test_json_when_a_worker_dies_by_a_signal(applied):
+    done = applied(*DIES, "--json", env={"SHARDLANG_TEST_FAULT": "kill"})
     assert done.returncode == 2
     report = one_object(done.stdout)
     assert report["exit_status"] == 2 and report["ok"] is False and report["checks"] == []
@@ -296,14 +324,14 @@ def test_json_when_the_workers_do_not_start_in_time():
     assert {r["state"] for r in report["ranks"]} <= {"starting", "done"}
 
 
-def test_json_for_a_usage_error(tmp_path):
+def test_json_for_a_usage_error(capsys, monkeypatch):
     """A usage error found before any worker starts: the same one object, exit 2."""
-    done = shardlang_apply("plans/mlp_tp.sl", "--nproc", "2", "--json")
-    assert done.returncode == 2
-    report = one_object(done.stdout)
+    status, out, err = in_process(["apply", "plans/mlp_tp.sl", "--nproc", "2", "--json"], capsys, monkeypatch)
+    assert status == 2
+    report = one_object(out)
     assert report["exit_status"] == 2 and report["failure"]["kind"] == "usage"
     assert report["failure"]["message"].startswith("apply needs a model")
-    assert report["ranks"] == [] and "shardlang: error: apply needs a model" in done.stderr
+    assert report["ranks"] == [] and "shardlang: error: apply needs a model" in err
 
 
 @pytest.mark.parametrize(
