@@ -46,8 +46,12 @@ class Pools:
         return pool
 
     def close(self):
-        for pool in self._pools.values():
-            pool.close()
+        """Every pool at once: each waits for its workers to tear down their process group (seconds), and
+        one after another that was the last test's teardown time."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max(1, len(self._pools))) as closing:
+            list(closing.map(lambda pool: pool.close(), self._pools.values()))
 
 
 @pytest.fixture(scope="session")
