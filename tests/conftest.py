@@ -42,7 +42,7 @@ class Pools:
 
         pool = self._pools.get(world_size)
         if pool is None or pool.broken:
-            pool = self._pools[world_size] = WorkerPool(world_size, timeout_s=120)
+            pool = self._pools[world_size] = WorkerPool(world_size, timeout_s=600)
         return pool
 
     def close(self):

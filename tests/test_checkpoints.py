@@ -244,15 +244,11 @@ def test_apply_save_then_load_under_another_world(tmp_path):
 @pytest.mark.distributed
 def test_apply_refuses_a_checkpoint_that_does_not_fit_before_starting_workers(tmp_path):
     save_checkpoint(Small(), tmp_path / "small")
-    done = shardlang_apply(
-        "plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--load", str(tmp_path / "small"), timeout=60
-    )
+    done = shardlang_apply("plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--load", str(tmp_path / "small"))
     assert done.returncode == 2
     assert "error[SL500] the checkpoint at" in done.stderr and "is not in the model" in done.stderr
     assert "starting" not in done.stderr  # refused before any worker started
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "keep.txt").write_text("mine")
-    done = shardlang_apply(
-        "plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--save", str(tmp_path / "notes"), timeout=60
-    )
+    done = shardlang_apply("plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--save", str(tmp_path / "notes"))
     assert done.returncode == 2 and "error[SL501] cannot save to" in done.stderr

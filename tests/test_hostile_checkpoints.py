@@ -43,7 +43,7 @@ class Payload:
         return os.system, (f"touch {self.marker}",)
 
 
-def shardlang(*args, timeout=240):
+def shardlang(*args, timeout=600):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     return subprocess.run(
         [sys.executable, "-m", "shardlang", *map(str, args)],

@@ -304,7 +304,7 @@ def test_fake_pg__explain_a_tp_fsdp_plan_at_world_1024():
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     data = json.loads(done.stdout)
