@@ -5,7 +5,6 @@ import importlib.util
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ HF_PLANS = sorted((ROOT / "plans" / "hf").glob("*.sl"))
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 
-def shardlang_apply(*args, env=None, timeout=240):
+def shardlang_apply(*args, env=None, timeout=600):
     return subprocess.run(
         [sys.executable, "-m", "shardlang", "apply", *args],
         capture_output=True,
@@ -215,7 +214,7 @@ def test_two_node_torchrun_job_on_loopback():
         for n in (0, 1)
     ]
     try:
-        outputs = [node.communicate(timeout=240) for node in nodes]
+        outputs = [node.communicate(timeout=600) for node in nodes]
     finally:
         for node in nodes:  # a node left waiting for a peer that failed must not outlive the test
             node.kill()
@@ -283,7 +282,7 @@ def test_check_raising_in_transformers_code_names_the_decoder_layer_and_the_pack
     and version; not 'raised inside torch or shardlang'."""
     import transformers
 
-    done = shardlang_apply(f"{RAISES}/hf_llama_o_colwise.sl", "examples/hf_llama.py", "--nproc", "2", timeout=400)
+    done = shardlang_apply(f"{RAISES}/hf_llama_o_colwise.sl", "examples/hf_llama.py", "--nproc", "2")
     assert done.returncode == 1, done.stderr
     assert done.stdout == ""
     assert "The size of tensor a (64) must match the size of tensor b (32) at non-singleton dimension 2" in done.stderr
@@ -314,16 +313,6 @@ def test_json_when_a_worker_dies_by_a_signal(applied):
     assert "rank 1 died" in done.stderr
 
 
-def test_json_when_the_workers_do_not_start_in_time():
-    done = shardlang_apply("plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--json", "--timeout", "0.2")
-    assert done.returncode == 2
-    report = one_object(done.stdout)
-    assert report["exit_status"] == 2 and report["failure"]["kind"] == "startup"
-    assert "start-up timed out after 0.2 s" in report["failure"]["message"]
-    assert report["world_size"] == 2 and report["device"] == "cpu (gloo)"
-    assert {r["state"] for r in report["ranks"]} <= {"starting", "done"}
-
-
 def test_json_for_a_usage_error(capsys, monkeypatch):
     """A usage error found before any worker starts: the same one object, exit 2."""
     status, out, err = in_process(["apply", "plans/mlp_tp.sl", "--nproc", "2", "--json"], capsys, monkeypatch)
@@ -332,28 +321,6 @@ def test_json_for_a_usage_error(capsys, monkeypatch):
     assert report["exit_status"] == 2 and report["failure"]["kind"] == "usage"
     assert report["failure"]["message"].startswith("apply needs a model")
     assert report["ranks"] == [] and "shardlang: error: apply needs a model" in err
-
-
-@pytest.mark.parametrize(
-    "signum, status, kind", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]
-)
-def test_json_when_interrupted_says_what_each_rank_was_doing(signum, status, kind):
-    from .test_hostile import Run, assert_clean
-
-    run = Run(*APPLY_HANGS, "--json", send=signum, to_group=signum == signal.SIGINT)
-    assert_clean(run, status)
-    report = one_object(run.stdout)
-    assert report["exit_status"] == status and report["failure"]["kind"] == kind, report
-    # The signal comes while the workers start or once they run the hanging forward (a loaded machine)
-    assert [r["rank"] for r in report["ranks"]] == [0, 1], report
-    for rank in report["ranks"]:
-        assert rank["state"] in ("starting", "ready", "running"), rank
-        said = ("running its job", "loading the model file", "building the model", "applying the plan", "check ")
-        assert rank["said"].startswith(said if rank["state"] == "running" else ("starting", "ready")), rank
-    assert len(run.stderr.strip().splitlines()) == 1  # main's one line, as without --json
-
-
-APPLY_HANGS = ("apply", "plans/mlp_tp.sl", "tests/fixtures/hostile/forward_hangs.py", "--nproc", "2")
 
 
 def test_json_under_torchrun_when_a_check_raises():
@@ -369,7 +336,7 @@ def test_json_under_torchrun_when_a_check_raises():
         capture_output=True,
         text=True,
         cwd=ROOT,
-        timeout=240,
+        timeout=600,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert done.returncode == 1, done.stderr
@@ -409,7 +376,7 @@ def test_a_job_past_its_time_is_a_timeout_with_what_each_rank_said():
     path to the object is that of a worker that died, above)."""
     from shardlang.launch.workers import WorkerError, WorkerPool
 
-    pool = WorkerPool(1, timeout_s=120)
+    pool = WorkerPool(1, timeout_s=600)
     with pytest.raises(WorkerError) as raised:
         pool.run(time.sleep, 60, timeout_s=1)
     assert raised.value.kind == "timeout" and "timed out after 1 s: rank 0 still running" in raised.value.headline

@@ -25,6 +25,7 @@ from shardlang.compiler import torchlimits
 from shardlang.frontend.diagnostics import did_you_mean
 
 from .conftest import FIXTURES, ROOT
+from .test_apply_cli import one_object
 
 HOSTILE = FIXTURES / "hostile"
 H = "tests/fixtures/hostile"
@@ -67,7 +68,7 @@ class Run:
     it once every worker has reached the hanging forward of forward_hangs.py (an event, not a wait: start-up
     takes seconds on an idle machine and much longer on a busy one)."""
 
-    def __init__(self, *args: str, send: signal.Signals | None = None, to_group=False, timeout=240):
+    def __init__(self, *args: str, send: signal.Signals | None = None, to_group=False, timeout=600):
         self.args = args
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         hanging = None
@@ -315,6 +316,7 @@ def test_torch_limits_table_by_release():
 # --- commands that start workers ----------------------------------------------------------------------
 
 APPLY = ("apply", "plans/mlp_tp.sl")
+HANGS = (*APPLY, f"{H}/forward_hangs.py", "--nproc", "2")
 # The broken inputs and losses fail alike on every rank: one rank shows it (each worker is a torch import).
 RUNS = {
     "forward_rank1": lambda: Run(*APPLY, f"{H}/forward_rank1.py", "--nproc", "2"),
@@ -325,9 +327,10 @@ RUNS = {
     "loss_vector": lambda: Run(*APPLY, f"{H}/loss_vector.py", "--nproc", "1"),
     "loss_raises": lambda: Run(*APPLY, f"{H}/loss_raises.py", "--nproc", "1"),
     "os_exit_worker": lambda: Run(*APPLY, f"{H}/os_exit_worker.py", "--nproc", "2"),
-    "startup_timeout": lambda: Run(*APPLY, "examples/mlp.py", "--nproc", "2", "--timeout", "0.2"),
-    "ctrl_c": lambda: Run(*APPLY, f"{H}/forward_hangs.py", "--nproc", "2", send=signal.SIGINT, to_group=True),
-    "sigterm": lambda: Run(*APPLY, f"{H}/forward_hangs.py", "--nproc", "2", send=signal.SIGTERM),
+    # --json: main prints the same one line on stderr with it, and the JSON tests below read these runs too
+    "startup_timeout": lambda: Run(*APPLY, "examples/mlp.py", "--nproc", "2", "--timeout", "0.2", "--json"),
+    "ctrl_c": lambda: Run(*HANGS, "--json", send=signal.SIGINT, to_group=True),
+    "sigterm": lambda: Run(*HANGS, "--json", send=signal.SIGTERM),
     "sigkill": lambda: Run(*APPLY, f"{H}/forward_hangs.py", "--nproc", "2", send=signal.SIGKILL),
 }
 
@@ -412,6 +415,32 @@ def test_sigterm_is_forwarded_exits_143_with_one_line(runs):
     assert_clean(run, 143)
     assert run.stderr.strip().splitlines() == ["shardlang: stopped by SIGTERM; no worker is left running"], run
     assert run.seconds_after_signal < 60  # forwarded, not waited out (the forward hangs for ever)
+
+
+@pytest.mark.distributed
+def test_json_when_the_workers_do_not_start_in_time(runs):
+    run = runs["startup_timeout"]
+    report = one_object(run.stdout)
+    assert report["exit_status"] == 2 and report["failure"]["kind"] == "startup"
+    assert "start-up timed out after 0.2 s" in report["failure"]["message"]
+    assert report["world_size"] == 2 and report["device"] == "cpu (gloo)"
+    assert {r["state"] for r in report["ranks"]} <= {"starting", "done"}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name, status, kind", [("ctrl_c", 130, "interrupted"), ("sigterm", 143, "terminated")])
+def test_json_when_interrupted_says_what_each_rank_was_doing(runs, name, status, kind):
+    run = runs[name]
+    assert_clean(run, status)
+    report = one_object(run.stdout)
+    assert report["exit_status"] == status and report["failure"]["kind"] == kind, report
+    # The signal comes once every worker runs the hanging forward (Run waits for that)
+    assert [r["rank"] for r in report["ranks"]] == [0, 1], report
+    for rank in report["ranks"]:
+        assert rank["state"] == "running", rank
+        said = ("running its job", "loading the model file", "building the model", "applying the plan", "check ")
+        assert rank["said"].startswith(said), rank
+    assert len(run.stderr.strip().splitlines()) == 1  # main's one line, as without --json
 
 
 @pytest.mark.distributed
