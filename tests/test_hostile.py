@@ -48,18 +48,24 @@ def alive(pid: int) -> bool:
 
 
 def descendants(root: int) -> set[int]:
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    found, frontier = set(), {root}
+    """Every process below `root`, walked down from it through /proc/PID/task/TID/children (Linux): a
+    scan of every process's stat, ten times a second in four runs at once, cost a core's worth of system
+    time on a box where other jobs keep a thousand processes."""
+    found, frontier = set(), [root]
     while frontier:
-        frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
-        found |= frontier
+        pid = frontier.pop()
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    children = {int(c) for c in f.read().split()} - found
+            except (OSError, ValueError):
+                continue
+            found |= children
+            frontier.extend(children)
     return found
 
 
