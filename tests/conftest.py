@@ -42,12 +42,16 @@ class Pools:
 
         pool = self._pools.get(world_size)
         if pool is None or pool.broken:
-            pool = self._pools[world_size] = WorkerPool(world_size, timeout_s=120)
+            pool = self._pools[world_size] = WorkerPool(world_size, timeout_s=600)
         return pool
 
     def close(self):
-        for pool in self._pools.values():
-            pool.close()
+        """Every pool at once: each waits for its workers to tear down their process group (seconds), and
+        one after another that was the last test's teardown time."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max(1, len(self._pools))) as closing:
+            list(closing.map(lambda pool: pool.close(), self._pools.values()))
 
 
 @pytest.fixture(scope="session")
@@ -55,3 +59,80 @@ def pools():
     pools = Pools()
     yield pools
     pools.close()
+
+
+# --- the fast lane's guard ------------------------------------------------------------------------------
+#
+# `python -m pytest -m "not distributed"` is the fast lane: no process group (gloo or fake) and no process.
+# A test not marked `distributed` that starts either fails, naming what it started, even where the code
+# under test catches the error (explain's forked child, a worker pool's start).
+
+
+class StartedOutsideDistributed(RuntimeError):
+    """A test not marked `distributed` started a process or a process group."""
+
+
+_VIOLATIONS = pytest.StashKey[list]()
+
+
+def _entry_points():
+    """(owner, attribute, what) of every way a test starts a process or a process group."""
+    import _posixsubprocess
+    import multiprocessing.process
+    import os
+    import subprocess
+
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    points = [
+        (subprocess.Popen, "_execute_child", "a subprocess (subprocess.Popen/run)"),
+        (_posixsubprocess, "fork_exec", "a process (fork_exec)"),
+        (multiprocessing.process.BaseProcess, "start", "a multiprocessing process"),
+        (dist, "init_process_group", "a process group (torch.distributed.init_process_group)"),
+        (c10d, "init_process_group", "a process group (torch.distributed.init_process_group)"),
+    ]
+    for name in ("fork", "forkpty", "system", "posix_spawn", "posix_spawnp"):
+        if hasattr(os, name):
+            points.append((os, name, f"a process (os.{name})"))
+    return points
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Setup, call and teardown of a test not marked `distributed` run with every entry point of
+    `_entry_points` replaced by one that raises (and records, for code that swallows the error)."""
+    if item.get_closest_marker("distributed") is not None:
+        return (yield)
+    found = item.stash.setdefault(_VIOLATIONS, [])
+
+    def refuse(what):
+        def refused(*args, **kwargs):
+            message = (
+                f"{item.nodeid} started {what} but is not marked `distributed`: mark it "
+                "@pytest.mark.distributed (or the module's pytestmark), or keep the fast lane process-free"
+            )
+            found.append(message)
+            raise StartedOutsideDistributed(message)
+
+        return refused
+
+    with pytest.MonkeyPatch.context() as patch:
+        for owner, name, what in _entry_points():
+            patch.setattr(owner, name, refuse(what))
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A phase in which the guard refused a process fails, whatever the code under test did with the error."""
+    report = yield
+    found = item.stash.get(_VIOLATIONS, [])
+    if found:
+        if not report.failed or hasattr(report, "wasxfail"):  # swallowed, or taken for an expected failure
+            report.outcome = "failed"
+            report.longrepr = "\n".join(dict.fromkeys(found))
+            if hasattr(report, "wasxfail"):
+                del report.wasxfail
+        found.clear()
+    return report

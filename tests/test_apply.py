@@ -11,6 +11,8 @@ from shardlang.runtime.torchcompat import fsdp_strided_shard
 
 from . import dist_jobs as jobs
 
+pytestmark = pytest.mark.distributed  # every test but the emitted-helpers table runs jobs on a gloo pool
+
 MLP = "examples.mlp:build_model"
 UNITS = "tests.models:units"
 

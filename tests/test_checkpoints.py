@@ -47,6 +47,7 @@ def saved(pools, tmp_path_factory):
     return directory, states[0]
 
 
+@pytest.mark.distributed
 def test_a_checkpoint_is_plain_dcp_with_what_wrote_it(saved):
     directory, state = saved
     checkpoint = read_checkpoint(directory)
@@ -56,6 +57,7 @@ def test_a_checkpoint_is_plain_dcp_with_what_wrote_it(saved):
     assert checkpoint.bytes == sum(v.numel() * v.element_size() for v in state.values() if isinstance(v, torch.Tensor))
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "world, plan, params",
     [
@@ -73,6 +75,7 @@ def test_loads_bitwise_under_another_plan_and_world(pools, saved, world, plan, p
         assert_bitwise(got, want, f"rank {rank}")
 
 
+@pytest.mark.distributed
 def test_loads_bitwise_into_one_unsharded_process(saved):
     from examples.llama import build_model
 
@@ -84,6 +87,7 @@ def test_loads_bitwise_into_one_unsharded_process(saved):
     assert_bitwise(jobs.full_state(model, optimizer), want, "unsharded")
 
 
+@pytest.mark.distributed
 def test_convert_to_a_torch_file_and_back(saved, tmp_path):
     from examples.llama import build_model
 
@@ -108,6 +112,7 @@ def test_convert_to_a_torch_file_and_back(saved, tmp_path):
         assert_bitwise(jobs.full_state(model, optimizer), want if with_optimizer else model_only, f"from {source}")
 
 
+@pytest.mark.distributed
 def test_a_save_killed_part_way_keeps_the_previous_checkpoint(pools, saved, tmp_path):
     from examples.llama import build_model
 
@@ -176,6 +181,7 @@ def test_a_checkpoint_that_does_not_fit_lists_every_misfit_and_changes_nothing(t
         assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), f"{what}: the model changed"
 
 
+@pytest.mark.distributed
 def test_optimizer_state_of_another_class_is_refused_and_the_optimizer_untouched(saved):
     from examples.llama import build_model
 
@@ -206,6 +212,7 @@ def test_paths_that_are_not_checkpoints(tmp_path, capsys):
     assert "error[SL501]" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
+@pytest.mark.distributed
 def test_apply_save_then_load_under_another_world(tmp_path):
     """The commands end to end: train and save at world 4 (dp 2 x tp 2), resume at world 2 (tp 2), where
     the gradients check also resumes the Adam state, in the sharded model and in its reference."""
@@ -236,17 +243,14 @@ def test_apply_save_then_load_under_another_world(tmp_path):
     assert f"loaded {target}: 21 tensors" in loaded.stdout
 
 
+@pytest.mark.distributed
 def test_apply_refuses_a_checkpoint_that_does_not_fit_before_starting_workers(tmp_path):
     save_checkpoint(Small(), tmp_path / "small")
-    done = shardlang_apply(
-        "plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--load", str(tmp_path / "small"), timeout=60
-    )
+    done = shardlang_apply("plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--load", str(tmp_path / "small"))
     assert done.returncode == 2
     assert "error[SL500] the checkpoint at" in done.stderr and "is not in the model" in done.stderr
     assert "starting" not in done.stderr  # refused before any worker started
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "keep.txt").write_text("mine")
-    done = shardlang_apply(
-        "plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--save", str(tmp_path / "notes"), timeout=60
-    )
+    done = shardlang_apply("plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--save", str(tmp_path / "notes"))
     assert done.returncode == 2 and "error[SL501] cannot save to" in done.stderr

@@ -34,6 +34,7 @@ CASES = {
 }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_cli_output_is_pinned(name, capsys, monkeypatch, golden):
     monkeypatch.chdir(ROOT)
@@ -50,6 +51,7 @@ def test_usage_error_exits_2(capsys):
     assert "usage: shardlang lint" in capsys.readouterr().err
 
 
+@pytest.mark.distributed
 def test_python_dash_m_and_console_script_agree():
     """`python -m shardlang` is how torchrun starts it; the console script is how users do."""
     bad = str(FIXTURES / "invalid" / "sl107_mesh.sl")
@@ -69,6 +71,7 @@ def test_the_wheel_lists_every_package():
     assert found <= listed, sorted(found - listed)
 
 
+@pytest.mark.distributed
 def test_library_verify_stays_a_function_after_the_checks_are_imported():
     """`shardlang.verify` is the library's function; importing the modules behind the checks (as
     explain does) must not replace it with a subpackage of the same name."""

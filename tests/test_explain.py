@@ -43,6 +43,7 @@ def model_of(plan: str) -> str:
 WORLDS = [(case, 4) for case in CASES] + [(CASES[0], 2)]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     ("plan", "model", "world"),
     [(*case, w) for case, w in WORLDS],
@@ -103,6 +104,7 @@ def long_input(batch: int, generator) -> torch.Tensor:
     return torch.randint(0, 64, (batch, 64), generator=generator)
 
 
+@pytest.mark.distributed
 def test_blocks_that_differ_by_index_run_whole():
     """Blocks that act differently by index run whole (the 10 identical Llama blocks are stepped on a few
     and extrapolated: test_memory_and_time_extrapolate_exactly)."""
@@ -156,6 +158,7 @@ def test_local_sizes_are_torchs():
 EXAMPLES = sorted((ROOT / "plans").glob("*.sl"))
 
 
+@pytest.mark.distributed
 def test_every_example_plan_explains_at_world_1024_without_real_memory():
     """80 layers of dim 8192 (the Llama example scaled) at 1024 ranks, tp 8 where a plan takes it, each
     in its own process whose peak RSS stays under 2 GiB. (The pipelined plans' 4-block model explains
@@ -183,7 +186,7 @@ def test_every_example_plan_explains_at_world_1024_without_real_memory():
             cwd=ROOT,
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=600,
         )
         return plan, done
 
@@ -199,6 +202,7 @@ def test_every_example_plan_explains_at_world_1024_without_real_memory():
     assert peak < 2 * 2**30, f"peak RSS {peak / 2**30:.2f} GiB"
 
 
+@pytest.mark.distributed
 def test_svg_has_one_block_per_shard():
     plan = shardlang.load(ROOT / "plans" / "llama_2d.sl")
     model_file = load_model_file(str(ROOT / "examples" / "llama.py"))
@@ -216,6 +220,7 @@ def test_svg_has_one_block_per_shard():
     assert [b[2] for b in norm.blocks] == [(0, 1), (2, 3)]  # dp shards it, tp replicates it
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     ("name", "args"),
     [
@@ -239,7 +244,7 @@ def test_svg_has_one_block_per_shard():
 @pinned_to_torch
 def test_text_rendering_is_pinned(name, args, golden):
     done = subprocess.run(
-        [sys.executable, "-m", "shardlang", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "shardlang", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stderr
     golden(FIXTURES / "cli" / f"{name}.txt", done.stdout)
@@ -290,6 +295,7 @@ def count_resolutions(plan_path: str, layers: int | None, world: int, step: bool
     return dict(counts)
 
 
+@pytest.mark.distributed
 def test_one_resolution_per_model_tree_applied():
     """explain lints a plan once for every module tree it applies it to: the model's (once for every pp
     index of a pipeline: copies of one tree) and each cut of a repeated stack the step runs on; apply is
@@ -305,6 +311,7 @@ def test_one_resolution_per_model_tree_applied():
     assert piped == {"resolve": 1, "predict": 1, "apply": 2, "notes": 1}, piped
 
 
+@pytest.mark.distributed
 def test_library_explain_and_json_data():
     import torch
 
@@ -331,6 +338,7 @@ PINNED_1B = {
 }
 
 
+@pytest.mark.distributed
 @pinned_to_torch
 @pytest.mark.parametrize("name", sorted(PINNED_1B))
 def test_peak_and_step_time_of_the_1b_plans_are_pinned(name):
@@ -359,6 +367,7 @@ def test_peak_and_step_time_of_the_1b_plans_are_pinned(name):
 PINNED_1B_OFFLOAD = (14217711624, 7625785932, 0.6498954811040435)
 
 
+@pytest.mark.distributed
 @pinned_to_torch
 def test_cpu_offload_of_the_1b_plan_is_pinned():
     """FSDP2 with CPUOffloadPolicy: the accelerator's peak is the non-offloading plan's (PINNED_1B)
@@ -386,6 +395,7 @@ def test_cpu_offload_of_the_1b_plan_is_pinned():
     assert t.seconds == max(t.compute + t.exposed, t.host) + t.cpu and t.cpu > t.compute
 
 
+@pytest.mark.distributed
 def test_cpu_offload_keeps_parameters_gradients_and_states_on_the_host():
     """A small model with `offload = cpu`: what the host holds, the copies and the CPU's step, exactly;
     the extrapolated step equals the full one, host memory included. (Against the same plan without
@@ -428,6 +438,7 @@ def test_cpu_offload_keeps_parameters_gradients_and_states_on_the_host():
     assert hardware("a100").pcie.bandwidth == 25e9 and hardware("h100").pcie.bandwidth == 50e9
 
 
+@pytest.mark.distributed
 def test_memory_and_time_extrapolate_exactly():
     """10 Llama blocks under TP + FSDP + checkpointing: every collective's count and bytes, the peak (by
     category and by module) and the time from a few blocks equal those of the step on all 10. Its 2-block step peaks with another unit
@@ -445,6 +456,7 @@ def test_memory_and_time_extrapolate_exactly():
     assert fast.time == full.time
 
 
+@pytest.mark.distributed
 def test_fit_finds_the_largest_batch_that_fits():
     from examples.llama import Transformer, example_input, loss
 
@@ -460,6 +472,7 @@ def test_fit_finds_the_largest_batch_that_fits():
     assert all(n > limit for b, n in tried.items() if b > e.fit.batch)
 
 
+@pytest.mark.distributed
 def test_compare_and_json_carry_the_peak_and_the_time():
     import json
 
@@ -469,7 +482,7 @@ def test_compare_and_json_carry_the_peak_and_the_time():
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr
     assert "plans/llama_2d.sl against plans/hsdp.sl" in done.stdout and "peak memory" in done.stdout
@@ -479,7 +492,7 @@ def test_compare_and_json_carry_the_peak_and_the_time():
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     data = json.loads(done.stdout)
     peak, time = data["peak"], data["time"]
@@ -575,6 +588,7 @@ def _local_bytes(model, names, dp: int) -> int:
     return total
 
 
+@pytest.mark.distributed
 def test_explain_a_pipelined_plan():
     """plans/llama_pipeline.sl (pp 2 x dp 2, four blocks, 4 microbatches) with 1F1B, and with the
     interleaved schedule over four stages of one block: every stage's parameters (all of the model's,

@@ -268,6 +268,7 @@ def _job(tmp_path, name: str, text: str, model: str) -> Job:
     return Job(str(path), {}, str(ROOT / model), None, shardlang.load(path).checks)
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_planted_fault_fails_its_check_and_the_fix_passes(pools, tmp_path, fault):
     world, model, check, faulty, fixed, words, module = FAULTS[fault]
@@ -338,6 +339,7 @@ def test_every_check_is_covered_by_a_fault():
     assert set(CHECKS) == {f[2] for f in FAULTS.values()}
 
 
+@pytest.mark.distributed
 def test_check_without_example_input_is_not_run_and_not_passed(pools, tmp_path):
     (tmp_path / "noinput.py").write_text("from examples.mlp import build_model\n")
     job = _job(

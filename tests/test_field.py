@@ -81,6 +81,7 @@ def test_field_plan_lints_clean_at_world_4(plan):
     assert not errors, [str(d.message) for d in errors]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("planted", PLANTED_PLANS)
 def test_planted_mistake_fails_naming_its_module(pools, planted):
     """The planted plan fails (a failed check, or an error diagnostic), and the report names the module

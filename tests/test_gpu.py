@@ -11,7 +11,7 @@ import torch
 from .conftest import ROOT
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs")]
+pytestmark = [pytest.mark.gpu, pytest.mark.distributed, pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs")]
 ALL_CHECKS = "init,gradients,module_states,init_device,placements,comms"
 
 

@@ -197,6 +197,7 @@ def test_starter_plan_without_a_tp_plan_has_no_tp_dim():
     assert [d.code for d in found] == ["SL217"] and "world.tp" in found[0].message
 
 
+@pytest.mark.distributed
 def test_init_applies_the_plan_it_writes(tmp_path, capsys, monkeypatch):
     """init runs its plan's checks on CPU workers before it calls the plan clean: StableLM (no TP plan,
     per-head norms) at --tp 2, whose plan once kept an unused tp dim and FSDP units on layer 0's norms,
@@ -226,6 +227,7 @@ def test_init_says_what_it_did_not_check(tmp_path, capsys, monkeypatch):
     assert "not applied:" in err and "defines no example_input" in err
 
 
+@pytest.mark.distributed
 def test_init_and_lint_and_apply_with_hf(qwen3_dir, tmp_path, capsys, monkeypatch, pools):
     """The three commands a user runs: init a plan from the config, lint it, apply it (on the pool)."""
     import shardlang
@@ -252,6 +254,7 @@ def test_hf_without_config_is_a_usage_error(tmp_path, capsys):
     assert "no config.json" in capsys.readouterr().err
 
 
+@pytest.mark.distributed
 def test_moe_with_transformers_default_experts_passes_and_a_dropped_reduction_fails(tmp_path, pools):
     """Qwen3-MoE runs its experts by torch._grouped_mm, which has no float64 kernel: the float64 truth
     replaces it, the reviewed plan passes, and the same plan without the all-reduce of the q/k norms'

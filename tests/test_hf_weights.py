@@ -71,6 +71,7 @@ def llama_dir(tmp_path_factory):
     return folder
 
 
+@pytest.mark.distributed
 def test_each_rank_reads_its_blocks_and_every_tensor_equals_from_pretrained(pools, qwen3_dir, llama_dir, tmp_path):
     """World 4 (dp 2 x tp 2): load, compare, count the reads, save as HF weights; then `apply --load`."""
     cases = [
@@ -123,6 +124,7 @@ def _headers(directory) -> dict:
     return sizes
 
 
+@pytest.mark.distributed
 def test_the_command_loads_and_saves_hf_weights_that_from_pretrained_reads(qwen3_dir, tmp_path):
     out = tmp_path / "saved"
     done = shardlang_apply(

@@ -9,11 +9,14 @@ that start workers run concurrently, a few at a time, so that the file stays nea
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -22,6 +25,7 @@ from shardlang.compiler import torchlimits
 from shardlang.frontend.diagnostics import did_you_mean
 
 from .conftest import FIXTURES, ROOT
+from .test_apply_cli import one_object
 
 HOSTILE = FIXTURES / "hostile"
 H = "tests/fixtures/hostile"
@@ -44,28 +48,40 @@ def alive(pid: int) -> bool:
 
 
 def descendants(root: int) -> set[int]:
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    found, frontier = set(), {root}
+    """Every process below `root`, walked down from it through /proc/PID/task/TID/children (Linux): a
+    scan of every process's stat, ten times a second in four runs at once, cost a core's worth of system
+    time on a box where other jobs keep a thousand processes."""
+    found, frontier = set(), [root]
     while frontier:
-        frontier = {pid for pid, parent in parents.items() if parent in frontier} - found
-        found |= frontier
+        pid = frontier.pop()
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/children") as f:
+                    children = {int(c) for c in f.read().split()} - found
+            except (OSError, ValueError):
+                continue
+            found |= children
+            frontier.extend(children)
     return found
 
 
 class Run:
     """`python -m shardlang ARGS` in its own session, its descendants watched; optionally a signal sent to
-    it once `after_s` has passed with workers running."""
+    it once every worker has reached the hanging forward of forward_hangs.py (an event, not a wait: start-up
+    takes seconds on an idle machine and much longer on a busy one)."""
 
-    def __init__(self, *args: str, send: signal.Signals | None = None, to_group=False, after_s=8.0, timeout=240):
+    def __init__(self, *args: str, send: signal.Signals | None = None, to_group=False, timeout=600):
         self.args = args
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        hanging = None
+        if send is not None:
+            hanging = Path(tempfile.mkdtemp(prefix="shardlang-hanging-"))
+            env["SHARDLANG_TEST_HANGING"] = str(hanging)
+            nproc = int(args[args.index("--nproc") + 1])
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "shardlang", *args],
             cwd=ROOT,
@@ -77,29 +93,28 @@ class Run:
         )
         self.seen: set[int] = set()
         start = time.monotonic()
-        workers_since = None
         signalled = None
         while self.proc.poll() is None and time.monotonic() - start < timeout:
             self.seen |= descendants(self.proc.pid)
-            if send is not None and signalled is None:
-                if workers_since is None and len(self.seen) >= 2:
-                    workers_since = time.monotonic()
-                if workers_since is not None and time.monotonic() - workers_since > after_s:
-                    if to_group:
-                        os.killpg(self.proc.pid, send)
-                    else:
-                        self.proc.send_signal(send)
-                    signalled = time.monotonic()
+            if hanging is not None and signalled is None and len(list(hanging.iterdir())) == nproc:
+                self.seen |= descendants(self.proc.pid)  # every worker is in the forward: all of them seen
+                if to_group:
+                    os.killpg(self.proc.pid, send)
+                else:
+                    self.proc.send_signal(send)
+                signalled = time.monotonic()
             time.sleep(0.1)
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.stdout, self.stderr = self.proc.communicate()
         self.status = self.proc.returncode
         self.seconds_after_signal = None if signalled is None else time.monotonic() - signalled
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # waited for only while some are still alive
         while any(alive(p) for p in self.seen) and time.monotonic() < deadline:
             time.sleep(0.1)
         self.left = sorted(p for p in self.seen if alive(p))
+        if hanging is not None:
+            shutil.rmtree(hanging, ignore_errors=True)
 
     @property
     def output(self) -> str:
@@ -195,7 +210,7 @@ def test_lint_dev_zero_reads_at_most_a_mebibyte(capsys):
     start = time.perf_counter()
     status, text = call(["lint", "/dev/zero"], capsys)
     assert status == 2 and "SL102" in text and "over 1,048,576 bytes" in text
-    assert time.perf_counter() - start < 5
+    assert time.perf_counter() - start < 60  # reading /dev/zero to its end never returns
 
 
 def test_did_you_mean_on_30000_character_names_is_fast():
@@ -203,7 +218,7 @@ def test_did_you_mean_on_30000_character_names_is_fast():
     start = time.perf_counter()
     assert did_you_mean(long, [long[:-1] + "y", "colwise"]) == ()
     assert did_you_mean("colwse", ["colwise", "y" * 30_000]) == ("did you mean 'colwise'?",)
-    assert time.perf_counter() - start < 0.5
+    assert time.perf_counter() - start < 30  # milliseconds; a 30000 x 30000 edit distance takes minutes
 
 
 def test_a_plan_with_a_30000_character_name(tmp_path, capsys):
@@ -212,7 +227,7 @@ def test_a_plan_with_a_30000_character_name(tmp_path, capsys):
     start = time.perf_counter()
     status, text = call(["lint", str(plan)], capsys)
     assert status == 2 and "SL104" in text and "Traceback" not in text
-    assert time.perf_counter() - start < 5
+    assert time.perf_counter() - start < 60  # well under a second idle: only a blow-up reaches it
 
 
 # --- broken model files in the launcher (lint, explain, apply before any worker) ------------------------
@@ -240,6 +255,7 @@ def test_broken_model_file_in_the_launcher(command, model, message, capsys):
     assert message in one_error_line(text)
 
 
+@pytest.mark.distributed
 def test_os_exit_at_import_does_not_end_the_command():
     """A subprocess: were the guard to fail, os._exit would end this test process."""
     run = Run("lint", "plans/mlp_tp.sl", f"{H}/os_exit.py", "--world", "2")
@@ -252,21 +268,23 @@ def test_model_file_that_hangs_at_import_is_bounded_by_apply_timeout(capsys):
     status, text = call(["apply", "plans/mlp_tp.sl", f"{H}/hang.py", "--nproc", "2", "--timeout", "2"], capsys)
     assert status == 2
     assert "took longer than --timeout 2 s" in one_error_line(text)
-    assert time.perf_counter() - start < 20
+    assert time.perf_counter() - start < 120  # the import hangs for ever: any bound shows --timeout acted
 
 
+@pytest.mark.distributed
 def test_explain_of_a_forward_that_hangs_is_bounded_by_its_timeout(capsys):
     start = time.perf_counter()
     args = ["explain", "plans/mlp_tp.sl", f"{H}/forward_hangs.py", "--world", "2", "--timeout", "3"]
     status, text = call(args, capsys)
     assert status == 2
     assert "took longer than --timeout 3 s" in one_error_line(text)
-    assert time.perf_counter() - start < 30
+    assert time.perf_counter() - start < 120  # the forward hangs for ever: any bound shows --timeout acted
 
 
 # --- uneven shards: SL203 names the right statement and sizes; SL301 where torch cannot run one ---------
 
 
+@pytest.mark.distributed
 def test_sl203_blames_fsdp_with_the_real_sizes(capsys):
     status, text = call(["lint", "plans/llama_2d.sl", "examples/llama.py", "--world", "6"], capsys)
     assert status == 0
@@ -284,6 +302,7 @@ def test_uneven_rowwise_is_an_error_where_torch_cannot_run_it(capsys):
     assert status == 2 and "error[SL301]" in text and "Traceback" not in text
 
 
+@pytest.mark.distributed
 def test_torch_limits_match_the_installed_torch(pools):
     """The cases of compiler/torchlimits.py, run on gloo: the table says what this torch cannot run."""
     from .hostile_jobs import uneven_tp_cases
@@ -303,6 +322,7 @@ def test_torch_limits_table_by_release():
 # --- commands that start workers ----------------------------------------------------------------------
 
 APPLY = ("apply", "plans/mlp_tp.sl")
+HANGS = (*APPLY, f"{H}/forward_hangs.py", "--nproc", "2")
 # The broken inputs and losses fail alike on every rank: one rank shows it (each worker is a torch import).
 RUNS = {
     "forward_rank1": lambda: Run(*APPLY, f"{H}/forward_rank1.py", "--nproc", "2"),
@@ -313,9 +333,10 @@ RUNS = {
     "loss_vector": lambda: Run(*APPLY, f"{H}/loss_vector.py", "--nproc", "1"),
     "loss_raises": lambda: Run(*APPLY, f"{H}/loss_raises.py", "--nproc", "1"),
     "os_exit_worker": lambda: Run(*APPLY, f"{H}/os_exit_worker.py", "--nproc", "2"),
-    "startup_timeout": lambda: Run(*APPLY, "examples/mlp.py", "--nproc", "2", "--timeout", "0.2"),
-    "ctrl_c": lambda: Run(*APPLY, f"{H}/forward_hangs.py", "--nproc", "2", send=signal.SIGINT, to_group=True),
-    "sigterm": lambda: Run(*APPLY, f"{H}/forward_hangs.py", "--nproc", "2", send=signal.SIGTERM),
+    # --json: main prints the same one line on stderr with it, and the JSON tests below read these runs too
+    "startup_timeout": lambda: Run(*APPLY, "examples/mlp.py", "--nproc", "2", "--timeout", "0.2", "--json"),
+    "ctrl_c": lambda: Run(*HANGS, "--json", send=signal.SIGINT, to_group=True),
+    "sigterm": lambda: Run(*HANGS, "--json", send=signal.SIGTERM),
     "sigkill": lambda: Run(*APPLY, f"{H}/forward_hangs.py", "--nproc", "2", send=signal.SIGKILL),
 }
 
@@ -329,6 +350,7 @@ def runs():
         return {name: future.result() for name, future in futures.items()}
 
 
+@pytest.mark.distributed
 def test_forward_raising_on_rank_1_is_sl400_with_the_users_frame(runs):
     run = runs["forward_rank1"]
     assert_clean(run, 1)
@@ -337,12 +359,14 @@ def test_forward_raising_on_rank_1_is_sl400_with_the_users_frame(runs):
     assert "site-packages" not in run.output and "shardlang/" not in run.output
 
 
+@pytest.mark.distributed
 def test_debug_adds_the_full_traceback(runs):
     run = runs["forward_rank1_debug"]
     assert run.status == 1 and not run.left, run
     assert "Traceback" in run.stderr and "torch" in run.stderr
 
 
+@pytest.mark.distributed
 def test_example_input_of_the_wrong_shape_is_sl400_at_the_check(runs):
     run = runs["input_wrong_shape"]
     assert_clean(run, 1)
@@ -350,6 +374,7 @@ def test_example_input_of_the_wrong_shape_is_sl400_at_the_check(runs):
     assert f"at {H}/_base.py:15 in forward" in run.stderr
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "name, message",
     [
@@ -367,12 +392,14 @@ def test_broken_example_input_or_loss_is_one_line_and_exit_2(runs, name, message
     assert "site-packages" not in run.output
 
 
+@pytest.mark.distributed
 def test_os_exit_in_a_worker_is_a_dead_rank(runs):
     run = runs["os_exit_worker"]
     assert_clean(run, 2)
     assert "died: worker exited with code 5" in one_error_line(run.stderr)
 
 
+@pytest.mark.distributed
 def test_startup_timeout_follows_timeout_and_names_the_ranks(runs):
     run = runs["startup_timeout"]
     assert_clean(run, 2)
@@ -380,6 +407,7 @@ def test_startup_timeout_follows_timeout_and_names_the_ranks(runs):
     assert "start-up timed out after 0.2 s: ranks 0, 1 of 2 never reported" in line
 
 
+@pytest.mark.distributed
 def test_ctrl_c_exits_130_with_one_line_and_no_process_left(runs):
     run = runs["ctrl_c"]
     assert_clean(run, 130)
@@ -387,17 +415,45 @@ def test_ctrl_c_exits_130_with_one_line_and_no_process_left(runs):
     assert len(run.seen) >= 2  # the workers were running when it came
 
 
+@pytest.mark.distributed
 def test_sigterm_is_forwarded_exits_143_with_one_line(runs):
     run = runs["sigterm"]
     assert_clean(run, 143)
     assert run.stderr.strip().splitlines() == ["shardlang: stopped by SIGTERM; no worker is left running"], run
-    assert run.seconds_after_signal < 10
+    assert run.seconds_after_signal < 60  # forwarded, not waited out (the forward hangs for ever)
 
 
+@pytest.mark.distributed
+def test_json_when_the_workers_do_not_start_in_time(runs):
+    run = runs["startup_timeout"]
+    report = one_object(run.stdout)
+    assert report["exit_status"] == 2 and report["failure"]["kind"] == "startup"
+    assert "start-up timed out after 0.2 s" in report["failure"]["message"]
+    assert report["world_size"] == 2 and report["device"] == "cpu (gloo)"
+    assert {r["state"] for r in report["ranks"]} <= {"starting", "done"}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name, status, kind", [("ctrl_c", 130, "interrupted"), ("sigterm", 143, "terminated")])
+def test_json_when_interrupted_says_what_each_rank_was_doing(runs, name, status, kind):
+    run = runs[name]
+    assert_clean(run, status)
+    report = one_object(run.stdout)
+    assert report["exit_status"] == status and report["failure"]["kind"] == kind, report
+    # The signal comes once every worker runs the hanging forward (Run waits for that)
+    assert [r["rank"] for r in report["ranks"]] == [0, 1], report
+    for rank in report["ranks"]:
+        assert rank["state"] == "running", rank
+        said = ("running its job", "loading the model file", "building the model", "applying the plan", "check ")
+        assert rank["said"].startswith(said), rank
+    assert len(run.stderr.strip().splitlines()) == 1  # main's one line, as without --json
+
+
+@pytest.mark.distributed
 def test_workers_die_with_a_killed_launcher(runs):
     run = runs["sigkill"]
     assert run.status == -signal.SIGKILL
-    assert len(run.seen) >= 2 and not run.left, run  # left: still alive 10 s after the launcher's exit
+    assert len(run.seen) >= 2 and not run.left, run  # left: still alive 60 s after the launcher's exit
     assert "Traceback" not in run.output
 
 
@@ -440,6 +496,7 @@ def test_readme_library_verify_is_under_the_main_guard():
     assert guard < library.index("shardlang.verify(plan, build_model, example_input, nproc=4)")
 
 
+@pytest.mark.distributed
 def test_explain_lays_out_what_torch_cannot_run_and_notes_the_step(capsys):
     status, text = call(["explain", "plans/mlp_tp.sl", "examples/mlp.py", "--world", "3"], capsys)
     assert status == 0, text

@@ -40,7 +40,7 @@ class Payload:
         return os.system, (f"touch {self.marker}",)
 
 
-def shardlang(*args, timeout=240):
+def shardlang(*args, timeout=600):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     return subprocess.run(
         [sys.executable, "-m", "shardlang", *map(str, args)],
@@ -103,6 +103,7 @@ def copy(good, tmp_path):
 # --- 1. no code execution ---------------------------------------------------------------------------
 
 
+@pytest.mark.distributed
 def test_a_metadata_pickle_that_runs_a_command_is_refused_everywhere(copy, tmp_path, capsys):
     evil, marker = copy(), tmp_path / "pwned"
     (evil / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
@@ -125,6 +126,7 @@ def test_a_metadata_pickle_that_runs_a_command_is_refused_everywhere(copy, tmp_p
     assert not marker.exists()
 
 
+@pytest.mark.distributed
 def test_dcp_never_unpickles_metadata_itself(copy, tmp_path):
     """A load hands DCP the metadata read_checkpoint read safely: a .metadata swapped for a payload after
     that (or while the load runs) is never opened by DCP's plain pickle.load."""
@@ -179,6 +181,7 @@ def poisoned(path, key, data: bytes) -> None:
     return file
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("key", ["optimizer.param_groups.0.lr", "model.net1.weight"], ids=["object", "tensor"])
 def test_data_files_are_read_without_unpickling_arbitrary_objects(copy, tmp_path, key):
     """Tensors: DCP reads them with torch.load(weights_only=True). Objects stored as bytes: DCP's planner
@@ -225,6 +228,7 @@ def test_a_damaged_data_file_is_sl501_naming_it(copy, tmp_path, capsys, how):
     assert not (tmp_path / "out.pt").exists()
 
 
+@pytest.mark.distributed
 def test_a_garbage_data_file_is_one_sl501_from_convert_and_from_apply_load(copy, tmp_path):
     path = copy()
     file = damage(path, "garbage")
@@ -269,6 +273,7 @@ def test_checkpoint_info_is_always_a_dict(good, tmp_path):
 # --- 3. saving --------------------------------------------------------------------------------------
 
 
+@pytest.mark.distributed
 def test_apply_save_onto_a_symlinked_checkpoint_writes_where_it_points(copy, tmp_path):
     real = copy("real")
     (tmp_path / "link").symlink_to(real)
@@ -307,6 +312,7 @@ with _save_lock(target):
 """
 
 
+@pytest.mark.distributed
 def test_a_second_save_to_a_directory_being_saved_is_refused_naming_the_holder(copy, tmp_path, capsys):
     path = copy()
     before = {f.name: f.read_bytes() for f in path.iterdir()}
@@ -349,7 +355,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_untouched(copy, tmp_path, 
     assert "the previous checkpoint" in str(e.value) and "is untouched" in str(e.value)
     assert {f.name: (f.read_bytes(), f.stat().st_mtime_ns) for f in path.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"], "a staging directory or the lock was left"
-    assert time.time() - started < 30
+    assert time.time() - started < 120  # the failure is reported, not retried or waited out
 
 
 def test_mutated_checkpoints_are_read_or_refused_never_crash(copy, tmp_path):

@@ -187,11 +187,13 @@ def _run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
 
 
+@pytest.mark.distributed
 def test_importing_the_library_imports_no_torch():
     done = _run("import sys, shardlang; plan = shardlang.load('plans/llama_2d.sl'); assert 'torch' not in sys.modules")
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.distributed
 def test_lint_does_not_import_apply_or_the_checks():
     """Without its simulated step (which applies the plan, so imports the runtime in its forked child's
     parent), lint stays in the front end and the compiler."""
@@ -206,6 +208,7 @@ def test_lint_does_not_import_apply_or_the_checks():
     assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.distributed
 def test_lint_without_a_model_does_not_import_torch():
     """`shardlang lint PLAN` is a front-end job: importing torch (1.5 s) would make it take three times its
     target of 1 s."""

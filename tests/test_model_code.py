@@ -42,6 +42,7 @@ TIED_RANK0 = {
 }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("case", sorted(TIED_RANK0))
 def test_tied_weights_under_init_rank0(pools, tmp_path, case):
     world, plan = TIED_RANK0[case]
@@ -78,6 +79,7 @@ def _titan_or_skip(model: str) -> None:
         pytest.importorskip("torchtitan", reason="torchtitan is not installed: pip install -e '.[titan]'")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("which", sorted(HOOKED))
 def test_every_check_runs_on_a_model_whose_state_dict_hooks_rename_tensors(pools, tmp_path, which):
     """The references are built by parameter name: a state dict keyed `wq`/`wk`/`wv` for a module holding
@@ -131,6 +133,7 @@ def _named_whole(module) -> dict:
     return {n: full(t.detach()).cpu().clone() for n, t in [*module.named_parameters(), *module.named_buffers()]}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("form", ["dcp", "hf"])
 @pytest.mark.parametrize("which", sorted(HOOKED))
 def test_a_checkpoint_holds_the_hooked_names_and_loads_back_under_another_plan(pools, tmp_path, which, form):
@@ -170,6 +173,7 @@ TITAN_META = {
 }
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("init", sorted(TITAN_META))
 def test_torchtitan_init_states_under_init_meta(pools, tmp_path, init):
     _titan_or_skip(TITAN)
@@ -181,6 +185,7 @@ def test_torchtitan_init_states_under_init_meta(pools, tmp_path, init):
         assert word in result.message, f"{word!r} not in {result.message!r}"
 
 
+@pytest.mark.distributed
 def test_a_method_on_the_root_is_called_once_with_whole_tensors_on_a_cpu_mesh(pools, tmp_path):
     """tests/faults/shard_init.py's init_weights fills whatever tensors it is given from one seed: called once
     on the root with every sharded tensor whole, each rank keeps its own slice and replicas agree."""

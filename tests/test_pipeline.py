@@ -103,6 +103,7 @@ def test_split_resolves_blocks_and_outside_modules(tmp_path):
     assert spec.stage_ranks(2) == (0, 1, 1, 0)  # V schedules fold the stages back
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("plan", ["llama_pipeline", "llama_pipeline_tp"])
 def test_every_schedule_passes_every_check(pools, plan, schedule):
@@ -162,6 +163,7 @@ def _emitted_job(source: str, plan_path: str):
     return loss_a
 
 
+@pytest.mark.distributed
 def test_printed_program_trains_as_apply_does(pools):
     from examples.llama_pipeline import build_model
     from shardlang.emit.python import compile_python
@@ -225,6 +227,7 @@ def _faulty(fault: str, job: Job):
             runtime_apply.build_pipeline = real
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "fault, words",
     [
@@ -287,6 +290,7 @@ def _load_pipelined(plan_path: str, params: dict, directory: str) -> dict:
     return full_state(applied.model, optimizer)
 
 
+@pytest.mark.distributed
 def test_checkpoints_move_between_pipelined_and_plain_plans_bitwise(pools, tmp_path):
     """Saved under pp 2 x dp 2 (interleaved: two stages per rank), loaded under FSDP 4 (no pipeline) and
     back under the pipeline: every model and optimizer tensor bitwise; and the other way round."""
@@ -336,6 +340,7 @@ def _without_torch_limits(job: Job):
         torchlimits.limits = real
 
 
+@pytest.mark.distributed
 def test_zero_bubble_limit_matches_the_installed_torch(pools, tmp_path):
     """zbv with FSDP over dp 2 is SL301 where torchlimits says torch trains it wrong, and run anyway it
     fails the gradients check exactly then; without data parallelism it passes, where torch can run a V

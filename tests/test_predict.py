@@ -124,6 +124,7 @@ def _layouts(predictions: dict[str, Placed]) -> dict[str, tuple]:
     return {name: (placed.mesh, placed.dims, placed.placements) for name, placed in predictions.items()}
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("case", sorted(BUILTIN))
 def test_every_builtin_style_places_tensors_as_the_table_predicts(case, world):
@@ -142,6 +143,7 @@ def _observed_lint(plan, model, world: int):
     return lint(plan, model, world, observe_user_styles(plan, program, model, imported, world))
 
 
+@pytest.mark.distributed
 def test_use_styles_for_conv1d_are_predicted_from_what_they_do_not_their_base_class():
     """ColwiseParallel/RowwiseParallel subclasses for GPT-2's Conv1D (weight [in, out]) shard the weight's dim 1
     and dim 0: as the built-in *_conv1d styles do, not as nn.Linear's colwise (Shard(0)) would."""
@@ -158,6 +160,7 @@ def test_use_styles_for_conv1d_are_predicted_from_what_they_do_not_their_base_cl
     assert _layouts(predicted) == _layouts(builtin)
 
 
+@pytest.mark.distributed
 def test_a_subclass_that_shards_unlike_its_base_class_is_predicted_as_it_shards():
     model = _model("tests.faults.seq_norm:build_model")
     text = (
@@ -170,6 +173,7 @@ def test_a_subclass_that_shards_unlike_its_base_class_is_predicted_as_it_shards(
     assert plain["norm.weight"].placements == (ir.Replicate(),)
 
 
+@pytest.mark.distributed
 def test_a_use_style_that_cannot_run_on_meta_is_not_predicted():
     model = _model("examples.mlp:build_model")
     plan = shardlang.loads(
@@ -183,6 +187,7 @@ def test_a_use_style_that_cannot_run_on_meta_is_not_predicted():
     assert predicted["net2.weight"].placements == (ir.Shard(1),)
 
 
+@pytest.mark.distributed
 def test_a_use_style_that_hangs_costs_its_prediction_not_the_run():
     model = _model("examples.mlp:build_model")
     plan = shardlang.loads(
@@ -204,6 +209,7 @@ def colwise_every_linear_below(module, mesh):
             parallelize_module(child, mesh, ColwiseParallel())
 
 
+@pytest.mark.distributed
 def test_a_tensor_two_rules_would_place_is_not_predicted():
     """Which of a `use` style above and a built-in rule below places a tensor depends on their order."""
     model = _model("tests.models:seq_mlp")
@@ -224,6 +230,7 @@ def test_a_tensor_two_rules_would_place_is_not_predicted():
 TIED = "{uses}mesh world = cpu[tp=auto]\nparallelize on world.tp {{ embedding : colwise; fc : {fc} }}\n"
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     ("uses", "fc", "sl204_at_lint", "sl204_at_apply"),
     [

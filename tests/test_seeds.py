@@ -57,6 +57,7 @@ def lint_codes(plan, model_path, world):
 # --- 1. test_fsdp_tp_integration.py ------------------------------------------------------------
 
 
+@pytest.mark.distributed
 def test_fsdp_tp_integration__extension_grad(pools):
     """2-D (dp, tp): net1 colwise(input=shard(0)), net2 rowwise(output=shard(0)), a distributed
     RMSNorm, FSDP over dp. Gradients match the reference (finite: no NaN), and the collectives of one
@@ -87,6 +88,7 @@ def test_fsdp_tp_integration__extension_grad(pools):
     )  # FSDP
 
 
+@pytest.mark.distributed
 def test_fsdp_tp_integration__sync_module_state(pools):
     """A parameter and a buffer start different on each rank; after `sync over world.dp` the local
     tensors are equal along dp (module_states); without it the plan is SL217 (a dim nothing uses)."""
@@ -115,6 +117,7 @@ COMPOSE = [
 ]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", COMPOSE)
 def test_compose__loss_parity_with_a_replicated_reference(pools, name):
     """fully_shard, replicate and checkpoint composed: losses, gradients and updates match the
@@ -122,6 +125,7 @@ def test_compose__loss_parity_with_a_replicated_reference(pools, name):
     assert_all_pass(apply_and_check(pools, SEEDS / f"{name}.sl", world=2))
 
 
+@pytest.mark.distributed
 def test_compose__replicate_parameters_are_the_rest(pools):
     """test_fully_shard_replicate_correct_replicate_params: with every Linear fully sharded, what the
     root's replicate manages is exactly the other parameters (here: `p`, plain tensors)."""
@@ -131,6 +135,7 @@ def test_compose__replicate_parameters_are_the_rest(pools):
     assert placements.ok
 
 
+@pytest.mark.distributed
 def test_compose__cast_forward_inputs(pools):
     """fp16 inputs inside the fp16 unit (also when checkpointing recomputes it), fp32 outside."""
     seen = pools(2).run(
@@ -151,6 +156,7 @@ def test_compose__fully_shard_and_replicate_on_one_module_is_sl205():
 # --- 3. _composable/fsdp/test_fully_shard_init.py ----------------------------------------------
 
 
+@pytest.mark.distributed
 def test_fully_shard_init__states_moved_to_the_mesh_device(pools):
     assert_all_pass(apply_and_check(pools, SEEDS / "fully_shard_init_device.sl"))
 
@@ -168,6 +174,7 @@ def test_fully_shard_init__3d_mesh_is_sl106():
     assert {d.code for d in raised.value.diagnostics} == {"SL106"}
 
 
+@pytest.mark.distributed
 def test_fully_shard_init__shared_parameters_and_a_module_used_twice(pools):
     plan = SEEDS / "fully_shard_shared_params.sl"
     assert_all_pass(apply_and_check(pools, plan, world=2))
@@ -176,6 +183,7 @@ def test_fully_shard_init__shared_parameters_and_a_module_used_twice(pools):
     assert facts["params"] == facts["unique_params"]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 def test_fully_shard_init__uneven_shards_are_exact_chunks(pools, world):
     plan = SEEDS / "fully_shard_uneven.sl"
@@ -185,6 +193,7 @@ def test_fully_shard_init__uneven_shards_are_exact_chunks(pools, world):
     assert odd == ([(2, 8), (1, 8)] if world == 2 else [(1, 8), (1, 8), (1, 8), (0, 8)])
 
 
+@pytest.mark.distributed
 def test_fully_shard_init__2d_placements_as_torch_gives_them(pools):
     report = apply_and_check(pools, SEEDS / "fully_shard_2d_placements.sl")
     assert_all_pass(report)
@@ -192,11 +201,13 @@ def test_fully_shard_init__2d_placements_as_torch_gives_them(pools):
     assert placements.data["matched"] == 4 and not placements.data["wrong"]
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("name", ["fully_shard_meta_init_1d", "fully_shard_meta_init_2d"])
 def test_fully_shard_init__meta_device_init_then_an_optimizer_step(pools, name):
     assert_all_pass(apply_and_check(pools, SEEDS / f"{name}.sl"))
 
 
+@pytest.mark.distributed
 def test_fully_shard_init__forgetting_to_materialise_lists_what_is_on_meta(pools):
     message = pools(2).run(
         seed_jobs.forgot_to_materialise,
@@ -206,6 +217,7 @@ def test_fully_shard_init__forgetting_to_materialise_lists_what_is_on_meta(pools
     assert "6 tensors are on the meta device: even.weight, even.bias, odd.weight" in message
 
 
+@pytest.mark.distributed
 def test_fully_shard_init__hsdp_replicas_made_equal_by_sync_then_trained(pools):
     plan = SEEDS / "hsdp_sync.sl"
     assert_all_pass(apply_and_check(pools, plan))
@@ -216,6 +228,7 @@ def test_fully_shard_init__hsdp_replicas_made_equal_by_sync_then_trained(pools):
 # --- 4. tensor/parallel/test_tp_examples.py ----------------------------------------------------
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "plan", [ROOT / "plans" / "mlp_tp.sl", SEEDS / "tp_mlp_sequence_parallel.sl"], ids=["mlp", "mlp_sequence_parallel"]
 )
@@ -225,6 +238,7 @@ def test_tp_examples__mlp_training_and_inference(pools, plan):
     assert_all_pass(apply_and_check(pools, plan, world=2))
 
 
+@pytest.mark.distributed
 def test_tp_examples__weight_tying(pools):
     plan = SEEDS / "tp_weight_tying.sl"
     assert_all_pass(apply_and_check(pools, plan, world=2))
@@ -232,6 +246,7 @@ def test_tp_examples__weight_tying(pools):
     assert facts["same_object"] and facts["same_grad"] and facts["placement"] == "(Shard(dim=1),)"
 
 
+@pytest.mark.distributed
 def test_tp_examples__loss_parallel_counts_as_torch_gives_them(pools):
     plan = SEEDS / "tp_loss_parallel.sl"
     result = pools(2).run(
@@ -261,6 +276,7 @@ def test_fake_pg__lint_a_tp_fsdp_plan_at_world_1024():
     assert plan.lint(model, world_size=1024) == []
 
 
+@pytest.mark.distributed
 def test_fake_pg__explain_a_tp_fsdp_plan_at_world_1024():
     """The same plan explained at 1024 ranks (tp 4: the example has 4 heads): one process (the
     command's), the fake process group."""
@@ -288,7 +304,7 @@ def test_fake_pg__explain_a_tp_fsdp_plan_at_world_1024():
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     data = json.loads(done.stdout)

@@ -12,6 +12,7 @@ from . import dist_jobs as jobs
 from .conftest import ROOT
 
 
+@pytest.mark.distributed
 def test_each_rank_holds_the_slice_transformers_gives_it(pools):
     text = (ROOT / "plans" / "transformers_styles.sl").read_text().replace("init meta", "")
     (result, *_) = pools(4).run(jobs.transformers_styles_shard_as_transformers_does, text)

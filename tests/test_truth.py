@@ -90,6 +90,7 @@ verify gradients(steps=2, input=shard(1), output=shard(1))
 """
 
 
+@pytest.mark.distributed
 def test_a_kernel_without_float64_gives_a_float32_truth_that_says_so(pools, tmp_path):
     import shardlang
 
