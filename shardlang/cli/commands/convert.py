@@ -12,7 +12,7 @@ from ..status import OK, UNUSABLE
 
 def run_convert(args: argparse.Namespace) -> int:
     """DCP checkpoint -> torch file, or torch file -> checkpoint; diagnostics (SL501) and exit 2 if not."""
-    from ...checkpoints.dcp import convert_checkpoint
+    from ...checkpoints.converting import convert_checkpoint
 
     try:
         done = convert_checkpoint(args.source, args.target, optimizer=args.optimizer)
