@@ -231,7 +231,8 @@ def _faulty(fault: str, job: Job):
 @pytest.mark.parametrize(
     "fault, words",
     [
-        ("microbatch order", ["step 0: gradient of tok_embeddings.weight"]),
+        # Every stage's gradients are wrong; the report tells of the rank with the worst error, whichever stage it holds.
+        ("microbatch order", ["step 0: gradient of", "x the allowed error"]),
         ("dropped block", ["layers.1.attention.wq.weight is held by no pipeline stage"]),
         ("unscaled loss", ["step 0: gradient of"]),
     ],
