@@ -55,19 +55,28 @@ def _modules() -> dict[str, Path]:
     return {_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
+def _package(name: str, path: Path) -> str:
+    """The package a module's relative imports start from."""
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def _from_target(node: ast.ImportFrom, package: str) -> str:
+    """The module a `from X import ...` names, relative imports resolved against `package`."""
+    if not node.level:
+        return node.module or ""
+    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+    return f"{base}.{node.module}" if node.module else base
+
+
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """Every module `name` imports (its own package's modules, and outside ones by their full name)."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    package = _package(name, path)
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                target = f"{base}.{node.module}" if node.module else base
-            else:
-                target = node.module
+            target = _from_target(node, package)
             for alias in node.names:
                 found.add(f"{target}.{alias.name}" if f"{target}.{alias.name}" in modules else target)
     return found
@@ -232,16 +241,12 @@ def test_no_module_is_longer_than_600_lines():
 
 def _private_uses(name: str, path: Path, modules: dict[str, Path]) -> list[str]:
     """Another shardlang module's private (`_x`) names that `name` imports or reads as `module._x`."""
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    package = _package(name, path)
     found, aliases = [], {}
     tree = ast.parse(path.read_text(encoding="utf-8"))
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                target = f"{base}.{node.module}" if node.module else base
-            else:
-                target = node.module or ""
+            target = _from_target(node, package)
             if not target.startswith("shardlang"):
                 continue
             for alias in node.names:
@@ -268,14 +273,10 @@ def test_every_import_of_the_package_names_a_module_that_exists():
     modules = _modules()
     missing = []
     for name, path in modules.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        package = _package(name, path)
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("shardlang")):
-                if node.level:
-                    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                    target = f"{base}.{node.module}" if node.module else base
-                else:
-                    target = node.module
+                target = _from_target(node, package)
                 if target not in modules:
                     missing.append(f"{name}:{node.lineno} imports {target}")
             elif isinstance(node, ast.Import):
