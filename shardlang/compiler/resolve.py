@@ -136,7 +136,7 @@ def _compiled(plan: ir.Plan, modules) -> tuple[tuple[tuple[str, ir.Compile], ...
         if not fqns:
             found.append(_no_match(c.target, modules, ""))
         for fqn in fqns:
-            outer = next((o for o in by_fqn if _within(fqn, o) or _within(o, fqn)), None)
+            outer = next((o for o in by_fqn if patterns.within(fqn, o) or patterns.within(o, fqn)), None)
             if outer is None:
                 by_fqn[fqn] = c
                 continue
@@ -144,7 +144,7 @@ def _compiled(plan: ir.Plan, modules) -> tuple[tuple[tuple[str, ir.Compile], ...
             if outer == fqn:
                 message = f"module '{fqn or 'root'}' is compiled twice (first at line {first.span.line})"
             else:
-                where = "inside" if _within(outer, fqn) else "around"
+                where = "inside" if patterns.within(outer, fqn) else "around"
                 message = (
                     f"module '{fqn or 'root'}' is compiled, and so is '{outer or 'root'}' {where} it "
                     f"(line {first.span.line})"
@@ -278,8 +278,3 @@ def _children(parent: str, relative: list[str]) -> Iterator[str]:
 
 def _natural(name: str):
     return (0, int(name), "") if name.isdigit() else (1, 0, name)
-
-
-def _within(inner: str, outer: str) -> bool:
-    """Whether module `inner` is `outer` or inside it (every module is inside the root, '')."""
-    return not outer or inner == outer or inner.startswith(outer + ".")

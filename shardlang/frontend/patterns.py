@@ -61,6 +61,11 @@ def modules_matching(model, target):
     return [fqn for fqn, _ in model.named_modules() if regex.fullmatch("." + fqn if fqn else "")]
 
 
+def within(inner, outer):
+    """Whether module `inner` is `outer` or inside it (every module is inside the root, '')."""
+    return not outer or inner == outer or inner.startswith(outer + ".")
+
+
 def depth(fqn):
     """How deep a module sits: 0 for the model, 1 for its children..."""
     return fqn.count(".") + 1 if fqn else 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...frontend import ir
+from ...frontend import ir, patterns
 from ...frontend.diagnostics import SL301, Diagnostic, few
 from ..resolve import Resolution
 from ..torchlimits import COMPILE_FULLGRAPH_CHECKPOINT, cannot
@@ -20,7 +20,7 @@ def fullgraph_over_checkpoint(
     for fqn, statement in resolution.compiled:
         if not dict(statement.options).get("fullgraph", False):
             continue
-        covered = [c for c in resolution.checkpoint if not fqn or c == fqn or c.startswith(fqn + ".")]
+        covered = [c for c in resolution.checkpoint if patterns.within(c, fqn)]
         if covered:
             found.append(
                 Diagnostic(
