@@ -8,6 +8,16 @@ FIXTURES = Path(__file__).parent / "fixtures"
 ROOT = Path(__file__).parent.parent
 
 
+def pytest_configure(config):
+    """Ctrl-C delivered, whoever started the suite: bash without job control starts a background command
+    (`pytest ... &` in a script) with SIGINT ignored, which every command a test starts would inherit
+    across exec, and then the tests that send a command Ctrl-C would wait for an exit that never comes."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def pytest_addoption(parser):
     parser.addoption("--update-goldens", action="store_true", help="rewrite golden files from the current output")
 

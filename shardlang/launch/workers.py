@@ -16,6 +16,7 @@ import pickle
 import queue
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -61,14 +62,14 @@ def _worker(
     jobs,
     results,
     timeout_s: float,
-    parent: int | None = None,
+    env: dict[str, str],
     log: str | None = None,
     deathsig: bool = True,
 ) -> None:
     # Ctrl-C is the launcher's to handle (it stops every worker): a worker prints no KeyboardInterrupt.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if parent is not None:
-        die_with(parent, deathsig)
+    die_with(None, deathsig)
+    _take_environment(env)
     if log is not None:
         # What torch and gloo print (C++ warnings, logged tracebacks, teardown notices) goes to a file: the
         # launcher reports failures itself, and shows these logs with --debug.
@@ -90,7 +91,11 @@ def _worker(
         LOCAL_WORLD_SIZE=str(world_size),
     )
     logging.getLogger("torch.distributed").setLevel(logging.ERROR)
-    if "OMP_NUM_THREADS" not in os.environ:
+    if "OMP_NUM_THREADS" in os.environ:
+        # Read by OpenMP when torch was loaded, which in a forkserver's child was before this environment
+        with contextlib.suppress(ValueError):
+            torch.set_num_threads(max(1, int(os.environ["OMP_NUM_THREADS"])))
+    else:
         # As torchrun does: N workers each with a thread per core oversubscribe the CPU, and OpenMP's
         # spinning threads then wait for each other (a 4-worker CPU save ran 2x slower on 2 cores).
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -139,9 +144,9 @@ def destroy_process_groups() -> None:
     dist.destroy_process_group()
 
 
-def _fresh(fn, args, results, parent: int | None = None, deathsig: bool = True) -> None:
-    if parent is not None:
-        die_with(parent, deathsig)
+def _fresh(fn, args, results, env: dict[str, str], deathsig: bool = True) -> None:
+    die_with(None, deathsig)
+    _take_environment(env)
     try:
         results.put(("ok", pickle.dumps(fn(*args))))
     except BaseException as e:  # noqa: BLE001 - any failure goes back to the caller
@@ -152,11 +157,10 @@ def _fresh(fn, args, results, parent: int | None = None, deathsig: bool = True) 
 
 
 def in_fresh_process(fn: Callable[..., Any], *args: Any, timeout_s: float = 600.0) -> Any:
-    """`fn(*args)` in a newly spawned process (no state of this one), its result or its exception."""
-    ctx = mp.get_context("spawn")
+    """`fn(*args)` in a new process (no state of this one: see `context`), its result or its exception."""
+    ctx = context()
     results = ctx.Queue()
-    main = threading.current_thread() is threading.main_thread()
-    proc = ctx.Process(target=_fresh, args=(fn, args, results, os.getpid(), main), daemon=True)
+    proc = ctx.Process(target=_fresh, args=(fn, args, results, dict(os.environ), _deathsig(ctx)), daemon=True)
     proc.start()
     deadline, returned = time.monotonic() + timeout_s, False
     try:
@@ -182,6 +186,66 @@ def in_fresh_process(fn: Callable[..., Any], *args: Any, timeout_s: float = 600.
     if status == "error":
         raise value
     return value
+
+
+#: What a forkserver imports once for every process it forks: torch and the modules a worker's job and a
+#: fresh explain run. A spawned process imports them itself, seconds of CPU each (most of a small job's
+#: time on a loaded machine, and most of the test suite's).
+PRELOAD = ("torch", "torch.distributed", "shardlang.launch.job", "shardlang.explain.simulate")
+
+_starting = threading.Lock()
+
+
+def context():
+    """The multiprocessing context workers and fresh processes start from: a forkserver preloaded with
+    `PRELOAD` where the platform has one (Linux, macOS), else spawn. A forkserver's child is a fork of a
+    process that has imported those modules and done nothing else (no CUDA, no process group, no thread):
+    as clean as a spawned one, without the imports. It takes its working directory and `sys.path` from
+    the process that asked for it (multiprocessing sends them), and its environment from the arguments
+    (`_take_environment`): the forkserver's is the one it was started with."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    start_forkserver()
+    return ctx
+
+
+def start_forkserver() -> None:
+    """Start the forkserver now, if it is not running, so that its imports overlap whatever this process
+    does next (its first child waits for them). It finds this copy of shardlang first on its path: it is
+    started as `python -c`, and the path of the process asking (a test's, a script's) is not passed to it."""
+    import multiprocessing.forkserver as forkserver
+
+    if "forkserver" not in mp.get_all_start_methods():
+        return
+    # A model file's library, where this process has already imported it (the launcher loaded the model)
+    extra = [name for name in ("transformers",) if name in sys.modules]
+    with _starting:
+        forkserver.set_forkserver_preload([*PRELOAD, *extra])
+        root = str(Path(__file__).resolve().parents[2])
+        saved = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join([root, saved] if saved else [root])
+        try:
+            with _sigint_ignored():  # inherited through exec, and by every child: Ctrl-C is the launcher's
+                forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = saved
+
+
+def _deathsig(ctx) -> bool:
+    """Whether a child of `ctx` may take the kernel's parent-death signal (see die_with): a forkserver's
+    children are forked by its main thread; a spawned one by this thread, which must be the main one."""
+    return ctx.get_start_method() == "forkserver" or threading.current_thread() is threading.main_thread()
+
+
+def _take_environment(env: dict[str, str]) -> None:
+    """The environment of the process that asked for this one (a forkserver's child has the forkserver's)."""
+    if dict(os.environ) != env:
+        os.environ.clear()
+        os.environ.update(env)
 
 
 def _tell_ranks(error: BaseException, ranks: list[dict[str, Any]]) -> None:
@@ -234,7 +298,7 @@ class WorkerPool:
         self.world_size, self.backend, self.on_progress = world_size, backend, on_progress
         self.start_timeout_s = timeout_s if start_timeout_s is None else start_timeout_s
         self.log_dir = log_dir
-        ctx = mp.get_context("spawn")
+        ctx = context()
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(world_size)]
         self._doing = ["starting"] * world_size  # each rank's last progress message, for a rank that dies
@@ -251,9 +315,9 @@ class WorkerPool:
                     self._jobs[r],
                     self._results,
                     timeout_s,
-                    os.getpid(),
+                    dict(os.environ),
                     None if log_dir is None else str(Path(log_dir) / f"rank{r}.log"),
-                    threading.current_thread() is threading.main_thread(),
+                    _deathsig(ctx),
                 ),
                 daemon=True,
             )
@@ -262,10 +326,11 @@ class WorkerPool:
         self._next = 0
         self.broken = False
         try:
+            deadline = time.monotonic() + self.start_timeout_s
             with _sigint_ignored():  # inherited through exec: a worker never sees the terminal's Ctrl-C
                 for proc in self._procs:
-                    proc.start()
-            self._collect(None, self.start_timeout_s, "ready")
+                    proc.start()  # a forkserver's first child waits for its imports: part of the start-up time
+            self._collect(None, deadline, self.start_timeout_s)
         except BaseException as e:
             self.kill()
             _tell_ranks(e, self.ranks())
@@ -282,7 +347,7 @@ class WorkerPool:
         try:
             for q in self._jobs:
                 q.put((self._next, payload))
-            values = self._collect(self._next, timeout_s, "ok")
+            values = self._collect(self._next, time.monotonic() + timeout_s, timeout_s)
         except WorkerError:
             raise
         except BaseException as e:  # Ctrl-C, a forwarded SIGTERM: stop every worker now, not after the job
@@ -291,9 +356,11 @@ class WorkerPool:
             raise
         return [pickle.loads(v) for v in values]
 
-    def _collect(self, job_id: int | None, timeout_s: float, expect: str) -> list[Any]:
+    def _collect(self, job_id: int | None, deadline: float, timeout_s: float) -> list[Any]:
+        """Every rank's result of job `job_id` (None: start-up) by `deadline` (a `time.monotonic()`), which
+        is `timeout_s` after the job (or the start) began."""
         try:
-            return self._gather(job_id, timeout_s)
+            return self._gather(job_id, deadline, timeout_s)
         except WorkerError as e:
             e.ranks = self.ranks()
             if job_id is None and e.kind == "raised":
@@ -313,19 +380,18 @@ class WorkerPool:
             for r in range(self.world_size)
         ]
 
-    def _gather(self, job_id: int | None, timeout_s: float) -> list[Any]:
+    def _gather(self, job_id: int | None, deadline: float, timeout_s: float) -> list[Any]:
         values: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout_s
         while len(values) < self.world_size:
             try:
-                got_id, rank, status, value = self._results.get(timeout=0.2)
+                got_id, rank, status, value = self._results.get(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
             except queue.Empty:
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
                 if dead:
                     self._drain(job_id)
                     self.stop()
                     raise self._died(dead[0]) from None
-                if time.monotonic() > deadline:
+                if time.monotonic() >= deadline:
                     missing = sorted(set(range(self.world_size)) - set(values))
                     self.kill()  # stuck workers read no polite stop
                     raise self._late(job_id, timeout_s, missing) from None
