@@ -2,7 +2,8 @@
 # torchtitan's parallelize does it with sequence parallelism on: the embedding hands out activations
 # sharded on the sequence, every norm runs on its shard, attention and the feed-forward gather it back,
 # their fused/first projections are colwise (wqkv holds whole key/value groups per rank), their last ones
-# reduce-scatter to the sequence shard again, and the output layer gathers the logits. FSDP2 per block.
+# reduce-scatter to the sequence shard again, and the output layer gathers the logits. FSDP2 units as torchtitan
+# makes them: the embedding, each block, and the final norm with the output layer as one unit.
 # torchtitan's Embedding cannot take torch's RowwiseParallel (its forward calls to_local() itself and
 # needs a tp_group torchtitan's own parallelize sets), so the embedding stays whole on every tp rank and
 # only its output is split on the sequence. Parameters on the meta device, initialised as torchtitan's
@@ -30,8 +31,10 @@ parallelize layers.* on world.tp {
     feed_forward.w2        : rowwise(output=shard(1))
 }
 
-fully_shard on world.dp {
-    each layers.*
+fully_shard on world.dp {                   # torchtitan's units: the embedding, each block, and the
+    each tok_embeddings                     # final norm with the output layer as one unit, which
+    each layers.*                           # stays gathered after the forward (the backward starts there)
+    unit norm, lm_head (reshard_after_forward=false)
     mixed_precision(param=bf16, reduce=fp32)
 }
 

@@ -42,12 +42,14 @@ def lower(plan: ir.Plan, resolution: Resolution | None, world_size: int | None) 
     if resolution is not None:
         steps += [p.Checkpoint(fqn, origin) for fqn in resolution.checkpoint]
         steps += [p.Compile(fqn, c.options, c.span) for fqn, c in resolution.compiled]
-        steps += [_unit(plan, plan.units[u.block], u.unit, u.fqn) for u in resolution.units]
+        steps += [_unit(plan, plan.units[u.block], u.unit, u.fqn, u.also) for u in resolution.units]
     else:
         steps += [p.Checkpoint(p.Matching(str(target)), target.span) for target in plan.checkpoint]
         steps += [p.Compile(p.Matching(str(c.target)), c.options, c.span) for c in plan.compiles]
         for block in plan.units:
-            steps += [_unit(plan, block, unit, p.Matching(str(unit.target))) for unit in block.units]
+            for unit in block.units:
+                also = tuple(p.Matching(str(t)) for t in unit.more)
+                steps.append(_unit(plan, block, unit, p.Matching(str(unit.target)), also))
             if block.root:
                 steps.append(_unit(plan, block, None, p.Matching("root")))
     device = _device(plan)
@@ -58,9 +60,10 @@ def lower(plan: ir.Plan, resolution: Resolution | None, world_size: int | None) 
     steps += [p.Sync(s.mesh, s.span) for s in plan.syncs]
     if plan.init.mode in ("meta", "rank0") and device != "cpu":  # after the syncs: they broadcast on the GPU
         steps += [
-            p.OffloadToCpu(s.module, s.origin)
+            p.OffloadToCpu(module, s.origin)
             for s in steps
             if isinstance(s, p.FullyShard) and any(k == "offload_policy" for k, _ in s.kwargs)
+            for module in (s.module, *s.also)
         ]
     if plan.init.mode == "cpu" and device != "cpu":
         steps.append(p.MoveToDevice(device, plan.init.span))
@@ -133,15 +136,20 @@ def _ties(resolution: Resolution) -> tuple[tuple[str, ...], ...]:
     return tuple(tuple(names) for names in groups.values() if len(names) > 1)
 
 
-def _unit(plan: ir.Plan, block: ir.Units, unit: ir.Unit | None, module: p.Module) -> p.Step:
-    """One fully_shard or replicate unit (`unit` None: the block's root unit)."""
+def _unit(
+    plan: ir.Plan, block: ir.Units, unit: ir.Unit | None, module: p.Module, also: tuple[p.Module, ...] = ()
+) -> p.Step:
+    """One fully_shard or replicate unit (`unit` None: the block's root unit); `also`, the other modules of
+    a `unit` over several (static checks keep those to fully_shard)."""
     match = UnitMatch(0, "", unit)
     origin = unit.span if unit is not None else block.span
     if block.kind == "replicate":
         return p.Replicate(module, block.mesh, match.options(block), origin)
     if match.kind(block) == "replicate":  # FSDP1's NO_SHARD is plain data parallelism
         return p.Replicate(module, block.mesh, (), origin)
-    return p.FullyShard(module, block.mesh, _fsdp_kwargs(plan, block, lambda name: match.option(block, name)), origin)
+    kwargs = _fsdp_kwargs(plan, block, lambda name: match.option(block, name))
+    together = unit is not None and unit.together and (bool(also) or isinstance(module, p.Matching))
+    return p.FullyShard(module, block.mesh, kwargs, origin, also, together)
 
 
 def _fsdp_kwargs(plan: ir.Plan, block: ir.Units, get) -> tuple:

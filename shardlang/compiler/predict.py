@@ -148,9 +148,11 @@ def rules_by_module(resolution: Resolution) -> dict[str, RuleMatch]:
 
 
 def units_by_module(resolution: Resolution) -> dict[str, UnitMatch]:
+    """The unit wrapping each module (every module of a `unit` over several; lint reports a second as SL201)."""
     units: dict[str, UnitMatch] = {}
     for match in resolution.units:
-        units.setdefault(match.fqn, match)
+        for fqn in match.fqns:
+            units.setdefault(fqn, match)
     return units
 
 

@@ -109,10 +109,15 @@ class Compile:
 
 @frozen
 class FullyShard:
+    """`fully_shard(module, mesh=..., **kwargs)`. With `together` (a `unit` item), one unit over `module`
+    and the modules of `also`, or, for targets, over every module they match: `fully_shard([a, b], ...)`."""
+
     module: Module
     mesh: ir.MeshRef
     kwargs: tuple[tuple[str, Any], ...]
     origin: Span | None = None
+    also: tuple[Module, ...] = ()
+    together: bool = False
 
 
 @frozen

@@ -38,11 +38,23 @@ class RuleMatch:
 
 @frozen
 class UnitMatch:
-    """One fully_shard or replicate unit: the module it wraps and the `each` (None for the implicit root)."""
+    """One fully_shard or replicate unit: the module it wraps and its `each` or `unit` item (None for the
+    implicit root). A `unit` over several modules wraps `fqn`, the first in model order, and `also`."""
 
     block: int  # index into plan.units
     fqn: str
     unit: ir.Unit | None
+    also: tuple[str, ...] = ()
+
+    @property
+    def fqns(self) -> tuple[str, ...]:
+        """Every module the unit wraps."""
+        return (self.fqn, *self.also)
+
+    @property
+    def name(self) -> str:
+        """The modules it wraps, for people: `root`, `layers.0`, `norm, output`."""
+        return ", ".join(f or "root" for f in self.fqns)
 
     def options(self, units: ir.Units) -> tuple[tuple[str, object], ...]:
         """The unit's effective options (the implicit root unit has the block's)."""
@@ -97,6 +109,11 @@ def resolve(plan: ir.Plan, model: nn.Module, pp: int = 1) -> tuple[Resolution, l
     units = []
     for b, block in enumerate(plan.units):
         for unit in block.units:
+            if unit.together:
+                match, problems = _together(unit, modules)
+                found += problems
+                units += [UnitMatch(b, match[0], unit, tuple(match[1:]))] if match else []
+                continue
             fqns = _matches(unit.target, modules, "")
             if not fqns:
                 found.append(_no_match(unit.target, modules, ""))
@@ -122,7 +139,8 @@ def resolve(plan: ir.Plan, model: nn.Module, pp: int = 1) -> tuple[Resolution, l
         found += problems
 
     order = {fqn: i for i, (fqn, _) in enumerate(modules)}
-    units.sort(key=lambda u: (-patterns.depth(u.fqn), order.get(u.fqn, 0)))
+    # Children first: a unit after every unit inside any of its modules (its shallowest module's depth)
+    units.sort(key=lambda u: (-min(map(patterns.depth, u.fqns)), order.get(u.fqn, 0)))
     resolution = Resolution(dict(modules), tuple(rules), tuple(units), tuple(checkpoint), stages, compiled=compiled)
     return resolution, found
 
@@ -159,6 +177,34 @@ def _compiled(plan: ir.Plan, modules) -> tuple[tuple[tuple[str, ir.Compile], ...
             )
     order = {fqn: i for i, (fqn, _) in enumerate(modules)}
     return tuple(sorted(by_fqn.items(), key=lambda item: order[item[0]])), found
+
+
+def _together(unit: ir.Unit, modules) -> tuple[list[str], list[Diagnostic]]:
+    """The modules of a `unit` item in model order: every match of its targets (SL200 for a target that
+    matches none). One inside another is SL201: the outer one's unit would hold the inner one's
+    parameters already."""
+    found, fqns = [], set()
+    for target in unit.targets:
+        matched = _matches(target, modules, "")
+        if not matched:
+            found.append(_no_match(target, modules, ""))
+        fqns.update(matched)
+    ordered = [fqn for fqn, _ in modules if fqn in fqns]
+    for fqn in ordered:
+        outer = next((o for o in ordered if o != fqn and patterns.within(fqn, o)), None)
+        if outer is not None:
+            found.append(
+                Diagnostic(
+                    SL201,
+                    f"`{unit}` lists '{fqn}' and '{outer or 'root'}', which holds it",
+                    unit.span,
+                    help=(
+                        f"list '{outer or 'root'}' alone: a unit manages the parameters of everything inside its modules",
+                    ),
+                )
+            )
+            return [], found
+    return ordered, found
 
 
 def _named_units_win(plan: ir.Plan, units: list[UnitMatch]) -> list[UnitMatch]:

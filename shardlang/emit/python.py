@@ -24,7 +24,7 @@ from ..frontend.diagnostics import SL216, Diagnostic, PlanError
 from ..frontend.source import Span
 from ..frontend.static_checks import check_world
 from ..runtime import helpers
-from ..runtime.steps import STEPS, mesh_var
+from ..runtime.steps import STEPS, mesh_var, module_source
 from ..runtime.values import import_path
 
 #: Import paths under this prefix are shardlang's own (runtime.tpstyles): pasted as source, not imported.
@@ -57,10 +57,6 @@ def compile_python(plan: ir.Plan, model: nn.Module | None, world_size: int | Non
     if not linted.ok:
         raise PlanError(linted.diagnostics, {plan.source.name: plan.source})
     return to_python(lower(plan, linted.resolution, world_size), command)
-
-
-def _module(fqn: str) -> str:
-    return "model" if not fqn else f"model.get_submodule({fqn!r})"
 
 
 def _loopable(a: p.Step, b: p.Step) -> bool:
@@ -206,17 +202,19 @@ def to_python(program: p.Program, command: str = "") -> str:
                 body += ["        " + line for line in _write(step, program, "model.get_submodule(name)")]
             else:
                 body.append(f"if holds(model, {step.module!r}):")
-                body += ["    " + line for line in _write(step, program, _module(step.module))]
+                body += ["    " + line for line in _write(step, program, module_source(step.module))]
             continue
         if units:
             body.append("# fully_shard and replicate units, children before parents")
             body.append("wrap_children_first(model, [")
             for unit in group:
-                (line,) = _write(unit, program, "module")
                 kind = "fully_shard" if isinstance(unit, p.FullyShard) else "replicate"
-                body.append(
-                    f"    ({unit.module.target!r}, {kind!r}, lambda module: {line}),  # line {unit.origin.line}"
-                )
+                target = unit.module.target
+                if getattr(unit, "together", False):  # one unit over every module its targets match
+                    target = (target, *(t.target for t in unit.also))
+                (line,) = _write(unit, program, "modules" if isinstance(target, tuple) else "module")
+                arg = "modules" if isinstance(target, tuple) else "module"
+                body.append(f"    ({target!r}, {kind!r}, lambda {arg}: {line}),  # line {unit.origin.line}")
             body.append("])")
         elif _matching(step):
             body += _matching_loop(step, program)
@@ -225,7 +223,7 @@ def to_python(program: p.Program, command: str = "") -> str:
             body.append(f"for name in ({names}):")
             body += ["    " + line for line in _write(step, program, "model.get_submodule(name)")]
         else:
-            body += _write(step, program, _module(getattr(step, "module", "")))
+            body += _write(step, program, module_source(getattr(step, "module", "")))
         if isinstance(step, p.SplitStages):
             # Every later step runs on each stage this rank holds, as `shardlang apply` runs them.
             staged, body = True, []

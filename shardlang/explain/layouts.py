@@ -101,7 +101,7 @@ def tensors_and_ranks(
                     tuple(str(p) for p in placements),
                     tuple(local.shape),
                     local.numel() * element,
-                    (unit.fqn or "root") if fsdp else None,
+                    unit.name if fsdp else None,
                     blocks,
                 )
             )

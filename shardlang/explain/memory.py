@@ -52,7 +52,12 @@ from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from ..runtime.torchcompat import fsdp_param_class, fsdp_param_groups
+from ..runtime.torchcompat import (
+    fsdp_group_forward_hooks,
+    fsdp_param_class,
+    fsdp_param_groups,
+    fsdp_param_groups_hidden,
+)
 
 #: The categories explain reports, from the trackers' reference types (their `.value`s).
 CATEGORIES = {
@@ -428,9 +433,48 @@ def _mutated(argument) -> bool:
 
 
 class FSDPTracker(Extension, FSDPMemTracker):
+    """torch's FSDPMemTracker, which also takes a unit over several modules (`fully_shard([norm, output])`)
+    as one. torch's hooks each of that unit's modules apart (torch 2.11-2.13), and the unit then gathers
+    and reduces once per module: one all-gather and one reduce-scatter too many per step, and their memory.
+    Here such a unit keeps fully_shard's group hooks, wrapped as torch's tracker wraps a single module's."""
+
     def __init__(self, model, optimizer):
         FSDPMemTracker.__init__(self, model, optimizer)
         self._setup_extension(model, optimizer)
+        self._grouped: list[tuple] = []  # (FSDP state, its group's own pre_backward and post_backward)
+
+    def _instrument_fsdp_module(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        states = {
+            id(s): s for m in self._root_mod.modules() if isinstance(m, FSDPModule) for s in [m._get_fsdp_state()]
+        }
+        grouped = [s for s in states.values() if s._fsdp_param_group is not None and len(s._modules) > 1]
+        with fsdp_param_groups_hidden(grouped):  # torch's instrumentation passes over these
+            super()._instrument_fsdp_module()
+        for state, group in ((s, s._fsdp_param_group) for s in grouped):
+            first = state._modules[0]
+            self._instrument_fsdp_sharded_params_grads(group)
+            state._pre_forward_hook_handle.remove()  # one handle for the group's pre- and post-hooks
+            handle = fsdp_group_forward_hooks(
+                state,
+                self._fsdp_state_pre_forward(first, state._pre_forward),
+                self._fsdp_state_post_forward(first, state._post_forward),
+            )
+            state._pre_forward_hook_handle = state._post_forward_hook_handle = handle
+            self._grouped.append((state, group.pre_backward, group.post_backward))
+            group.pre_backward = self._fsdp_param_group_pre_backward(first, group.pre_backward)
+            group.post_backward = self._fsdp_param_group_post_backward(first, group.post_backward)
+
+    def _deregister_module_and_optimizer_hooks(self) -> None:
+        super()._deregister_module_and_optimizer_hooks()
+        for state, pre_backward, post_backward in self._grouped:
+            state._pre_forward_hook_handle.remove()
+            handle = fsdp_group_forward_hooks(state, state._pre_forward, state._post_forward)
+            state._pre_forward_hook_handle = state._post_forward_hook_handle = handle
+            state._fsdp_param_group.pre_backward = pre_backward
+            state._fsdp_param_group.post_backward = post_backward
+        self._grouped.clear()
 
 
 class Tracker(Extension, MemTracker):

@@ -291,7 +291,11 @@ def _signature(block: nn.Module, fqn: str, resolution) -> tuple:
         for r in resolution.rules
         if inside(r.fqn) is not None
     )
-    units = tuple((u.block, inside(u.fqn), u.unit) for u in resolution.units if inside(u.fqn) is not None)
+    units = tuple(
+        (u.block, tuple(map(inside, u.fqns)), u.unit)
+        for u in resolution.units
+        if any(inside(f) is not None for f in u.fqns)
+    )
     checkpoint = tuple(inside(f) for f in resolution.checkpoint if inside(f) is not None)
     return structure, tensors, rules, units, checkpoint
 

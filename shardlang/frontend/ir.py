@@ -182,11 +182,22 @@ class Parallelize:
 
 @frozen
 class Unit:
-    """One `each TARGET` of a fully_shard or replicate block, with its effective options (block's, then its own)."""
+    """One `each TARGET` of a fully_shard or replicate block (a unit per module it matches), or one `unit
+    TARGET, ...` (`together`: one unit over every module its targets match, `more` being the targets after
+    the first), with its effective options (block's, then its own)."""
 
     target: Target
     options: tuple[tuple[str, Any], ...]
     span: Span
+    more: tuple[Target, ...] = ()
+    together: bool = False
+
+    @property
+    def targets(self) -> tuple[Target, ...]:
+        return (self.target, *self.more)
+
+    def __str__(self) -> str:
+        return f"unit {', '.join(map(str, self.targets))}" if self.together else f"each {self.target}"
 
     def get(self, name: str, default: Any = None) -> Any:
         return next((v for k, v in self.options if k == name), default)

@@ -39,7 +39,7 @@ STATEMENT_KEYWORDS = (
 MAX_SYNTAX_ERRORS = 10
 
 #: Words that are keywords where the grammar expects them; each is the terminal of its upper-case name.
-KEYWORDS = (*STATEMENT_KEYWORDS, "on", "as", "each", "with", "over", "root", "class", "split", "before", "into")
+KEYWORDS = (*STATEMENT_KEYWORDS, "on", "as", "each", "unit", "with", "over", "root", "class", "split", "before", "into")
 _KEYWORD_TERMINALS = {word.upper(): word for word in KEYWORDS}
 
 _RESUME = re.compile(r"^[ \t]*(?:{})\b".format("|".join(STATEMENT_KEYWORDS)), re.MULTILINE)

@@ -367,9 +367,13 @@ class _Checker:
         root = dict(block_options).pop("root", True)
         block_options = tuple((k, v) for k, v in block_options if k != "root")
         units = []
-        for each in (i for i in block.items if isinstance(i, s.Each)):
-            own = self.options(each.options, schema, f"each of {block.kind}")
-            units.append(ir.Unit(self.target(each.target), _merge(block_options, own), each.span))
+        for item in (i for i in block.items if isinstance(i, (s.Each, s.UnitItem))):
+            together = isinstance(item, s.UnitItem)
+            if together and block.kind == "replicate":
+                self.error(SL101, "`unit` is fully_shard's: a replicate unit wraps one module (use `each`)", item.span)
+            own = self.options(item.options, schema, f"{'unit' if together else 'each'} of {block.kind}")
+            first, *more = map(self.target, item.targets)
+            units.append(ir.Unit(first, _merge(block_options, own), item.span, tuple(more), together))
         self.check_strategy(block, mesh, block_options, units)
         return ir.Units(block.kind, mesh, tuple(units), block_options, root, block.span)
 
@@ -570,9 +574,7 @@ def _bad_segment(pattern: s.Pattern) -> str | None:
 
 def _merge(base: tuple, own: tuple) -> tuple:
     """Block options overridden by a unit's own, in the block's order then the unit's new ones."""
-    merged = dict(base)
-    merged.update(own)
-    return tuple(merged.items())
+    return tuple({**dict(base), **dict(own)}.items())
 
 
 def _respan(value: s.Value, span: Span) -> s.Value:

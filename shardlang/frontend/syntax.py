@@ -203,6 +203,19 @@ class Each:
     options: tuple[Option, ...]
     span: Span
 
+    @property
+    def targets(self) -> tuple[Target, ...]:
+        return (self.target,)
+
+
+@frozen
+class UnitItem:
+    """`unit A, B (...)`: one unit over every module the targets match."""
+
+    targets: tuple[Target, ...]
+    options: tuple[Option, ...]
+    span: Span
+
 
 @frozen
 class UnitsStmt:
@@ -210,7 +223,7 @@ class UnitsStmt:
 
     kind: str
     mesh: MeshRef
-    items: tuple[Each | Option, ...]
+    items: tuple[Each | UnitItem | Option, ...]
     span: Span
 
 

@@ -135,6 +135,12 @@ class Build(Transformer):
         target, *options = _parts(children)
         return s.Each(target, tuple(options), self._cover(children))
 
+    def unit(self, children):
+        parts = _parts(children)
+        targets = tuple(x for x in parts if not isinstance(x, s.Option))
+        options = tuple(x for x in parts if isinstance(x, s.Option))
+        return s.UnitItem(targets, options, self._cover(children))
+
     def option_value(self, children):
         name, value = _parts(children)
         return s.Option(self._name(name), value, None, self._cover(children))

@@ -17,15 +17,27 @@ from ..frontend.patterns import depth, modules_matching, named_units_win
 
 def wrap_children_first(model, units):
     """Apply each (target, kind, wrap) to the modules its target matches, deepest modules first, so that
-    a fully_shard or replicate unit is always wrapped before any unit that contains it."""
+    a fully_shard or replicate unit is always wrapped before any unit that contains it. A tuple of targets
+    is one unit over every module they match (`unit a, b`): `wrap` gets the list, when it is wrapped
+    after the units inside its shallowest module."""
     order = {fqn: i for i, (fqn, _) in enumerate(model.named_modules())}
-    matches = [
-        (fqn, kind, target.startswith("class "), wrap)
-        for target, kind, wrap in units
-        for fqn in modules_matching(model, target)
-    ]
-    for fqn, _, _, wrap in sorted(named_units_win(matches), key=lambda m: (-depth(m[0]), order[m[0]])):
-        wrap(model.get_submodule(fqn))
+    matches = []
+    for target, kind, wrap in units:
+        if isinstance(target, tuple):
+            fqns = tuple(sorted({fqn for t in target for fqn in modules_matching(model, t)}, key=order.__getitem__))
+            matches += [(fqns, kind, False, wrap)] if fqns else []
+        else:
+            matches += [(fqn, kind, target.startswith("class "), wrap) for fqn in modules_matching(model, target)]
+
+    def children_first(match):
+        fqns = match[0] if isinstance(match[0], tuple) else (match[0],)
+        return -min(map(depth, fqns)), order[fqns[0]]
+
+    for fqns, _, _, wrap in sorted(named_units_win(matches), key=children_first):
+        if isinstance(fqns, tuple):
+            wrap([model.get_submodule(fqn) for fqn in fqns])
+        else:
+            wrap(model.get_submodule(fqns))
 
 
 def tied_parameter_groups(model):

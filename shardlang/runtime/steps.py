@@ -177,6 +177,11 @@ def _parallelize_names(step: p.Parallelize) -> set[str]:
     return {"torch.distributed.tensor.parallel.parallelize_module"}.union(*(names_used(c) for _, c in step.plan))
 
 
+def module_source(fqn: str) -> str:
+    """The printed program's expression for the module at `fqn` ("" the model)."""
+    return "model" if not fqn else f"model.get_submodule({fqn!r})"
+
+
 def run_distribute(step: p.Distribute, ctx: Running) -> None:
     helpers.distribute_with_layouts(
         ctx.module(step.module), ctx.mesh(step.mesh), to_torch(step.input), to_torch(step.output)
@@ -233,10 +238,15 @@ def write_compile(step: p.Compile, program: p.Program, module: str) -> list[str]
 def run_fully_shard(step: p.FullyShard, ctx: Running) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    fully_shard(ctx.module(step.module), mesh=ctx.mesh(step.mesh), **{k: to_torch(v) for k, v in step.kwargs})
+    modules = [ctx.module(fqn) for fqn in (step.module, *step.also)]
+    kwargs = {k: to_torch(v) for k, v in step.kwargs}
+    fully_shard(modules if step.together else modules[0], mesh=ctx.mesh(step.mesh), **kwargs)
 
 
 def write_fully_shard(step: p.FullyShard, program: p.Program, module: str) -> list[str]:
+    """`module` is the first module's expression, or (for targets matched at run time) the list of them all."""
+    if step.also and all(isinstance(fqn, str) for fqn in step.also):
+        module = f"[{', '.join([module, *map(module_source, step.also)])}]"
     return [f"fully_shard({module}, mesh={mesh_expr(step.mesh, program)}{_kwargs(step.kwargs)})"]
 
 

@@ -5,6 +5,10 @@ Private torch paths are imported here only, each with the public one first where
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+from collections.abc import Iterator
+
 
 def fsdp_strided_shard() -> bool:
     """Whether FSDP2 marks its shard of a tensor that TP already shards on the same dim as `_StridedShard`
@@ -108,6 +112,35 @@ def fsdp_param_groups(model) -> list:
                 seen.add(id(group))
                 groups.append(group)
     return groups
+
+
+def fsdp_group_forward_hooks(state, pre_hook, post_hook):
+    """Forward hooks on every module of an FSDP2 unit over several modules, as fully_shard registers them
+    (private `_register_group_forward_hooks`: the pre-hook on each, the post-hook's full work once the
+    last has run; torch 2.13 adds the output cast to its arguments). One handle removes them all."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _register_group_forward_hooks
+
+    args = [state._modules, pre_hook, post_hook, state._modules_to_run_forward]
+    if len(inspect.signature(_register_group_forward_hooks).parameters) > 4:
+        args.append(state._cast_output_dtype)
+    return _register_group_forward_hooks(*args)
+
+
+@contextlib.contextmanager
+def fsdp_param_groups_hidden(states) -> Iterator[None]:
+    """FSDP2 states without their parameter group for the block (code that walks FSDP modules then passes
+    over them): torch 2.13 keeps the groups in a list, `_fsdp_param_groups`, older releases in one
+    attribute, `_fsdp_param_group` (a property over the list in 2.13)."""
+    saved = []
+    for state in states:
+        name = "_fsdp_param_groups" if "_fsdp_param_groups" in vars(state) else "_fsdp_param_group"
+        saved.append((state, name, vars(state)[name]))
+        setattr(state, name, [] if name == "_fsdp_param_groups" else None)
+    try:
+        yield
+    finally:
+        for state, name, value in saved:
+            setattr(state, name, value)
 
 
 def fsdp_param_class():

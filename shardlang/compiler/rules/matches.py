@@ -41,23 +41,24 @@ def duplicate_matches(
     units: dict[tuple[str, str], UnitMatch] = {}
     for unit in resolution.units:
         kind = unit.kind(plan.units[unit.block])
-        earlier = units.get((kind, unit.fqn))
-        if earlier is not None:
-            where = (
-                f"`each {earlier.unit.target}` at line {earlier.unit.span.line}"
-                if earlier.unit
-                else f"the root unit at line {unit_span(plan, earlier).line}"
-            )
-            found.append(
-                Diagnostic(
-                    SL201,
-                    f"module '{unit.fqn or 'root'}' is made a {kind} unit twice",
-                    unit_span(plan, unit),
-                    (f"the first is {where}",),
-                    label="second match",
+        for fqn in unit.fqns:
+            earlier = units.get((kind, fqn))
+            if earlier is not None:
+                where = (
+                    f"`{earlier.unit}` at line {earlier.unit.span.line}"
+                    if earlier.unit
+                    else f"the root unit at line {unit_span(plan, earlier).line}"
                 )
-            )
-        units[(kind, unit.fqn)] = unit
+                found.append(
+                    Diagnostic(
+                        SL201,
+                        f"module '{fqn or 'root'}' is made a {kind} unit twice",
+                        unit_span(plan, unit),
+                        (f"the first is {where}",),
+                        label="second match",
+                    )
+                )
+            units[(kind, fqn)] = unit
     return found
 
 
@@ -72,7 +73,8 @@ def unit_conflicts(plan: ir.Plan, resolution: Resolution, predictions: Predictio
     """SL205: one module both a fully_shard unit and a replicate unit."""
     by_kind = defaultdict(dict)
     for unit in resolution.units:
-        by_kind[unit.kind(plan.units[unit.block])].setdefault(unit.fqn, unit)
+        for fqn in unit.fqns:
+            by_kind[unit.kind(plan.units[unit.block])].setdefault(fqn, unit)
     found = []
     for fqn, rep in by_kind["replicate"].items():
         fs = by_kind["fully_shard"].get(fqn)
