@@ -294,6 +294,7 @@ def test_sl203_blames_fsdp_with_the_real_sizes(capsys):
     assert "11 over tp=2" not in text
 
 
+@pytest.mark.distributed  # apply starts its workers' forkserver while it lints (cli.launcher.prepare_workers)
 def test_uneven_rowwise_is_an_error_where_torch_cannot_run_it(capsys):
     status, text = call(["lint", "plans/mlp_tp.sl", "examples/mlp.py", "--world", "3"], capsys)
     assert status == 1

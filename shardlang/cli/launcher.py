@@ -16,6 +16,23 @@ from .output import Out, emit_diagnostics
 from .status import FOUND, OK, UNUSABLE
 
 
+def prepare_workers(args: argparse.Namespace) -> None:
+    """Start the workers' forkserver (launch.workers.context) now, so that it imports torch and shardlang
+    while this process loads the model and lints the plan, not after: a command that starts workers then
+    waits for no import. It and the workers write nothing to this process's stdout or stderr (the workers
+    log to files), so a command that fails before starting them ends as soon as it exits."""
+    from ..launch.workers import start_forkserver
+
+    model = Path(args.model) if getattr(args, "model", None) else None
+    try:
+        hugging_face = bool(getattr(args, "hf", None)) or (
+            model is not None and model.is_file() and "transformers" in model.read_text(errors="replace")
+        )
+    except OSError:
+        hugging_face = False
+    start_forkserver(("transformers",) if hugging_face else (), quiet=True)
+
+
 def run_local(job, world: int, device: str, timeout: float, console: Console, debug: bool, out: Out):
     """The job on `world` local workers; their stderr (torch's and gloo's logs) is kept in a temporary
     directory and printed only with --debug, after a failure."""

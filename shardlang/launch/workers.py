@@ -63,6 +63,7 @@ def _worker(
     results,
     timeout_s: float,
     env: dict[str, str],
+    said,
     log: str | None = None,
     deathsig: bool = True,
 ) -> None:
@@ -73,7 +74,9 @@ def _worker(
     if log is not None:
         # What torch and gloo print (C++ warnings, logged tracebacks, teardown notices) goes to a file: the
         # launcher reports failures itself, and shows these logs with --debug.
+        # Its stdout too (a model file's print): with --json the launcher's stdout is the report alone.
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
     if backend == "gloo":
@@ -113,7 +116,13 @@ def _worker(
             break
         job_id, payload = job
         global _progress
-        _progress = lambda message, job_id=job_id: results.put((job_id, rank, "progress", message))  # noqa: E731
+
+        def _progress(message: str, job_id=job_id) -> None:
+            # Written where the launcher reads it at once, then queued (the queue's feeder thread may not
+            # send it before a SIGKILL that comes next: the shared bytes are there already).
+            said.value = message.encode("utf-8", "replace")[: len(said) - 1]
+            results.put((job_id, rank, "progress", message))
+
         try:
             fn, args, kwargs = pickle.loads(payload)
             value = pickle.dumps(fn(*args, **kwargs))
@@ -210,29 +219,57 @@ def context():
     return ctx
 
 
-def start_forkserver() -> None:
+def start_forkserver(also: tuple[str, ...] = (), quiet: bool = False) -> None:
     """Start the forkserver now, if it is not running, so that its imports overlap whatever this process
     does next (its first child waits for them). It finds this copy of shardlang first on its path: it is
-    started as `python -c`, and the path of the process asking (a test's, a script's) is not passed to it."""
+    started as `python -c`, and the path of the process asking (a test's, a script's) is not passed to it.
+
+    `also`: more modules for it to import (a model file's library); transformers where this process has
+    imported it. `quiet`: it, and so every child, gets /dev/null for stdout and stderr instead of this
+    process's, for a launcher whose workers write to log files: a server still importing when such a
+    launcher exits early then holds no pipe that a caller reads to its end. Only while this process runs
+    no other thread that writes to them."""
     import multiprocessing.forkserver as forkserver
 
     if "forkserver" not in mp.get_all_start_methods():
         return
-    # A model file's library, where this process has already imported it (the launcher loaded the model)
-    extra = [name for name in ("transformers",) if name in sys.modules]
+    extra = [*also, *(["transformers"] if "transformers" in sys.modules else [])]
     with _starting:
-        forkserver.set_forkserver_preload([*PRELOAD, *extra])
+        forkserver.set_forkserver_preload(list(dict.fromkeys([*PRELOAD, *extra])))
         root = str(Path(__file__).resolve().parents[2])
         saved = os.environ.get("PYTHONPATH")
         os.environ["PYTHONPATH"] = os.pathsep.join([root, saved] if saved else [root])
         try:
-            with _sigint_ignored():  # inherited through exec, and by every child: Ctrl-C is the launcher's
+            # SIGINT ignored is inherited through exec, and by every child: Ctrl-C is the launcher's
+            with _sigint_ignored(), _stdio_to_null(quiet):
                 forkserver.ensure_running()
         finally:
             if saved is None:
                 del os.environ["PYTHONPATH"]
             else:
                 os.environ["PYTHONPATH"] = saved
+
+
+@contextlib.contextmanager
+def _stdio_to_null(on: bool) -> Iterator[None]:
+    """File descriptors 1 and 2 on /dev/null for the block (what a process started in it inherits)."""
+    if not on:
+        yield
+        return
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    saved = [os.dup(1), os.dup(2)]
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (null, *saved):
+            os.close(fd)
 
 
 def _deathsig(ctx) -> bool:
@@ -302,6 +339,8 @@ class WorkerPool:
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(world_size)]
         self._doing = ["starting"] * world_size  # each rank's last progress message, for a rank that dies
+        # The same, in shared memory: read when a rank dies, whatever its queue had not yet sent.
+        self._said = [ctx.Array("c", 240, lock=False) for _ in range(world_size)]
         self._ended: dict[int, dict[str, Any]] = {}  # how each rank's current job ended, where it did
         port = free_port()
         self._procs = [
@@ -316,6 +355,7 @@ class WorkerPool:
                     self._results,
                     timeout_s,
                     dict(os.environ),
+                    self._said[r],
                     None if log_dir is None else str(Path(log_dir) / f"rank{r}.log"),
                     _deathsig(ctx),
                 ),
@@ -343,6 +383,8 @@ class WorkerPool:
         payload = pickle.dumps((fn, args, kwargs))  # fails here, not silently in a queue's feeder thread
         self._next += 1
         self._doing = ["running its job"] * self.world_size
+        for said in self._said:
+            said.value = b""
         self._ended = {}
         try:
             for q in self._jobs:
@@ -453,6 +495,9 @@ class WorkerPool:
 
     def _died(self, rank: int) -> WorkerError:
         code = self._procs[rank].exitcode
+        said = self._said[rank].value.decode("utf-8", "replace")
+        if said:
+            self._doing[rank] = said
         how = f" (killed by signal {-code})" if code is not None and code < 0 else ""
         self._ended[rank] = {"state": "died", "exit_code": code}
         return WorkerError(rank, f"worker exited with code {code}{how} (last reported: {self._doing[rank]})", died=True)

@@ -14,7 +14,7 @@ from ...frontend.diagnostics import PlanError, did_you_mean, sort_key
 from ...frontend.ir import Plan
 from ..arguments import defines
 from ..inputs import compile_plan, load_model, meta_model, order_for
-from ..launcher import run_local, run_under_torchrun, show_report, worker_failed
+from ..launcher import prepare_workers, run_local, run_under_torchrun, show_report, worker_failed
 from ..output import Out, emit_diagnostics
 from ..signals import Terminated, exit_now, terminable
 from ..status import OK, UNUSABLE, UsageError
@@ -83,14 +83,16 @@ def _apply(args: argparse.Namespace, out: Out) -> int:
         raise UsageError(
             f"build_model() from {model_file.origin} returned a model without parameters: nothing to shard"
         )
-    order = order_for(plan, meta, model_file)
-    linted = lint(plan, meta, world, order=order)
-    if not linted.ok:
-        return _apply_unusable(sorted([*found, *linted.diagnostics], key=sort_key), sources, out, world, device)
     try:
         _check_checkpoint_paths(args, meta)
     except PlanError as e:
         return _apply_unusable([*found, *e.diagnostics], sources, out, world, device)
+    if not torchrun:
+        prepare_workers(args)  # its imports overlap lint's trace of the model
+    order = order_for(plan, meta, model_file)
+    linted = lint(plan, meta, world, order=order)
+    if not linted.ok:
+        return _apply_unusable(sorted([*found, *linted.diagnostics], key=sort_key), sources, out, world, device)
 
     from ...launch.job import Job
 
