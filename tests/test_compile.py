@@ -28,12 +28,13 @@ verify gradients(steps=2), placements
 """
 
 
-#: Applied under the gradients check: FSDP units over compiled modules.
+#: Applied under the gradients check: FSDP units over compiled modules. comms counts them run eagerly
+#: (a dispatch mode cannot run inside a fullgraph-compiled module).
 APPLIED = """shardlang 1
 mesh world = cpu[dp=auto]
 compile net1, net2 (backend=aot_eager, fullgraph=true)
 fully_shard on world.dp { each net1; each net2 }
-verify gradients(steps=2), placements
+verify gradients(steps=2), placements, comms
 """
 
 
@@ -128,7 +129,11 @@ def test_compiled_fsdp_plan_passes_the_gradients_check(tmp_path):
         timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert [(c["check"], c["status"]) for c in json.loads(done.stdout)["checks"]] == [
+    checks = json.loads(done.stdout)["checks"]
+    assert [(c["check"], c["status"]) for c in checks] == [
         ("gradients", "pass"),
         ("placements", "pass"),
+        ("comms", "reported"),
     ]
+    # the two units, run eagerly: each gathered for the forward and again for the backward, reduced once
+    assert checks[2]["data"]["counts"] == {"_allgather_base_": 4, "_reduce_scatter_base_": 2}, checks[2]

@@ -160,7 +160,16 @@ def _point_to_point(calls: Calls):
 def count_collectives(ctx, model, recorder: Calls | None = None) -> dict[str, int]:
     """Collectives of one forward, loss and backward of `model`, with the inputs and loss the checks
     use for this plan (the reassembly of a sliced output is not counted: only the checks do it).
-    `recorder`: where to note them (a Recorder, or a mode already active that notes them itself)."""
+    `recorder`: where to note them (a Recorder, or a mode already active that notes them itself).
+
+    Modules the plan compiled run eagerly meanwhile: a dispatch mode cannot run inside compiled code
+    (torch refuses: "non-infra torch dispatch mode present"). The same modules, hooks and collectives;
+    the counts a plan's `comms(...)` expects are the eager ones."""
+    with torch.compiler.set_stance("force_eager") if ctx.plan.compiles else contextlib.nullcontext():
+        return _count_collectives(ctx, model, recorder)
+
+
+def _count_collectives(ctx, model, recorder: Calls | None) -> dict[str, int]:
     gradients = next((c for c in ctx.plan.checks if c.name == "gradients"), None)
     input_layout = gradients.get("input") if gradients is not None else None
     output_layout = gradients.get("output") if gradients is not None else None
