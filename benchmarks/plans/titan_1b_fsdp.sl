@@ -5,6 +5,8 @@
 # gradient reduction, forward inputs not cast (torchtitan's MixedPrecisionPolicy). Built on meta,
 # materialised on the GPUs and initialised as torchtitan's trainer does: init_states on the root.
 # Model: benchmarks/titan_1b.py (the benchmark: benchmarks/titan_compare.py --config fsdp).
+# Checked on CPU with the dry run's model (benchmarks/titan_1b_tiny.py):
+#   shardlang apply benchmarks/plans/titan_1b_fsdp.sl benchmarks/titan_1b_tiny.py --nproc 2
 shardlang 1
 
 mesh world = auto[dp=auto]

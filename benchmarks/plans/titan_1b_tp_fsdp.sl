@@ -11,6 +11,8 @@
 # the forward; each block; the root), bf16 compute and fp32 reduction. Built on meta, initialised as
 # torchtitan's trainer does: init_states on the root.
 # Model: benchmarks/titan_1b.py (the benchmark: benchmarks/titan_compare.py --config tp_fsdp).
+# Checked on CPU with the dry run's model (benchmarks/titan_1b_tiny.py):
+#   shardlang apply benchmarks/plans/titan_1b_tp_fsdp.sl benchmarks/titan_1b_tiny.py --nproc 4
 shardlang 1
 
 use benchmarks.titan_1b.vocab_parallel as vocab_parallel

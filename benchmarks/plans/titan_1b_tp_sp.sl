@@ -10,6 +10,8 @@
 # all-gather but still installs the MixedPrecisionPolicy"): bf16 compute, fp32 reduction, torchtitan's units.
 # Built on meta, initialised as torchtitan's trainer does: init_states on the root.
 # Model: benchmarks/titan_1b.py (the benchmark: benchmarks/titan_compare.py --config tp_sp).
+# Checked on CPU with the dry run's model (benchmarks/titan_1b_tiny.py):
+#   shardlang apply benchmarks/plans/titan_1b_tp_sp.sl benchmarks/titan_1b_tiny.py --nproc 2
 shardlang 1
 
 use benchmarks.titan_1b.vocab_parallel as vocab_parallel

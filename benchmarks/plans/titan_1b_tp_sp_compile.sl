@@ -14,6 +14,8 @@
 # all-gather but still installs the MixedPrecisionPolicy"): bf16 compute, fp32 reduction, torchtitan's units.
 # Built on meta, initialised as torchtitan's trainer does: init_states on the root.
 # Model: benchmarks/titan_1b.py (the benchmark: benchmarks/titan_compare.py --config tp_sp --compile).
+# Checked on CPU with the dry run's model (benchmarks/titan_1b_tiny.py):
+#   shardlang apply benchmarks/plans/titan_1b_tp_sp_compile.sl benchmarks/titan_1b_tiny.py --nproc 2 -D backend=aot_eager
 shardlang 1
 param backend = inductor
 
@@ -48,4 +50,6 @@ loss_parallel
 compile layers.* (fullgraph=true, backend=$backend)
 
 init meta with init_states
-verify init, init_device, placements, module_states, gradients(steps=1), comms
+# No `comms` check here: its counting dispatch mode cannot run inside the compiled blocks (fullgraph=true
+# raises: "non-infra torch dispatch mode present"); the eager plan's comms check counts the same program.
+verify init, init_device, placements, module_states, gradients(steps=1)
