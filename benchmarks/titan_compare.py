@@ -9,7 +9,8 @@ Configs (`--config`), plans in benchmarks/plans/titan_1b_<config>[_compile].sl:
 `--compile` compiles each block in both: torchtitan's CompileConfig(enable=True, components=["model"])
 (TransformerBlock.compile(fullgraph=True)) and the plan's `compile layers.* (fullgraph=true)`.
 
-The numbers (H100 or H200; three runs of each order, the median of the three ratios reported):
+The numbers: one torchrun invocation per run, three runs in each build order (on H100s or H200s, every
+run of a config on the same kind of card); report each order's median ratio and the median of all six:
     for order in shardlang-first titan-first; do for run in 1 2 3; do
         torchrun --nproc-per-node 2 benchmarks/titan_compare.py --config fsdp --order $order
         torchrun --nproc-per-node 2 benchmarks/titan_compare.py --config fsdp --order $order --compile
@@ -30,7 +31,13 @@ compile_config=CompileConfig(...), ac_config=None (no activation checkpointing, 
 `to_empty` on the GPU and `init_weights()` (= init_states). ParallelismConfig's default spmd_backend,
 "spmd_types", needs a nightly torch: the plain DTensor backend, "partial_dtensor", is used, set as the
 trainer sets it (`set_spmd_backend`). shardlang's side is a second instance of the same config, built on
-meta by the plan's `init meta with init_states`.
+meta by the plan's `init meta with init_states`. The 1B ties its embedding to lm_head, so torchtitan's
+apply_fsdp_to_decoder takes its weight-tying branch: one FSDP unit over tok_embeddings, norm and lm_head
+(kept gathered after the forward), each block, the root; the plans lay out exactly those units. Its TP
+(set_llama3_sharding_config) splits the tied weight over the vocabulary in both modules: the plans do the
+same, the embedding with torchtitan's own masked lookup (titan_1b.vocab_parallel). What differs is how each
+runs: torchtitan's partial_dtensor modules compute attention and the feed-forward on DTensors, torch's
+ParallelStyles under the plans hand local tensors on; that difference is part of what is measured.
 
 The same work on both sides: the same tokens (batch 4 x sequence 2048 per data-parallel rank), the
 shifted-labels causal LM loss of examples/llama.py (`causal_lm_loss`: the logits, bf16 from both, upcast
@@ -52,7 +59,9 @@ side. Peak memory per side: torch.cuda.max_memory_allocated over its steps minus
 the step, the largest over steps and ranks. Collectives: shardlang.verification.comms.Recorder over one
 forward+backward of each after warm-up, on every rank (a dispatch mode, which compiled code cannot run
 under: with `--compile` that one pass runs the compiled blocks eagerly, torch.compiler.set_stance
-("force_eager"), so it counts the collectives the eager program issues). MFU: torchtitan's own FLOPs per token
+("force_eager"), so it counts the collectives the eager program issues). With `--compile`,
+torchtitan's apply_compile also sets two global dynamo flags (capture_scalar_outputs,
+skip_fwd_side_effects_in_bwd_under_checkpoint) that then hold for both sides' compiles in this process. MFU: torchtitan's own FLOPs per token
 (get_nparams_and_flops) x tokens/s over the GPUs' bf16 peak. Rank 0 prints one table and `RESULT {json}`.
 
 Dry run (CPU, gloo), differences from the GPU run, all for torch 2.13 on CPU: torchtitan's ParallelDims
@@ -216,6 +225,7 @@ def main(argv=None) -> None:
 
         result = {
             "config": args.config,
+            "plan": f"benchmarks/plans/{name}",
             "compile": backend if args.compile else None,
             "order": args.order,
             "world": world,
