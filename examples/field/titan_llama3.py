@@ -81,16 +81,24 @@ def config() -> llama3.Llama3Model.Config:
         rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=SEQ, theta=500000, scaling="none"),
         attn_backend="flex",  # replaced just below: only its name is read here
     )
-    for layer in layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    return llama3.Llama3Model.Config(
-        dim=DIM,
-        vocab_size=VOCAB,
-        tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=llama3._EMBEDDING_INIT),
-        norm=RMSNorm.Config(normalized_shape=DIM, param_init=llama3._NORM_INIT),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=llama3._output_linear_init(DIM)),
-        layers=layers,
+    return sdpa(
+        llama3.Llama3Model.Config(
+            dim=DIM,
+            vocab_size=VOCAB,
+            tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=llama3._EMBEDDING_INIT),
+            norm=RMSNorm.Config(normalized_shape=DIM, param_init=llama3._NORM_INIT),
+            lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=llama3._output_linear_init(DIM)),
+            layers=layers,
+        )
     )
+
+
+def sdpa(config: llama3.Llama3Model.Config) -> llama3.Llama3Model.Config:
+    """`config` with torchtitan's own SDPA attention module (causal) in every layer, in place of the
+    FlexAttention or varlen one its config functions choose (see the docstring); returned for chaining."""
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+    return config
 
 
 def build_model() -> llama3.Llama3Model:
