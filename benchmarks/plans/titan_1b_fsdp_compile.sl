@@ -25,6 +25,4 @@ fully_shard on world.dp {
 compile layers.* (fullgraph=true, backend=$backend)
 
 init meta with init_states
-# No `comms` check here: its counting dispatch mode cannot run inside the compiled blocks (fullgraph=true
-# raises: "non-infra torch dispatch mode present"); the eager plan's comms check counts the same program.
-verify init, init_device, placements, module_states, gradients(steps=1)
+verify init, init_device, placements, module_states, gradients(steps=1), comms
