@@ -62,3 +62,24 @@ def test_fsdp_dry_run_prints_the_table_and_identical_collectives():
     )
     for side in ("shardlang", "torchtitan"):
         assert result[side]["median_s"] > 0 and result[side]["tokens_per_s"] > 0
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("name", "world"), [("fsdp", 2), ("tp_sp", 2), ("tp_fsdp", 4), ("fsdp_compile", 2)], ids=lambda x: str(x)
+)
+def test_the_benchmarks_plans_pass_their_checks_on_the_same_model_class(pools, name, world):
+    """Each plan the benchmark times, applied with its own checks to torchtitan's Llama3 of the benchmark's
+    dry-run size (the 1B's class and tying, benchmarks/titan_1b_tiny.py): what is timed is also right."""
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed: pip install -e '.[titan]'")
+    import shardlang
+    from shardlang.launch.job import Job, run
+
+    plan = ROOT / "benchmarks" / "plans" / f"titan_1b_{name}.sl"
+    params = {"backend": "aot_eager"} if name.endswith("_compile") else {}
+    checks = shardlang.load(plan, params=params).checks
+    job = Job(str(plan), params, str(ROOT / "benchmarks" / "titan_1b_tiny.py"), None, checks)
+    report = pools(world).run(run, job)[0]
+    assert report.ok and {c.check for c in report.ran} == {c.name for c in checks}, [
+        (c.check, c.status, c.message) for c in report.checks
+    ]
