@@ -212,8 +212,8 @@ def to_python(program: p.Program, command: str = "") -> str:
                 target = unit.module.target
                 if getattr(unit, "together", False):  # one unit over every module its targets match
                     target = (target, *(t.target for t in unit.also))
-                (line,) = _write(unit, program, "modules" if isinstance(target, tuple) else "module")
                 arg = "modules" if isinstance(target, tuple) else "module"
+                (line,) = _write(unit, program, arg)
                 body.append(f"    ({target!r}, {kind!r}, lambda {arg}: {line}),  # line {unit.origin.line}")
             body.append("])")
         elif _matching(step):
