@@ -243,10 +243,11 @@ def in_fork(fn: Callable[[], Any], timeout_s: float) -> tuple[str, Any]:
             os._exit(0)
     os.close(write)
     chunks, deadline, ended = [], time.monotonic() + timeout_s, False
+    waiting = select.poll()  # not select.select, which takes no descriptor above 1023
+    waiting.register(read, select.POLLIN)
     try:
         while True:
-            ready, _, _ = select.select([read], [], [], max(0.0, deadline - time.monotonic()))
-            if not ready:
+            if not waiting.poll(max(0, int((deadline - time.monotonic()) * 1000))):
                 return "failed", f"no result within {timeout_s:.0f} s"
             chunk = os.read(read, 1 << 16)
             if not chunk:
