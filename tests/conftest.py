@@ -1,5 +1,8 @@
 """Shared test options: `--update-goldens` rewrites expected-output files instead of comparing with them."""
 
+import contextlib
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -42,15 +45,25 @@ def golden(request):
 
 class Pools:
     """One worker pool per world size for the whole session (spawning a gloo world costs seconds);
-    a pool stopped by a failing job is replaced on next use."""
+    a pool stopped by a failing job is replaced on next use, and so is one whose workers hold many
+    descriptors. Each job's meshes make gloo groups that stay open (about ten descriptors a rank for a
+    2-D mesh): `shardlang apply` runs one job per pool, but the suite runs hundreds in these."""
+
+    MAX_DESCRIPTORS = 512
 
     def __init__(self):
         self._pools = {}
+        self._closing = []  # threads closing retired pools while the tests go on
 
     def __call__(self, world_size: int):
         from shardlang.launch.workers import WorkerPool
 
         pool = self._pools.get(world_size)
+        if pool is not None and not pool.broken and _most_descriptors(pool) > self.MAX_DESCRIPTORS:
+            closing = threading.Thread(target=pool.close, daemon=True)
+            closing.start()
+            self._closing.append(closing)
+            pool = None
         if pool is None or pool.broken:
             pool = self._pools[world_size] = WorkerPool(world_size, timeout_s=600)
         return pool
@@ -62,6 +75,17 @@ class Pools:
 
         with ThreadPoolExecutor(max(1, len(self._pools))) as closing:
             list(closing.map(lambda pool: pool.close(), self._pools.values()))
+        for closing in self._closing:
+            closing.join()
+
+
+def _most_descriptors(pool) -> int:
+    """The most descriptors any worker of `pool` holds open (0 where /proc does not say)."""
+    counts = [0]
+    for pid in pool.pids:
+        with contextlib.suppress(OSError):
+            counts.append(len(os.listdir(f"/proc/{pid}/fd")))
+    return max(counts)
 
 
 @pytest.fixture(scope="session")

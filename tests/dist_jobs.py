@@ -609,15 +609,3 @@ def scatter_matches_torchs_broadcast() -> bool:
     return mine.keys() == torchs.keys() and all(
         torch.equal(local[k], torchs[k].to_local() if isinstance(torchs[k], DTensor) else torchs[k]) for k in mine
     )
-
-
-def mesh_job() -> tuple[int, list[float]]:
-    """A job that makes a 2-D mesh and computes on it, as every plan does: the number of open descriptors
-    of this process afterwards, and the gathered result of an op on the mesh."""
-    import os
-
-    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("dp", "tp"))
-    x = DTensor.from_local(torch.arange(2.0) + 2 * mesh["tp"].get_local_rank(), mesh["tp"], [Shard(0)])
-    total = (x * 2).full_tensor().tolist()
-    del mesh, x
-    return len(os.listdir("/proc/self/fd")), total

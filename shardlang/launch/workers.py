@@ -123,11 +123,9 @@ def _worker(
             said.value = message.encode("utf-8", "replace")[: len(said) - 1]
             results.put((job_id, rank, "progress", message))
 
-        groups = set(_groups())
         try:
             fn, args, kwargs = pickle.loads(payload)
             value = pickle.dumps(fn(*args, **kwargs))
-            _destroy_groups_since(groups)
         except BaseException as e:  # noqa: BLE001 - report anything, including SystemExit
             results.put((job_id, rank, "error", failure_of(e)))
             continue
@@ -136,31 +134,6 @@ def _worker(
         destroy_process_groups()
     except Exception:  # noqa: BLE001 - teardown problems after the last job are not the job's
         pass
-
-
-def _groups() -> list:
-    from torch.distributed import distributed_c10d as c10d
-
-    return list(c10d._world.pg_map)  # every group of this process, the default one included
-
-
-def _destroy_groups_since(before: set) -> None:
-    """Destroy the process groups a job made (its meshes' dimensions): a pool's worker runs many jobs, and
-    each gloo group holds sockets, pipes and an event loop, about ten descriptors a rank, until the
-    process ends. Every rank gets here after the job's last collective, so no peer still uses them."""
-    import gc
-
-    import torch.distributed as dist
-
-    from ..runtime.torchcompat import forget_sharding_propagation
-
-    made = [group for group in _groups() if group not in before]
-    if not made:
-        return
-    gc.collect()  # the job's meshes and sharded modules, which refer to the groups
-    for group in made:
-        dist.destroy_process_group(group)
-    forget_sharding_propagation()
 
 
 def destroy_process_groups() -> None:
@@ -597,6 +570,11 @@ class WorkerPool:
             for r, p in enumerate(self._procs)
             if p.exitcode not in (0, None)
         ]
+
+    @property
+    def pids(self) -> list[int | None]:
+        """The workers' process ids, in rank order."""
+        return [proc.pid for proc in self._procs]
 
     def __enter__(self) -> WorkerPool:
         return self

@@ -148,18 +148,3 @@ def fsdp_param_class():
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState
 
     return FSDPParam, ShardedState
-
-
-def forget_sharding_propagation() -> None:
-    """Empty DTensor's caches of sharding propagation. They are keyed on op schemas whose meshes compare
-    equal by shape and dim names alone, so once a mesh's process groups are destroyed, a later mesh of
-    the same shape would be given results holding the old mesh and its destroyed groups."""
-    from torch.distributed.tensor import debug
-
-    clear = getattr(debug, "_clear_sharding_prop_cache", None)
-    if clear is not None:
-        clear()
-        return
-    from torch.distributed.tensor import DTensor  # releases before the helper above
-
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
