@@ -466,10 +466,11 @@ class WorkerPool:
 
     def _root_cause(self, first: WorkerError, grace_s: float = 2.0) -> WorkerError:
         """After a rank's error, the error that explains it: a worker that died, or an error that is not
-        just a peer's symptom (a closed connection, a timeout). Then stop every worker."""
-        errors = [first]
+        just a peer's symptom (a closed connection, a timeout); waits until every rank has answered, for at
+        most `grace_s`. Then stop every worker."""
+        errors, answered = [first], {first.rank}
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and len(answered) < self.world_size:
             dead = [r for r, p in enumerate(self._procs) if p.exitcode not in (None, 0)]
             if dead:
                 errors.insert(0, self._died(dead[0]))
@@ -478,12 +479,16 @@ class WorkerPool:
                 _, rank, status, value = self._results.get(timeout=0.1)
             except queue.Empty:
                 continue
+            if status in ("ok", "error"):
+                answered.add(rank)
             if status == "error":
                 self._ended[rank] = {"state": "raised", "error": value["message"]}
                 errors.append(worker_error(rank, value))
         self.stop()
+        if errors[0].died:
+            return errors[0]
         causes = [e for e in errors if not any(s in e.message for s in self._SYMPTOMS)]
-        return (causes or errors)[0]
+        return min(causes or errors, key=lambda e: e.rank)  # the same error on every rank: rank 0's
 
     def _drain(self, job_id: int | None) -> None:
         """Take in the progress messages still queued (what a rank that died was doing)."""
