@@ -1,7 +1,9 @@
 """Shared test options: `--update-goldens` rewrites expected-output files instead of comparing with them."""
 
 import contextlib
+import io
 import os
+import subprocess
 import threading
 from pathlib import Path
 
@@ -58,6 +60,7 @@ class Pools:
     def __call__(self, world_size: int):
         from shardlang.launch.workers import WorkerPool
 
+        start_forkserver()
         pool = self._pools.get(world_size)
         if pool is not None and not pool.broken and _most_descriptors(pool) > self.MAX_DESCRIPTORS:
             closing = threading.Thread(target=pool.close, daemon=True)
@@ -86,6 +89,41 @@ def _most_descriptors(pool) -> int:
         with contextlib.suppress(OSError):
             counts.append(len(os.listdir(f"/proc/{pid}/fd")))
     return max(counts)
+
+
+def start_forkserver() -> None:
+    """The forkserver every worker of this session forks from, preloaded with transformers where it is
+    installed: a worker that imports it itself spends 2-3 s of a core on it, and most jobs build
+    transformers models."""
+    import importlib.util
+
+    from shardlang.launch.workers import start_forkserver
+
+    start_forkserver(("transformers",) if importlib.util.find_spec("transformers") else ())
+
+
+def shardlang_cli(*args: str, env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """`shardlang ARGS` run in this process, as `python -m shardlang` would run it from `cwd` with `env` added
+    to the environment: its exit status and what it printed. Its workers fork from this process's
+    forkserver, which stays up between commands (a command in a fresh interpreter spends 5-6 s importing
+    torch twice, in itself and in its forkserver). The environment and working directory are restored
+    afterwards; the tests that need the real process (signals, the process tree, torchrun, the console
+    script, code that exits the interpreter) start one."""
+    from shardlang.cli.main import main
+
+    start_forkserver()
+    out, err = io.StringIO(), io.StringIO()
+    saved, here = dict(os.environ), Path.cwd()
+    try:
+        os.environ.update(env or {})
+        os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            status = main([str(a) for a in args])
+    finally:
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(saved)
+    return subprocess.CompletedProcess(["shardlang", *args], status, out.getvalue(), err.getvalue())
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import pytest
 import shardlang
 from shardlang.launch.job import Job, run
 
-from .conftest import ROOT
+from .conftest import ROOT, shardlang_cli
 from .test_field import FIELD_PLANS
 
 pytestmark = pytest.mark.distributed  # `shardlang apply` starts workers (one test here only names frames)
@@ -24,15 +24,8 @@ HF_PLANS = sorted((ROOT / "plans" / "hf").glob("*.sl"))
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 
-def shardlang_apply(*args, env=None, timeout=600):
-    return subprocess.run(
-        [sys.executable, "-m", "shardlang", "apply", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
+def shardlang_apply(*args, env=None):
+    return shardlang_cli("apply", *args, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -49,17 +42,6 @@ def applied():
         return done[key]
 
     return get
-
-
-def in_process(args: list[str], capsys, monkeypatch) -> tuple[int, str, str]:
-    """`shardlang ARGS` through main in this process, for a usage error found before any worker: no
-    launcher to start and import torch."""
-    from shardlang.cli import main
-
-    monkeypatch.chdir(ROOT)
-    status = main(args)
-    out, err = capsys.readouterr()
-    return status, out, err
 
 
 def model_of(plan) -> str:
@@ -149,19 +131,15 @@ def test_unusable_plan_exits_2_before_starting_workers(capsys, monkeypatch):
     assert report["ok"] is False and {d["code"] for d in report["diagnostics"]} == {"SL200"}
 
 
-def test_verify_none_and_steps_override(capsys, monkeypatch):
-    from concurrent.futures import ThreadPoolExecutor
-
+def test_verify_none_and_steps_override():
     common = ("plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--json", "--verify")
-    with ThreadPoolExecutor(2) as pool:  # two jobs side by side: the suite's time
-        none, steps = pool.map(
-            lambda extra: shardlang_apply(*common, *extra), [("none",), ("gradients", "--steps", "1")]
-        )
+    none = shardlang_apply(*common, "none")
     assert none.returncode == 0 and json.loads(none.stdout)["checks"] == []
+    steps = shardlang_apply(*common, "gradients", "--steps", "1")
     (check,) = json.loads(steps.stdout)["checks"]
     assert check["data"]["steps"] == 1
-    status, _, err = in_process(["apply", *common[:4], "--verify", "gradient"], capsys, monkeypatch)
-    assert status == 2 and "did you mean 'gradients'" in err
+    done = shardlang_apply(*common[:4], "--verify", "gradient")
+    assert done.returncode == 2 and "did you mean 'gradients'" in done.stderr
 
 
 DIES = ("plans/mlp_tp.sl", "tests/faults/dies.py", "--nproc", "2")
@@ -313,14 +291,14 @@ def test_json_when_a_worker_dies_by_a_signal(applied):
     assert "rank 1 died" in done.stderr
 
 
-def test_json_for_a_usage_error(capsys, monkeypatch):
+def test_json_for_a_usage_error():
     """A usage error found before any worker starts: the same one object, exit 2."""
-    status, out, err = in_process(["apply", "plans/mlp_tp.sl", "--nproc", "2", "--json"], capsys, monkeypatch)
-    assert status == 2
-    report = one_object(out)
+    done = shardlang_apply("plans/mlp_tp.sl", "--nproc", "2", "--json")
+    assert done.returncode == 2
+    report = one_object(done.stdout)
     assert report["exit_status"] == 2 and report["failure"]["kind"] == "usage"
     assert report["failure"]["message"].startswith("apply needs a model")
-    assert report["ranks"] == [] and "shardlang: error: apply needs a model" in err
+    assert report["ranks"] == [] and "shardlang: error: apply needs a model" in done.stderr
 
 
 def test_json_under_torchrun_when_a_check_raises():
