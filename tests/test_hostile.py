@@ -124,7 +124,33 @@ class Run:
         return f"shardlang {' '.join(self.args)}: exit {self.status}\n{self.output}"
 
 
-def assert_clean(run: Run, status: int) -> None:
+class Local:
+    """`shardlang ARGS` run in this process (tests/conftest.py: shardlang_cli), with what Run records: its
+    workers are children of this process's forkserver, and every one of them that the command started must
+    be gone afterwards."""
+
+    def __init__(self, *args: str):
+        from multiprocessing import forkserver
+
+        from .conftest import shardlang_cli, start_forkserver
+
+        self.args = args
+        start_forkserver()
+        server = forkserver._forkserver._forkserver_pid
+        before = descendants(server)
+        done = shardlang_cli(*args)
+        self.seen = descendants(server) - before
+        self.status, self.stdout, self.stderr = done.returncode, done.stdout, done.stderr
+        deadline = time.monotonic() + 60
+        while any(alive(p) for p in descendants(server) - before) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.left = sorted(p for p in descendants(server) - before if alive(p))
+
+    output = Run.output
+    __repr__ = Run.__repr__
+
+
+def assert_clean(run: Run | Local, status: int) -> None:
     assert run.status == status, run
     assert "Traceback" not in run.output, run
     assert not run.left, f"processes left behind: {run.left}\n{run}"
@@ -324,16 +350,21 @@ def test_torch_limits_table_by_release():
 
 APPLY = ("apply", "plans/mlp_tp.sl")
 HANGS = (*APPLY, f"{H}/forward_hangs.py", "--nproc", "2")
-# The broken inputs and losses fail alike on every rank: one rank shows it (each worker is a torch import).
+# Run in this process: what the command prints and its exit status. The broken inputs and losses fail alike
+# on every rank: one rank shows it.
+LOCAL = {
+    "forward_rank1": (*APPLY, f"{H}/forward_rank1.py", "--nproc", "2"),
+    "forward_rank1_debug": (*APPLY, f"{H}/forward_rank1.py", "--nproc", "2", "--debug"),
+    "input_wrong_shape": (*APPLY, f"{H}/input_wrong_shape.py", "--nproc", "1"),
+    "input_wrong_type": (*APPLY, f"{H}/input_wrong_type.py", "--nproc", "1"),
+    "input_raises": (*APPLY, f"{H}/input_raises.py", "--nproc", "1"),
+    "loss_vector": (*APPLY, f"{H}/loss_vector.py", "--nproc", "1"),
+    "loss_raises": (*APPLY, f"{H}/loss_raises.py", "--nproc", "1"),
+    "os_exit_worker": (*APPLY, f"{H}/os_exit_worker.py", "--nproc", "2"),
+}
+# Run as processes: signals sent to the command, and a start-up that must be slower than its time limit (a
+# warm forkserver's workers may start within 0.2 s).
 RUNS = {
-    "forward_rank1": lambda: Run(*APPLY, f"{H}/forward_rank1.py", "--nproc", "2"),
-    "forward_rank1_debug": lambda: Run(*APPLY, f"{H}/forward_rank1.py", "--nproc", "2", "--debug"),
-    "input_wrong_shape": lambda: Run(*APPLY, f"{H}/input_wrong_shape.py", "--nproc", "1"),
-    "input_wrong_type": lambda: Run(*APPLY, f"{H}/input_wrong_type.py", "--nproc", "1"),
-    "input_raises": lambda: Run(*APPLY, f"{H}/input_raises.py", "--nproc", "1"),
-    "loss_vector": lambda: Run(*APPLY, f"{H}/loss_vector.py", "--nproc", "1"),
-    "loss_raises": lambda: Run(*APPLY, f"{H}/loss_raises.py", "--nproc", "1"),
-    "os_exit_worker": lambda: Run(*APPLY, f"{H}/os_exit_worker.py", "--nproc", "2"),
     # --json: main prints the same one line on stderr with it, and the JSON tests below read these runs too
     "startup_timeout": lambda: Run(*APPLY, "examples/mlp.py", "--nproc", "2", "--timeout", "0.2", "--json"),
     "ctrl_c": lambda: Run(*HANGS, "--json", send=signal.SIGINT, to_group=True),
@@ -344,11 +375,12 @@ RUNS = {
 
 @pytest.fixture(scope="module")
 def runs():
-    """Every worker-starting command of this file, four at a time (the three that wait for a hang to send
-    a signal mostly sleep)."""
-    with ThreadPoolExecutor(4) as pool:
+    """Every worker-starting command of this file: the processes side by side (the three that wait for a
+    hang to send a signal mostly sleep), the commands run in this process meanwhile, one after another."""
+    with ThreadPoolExecutor(len(RUNS)) as pool:
         futures = {name: pool.submit(make) for name, make in RUNS.items()}
-        return {name: future.result() for name, future in futures.items()}
+        done = {name: Local(*args) for name, args in LOCAL.items()}
+        return {**done, **{name: future.result() for name, future in futures.items()}}
 
 
 @pytest.mark.distributed
