@@ -13,7 +13,7 @@ import pytest
 
 from shardlang.cli import main
 
-from .conftest import FIXTURES, ROOT
+from .conftest import FIXTURES, ROOT, shardlang_cli
 
 CASES = {
     "lint_ok": ["lint", "plans/llama_2d.sl"],
@@ -90,9 +90,7 @@ def test_compile_prints_python_without_emit(capsys, monkeypatch):
 
 
 def _explain(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shardlang", "explain", *args], capture_output=True, text=True, cwd=ROOT, timeout=600
-    )
+    return shardlang_cli("explain", *args)
 
 
 FIXED_TP = """shardlang 1

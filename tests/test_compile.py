@@ -3,8 +3,6 @@ checkpointing and before fully_shard (torchtitan's order); checked at parse and 
 printed, rolled back, and applied under the gradients check."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,7 +14,7 @@ from shardlang.compiler.lower import lower
 from shardlang.compiler.resolve import resolve
 from shardlang.runtime.snapshot import Snapshot
 
-from .conftest import ROOT
+from .conftest import shardlang_cli
 
 PLAN = """shardlang 1
 mesh world = cpu[dp=auto]
@@ -121,13 +119,7 @@ def test_rollback_undoes_compile():
 def test_compiled_fsdp_plan_passes_the_gradients_check(tmp_path):
     path = tmp_path / "compiled.sl"
     path.write_text(APPLIED)
-    done = subprocess.run(
-        [sys.executable, "-m", "shardlang", "apply", str(path), "examples/mlp.py", "--nproc", "2", "--json"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
-    )
+    done = shardlang_cli("apply", path, "examples/mlp.py", "--nproc", "2", "--json")
     assert done.returncode == 0, done.stdout + done.stderr
     checks = json.loads(done.stdout)["checks"]
     assert [(c["check"], c["status"]) for c in checks] == [

@@ -16,7 +16,7 @@ from shardlang.explain.simulate import explain
 from shardlang.runtime.modelfile import load_model_file
 
 from . import dist_jobs
-from .conftest import FIXTURES, ROOT
+from .conftest import FIXTURES, ROOT, shardlang_cli
 
 #: The torch release explain's pinned numbers and text were taken on (CI's). A newer torch dispatches a
 #: different number of DTensor ops, which moves the host-time estimate of TP plans by about 1%: those
@@ -243,9 +243,7 @@ def test_svg_has_one_block_per_shard():
 )
 @pinned_to_torch
 def test_text_rendering_is_pinned(name, args, golden):
-    done = subprocess.run(
-        [sys.executable, "-m", "shardlang", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
+    done = shardlang_cli(*args)
     assert done.returncode == 0, done.stderr
     golden(FIXTURES / "cli" / f"{name}.txt", done.stdout)
 
@@ -477,23 +475,11 @@ def test_compare_and_json_carry_the_peak_and_the_time():
     import json
 
     base = ["explain", "plans/llama_2d.sl", "examples/llama.py", "--world", "4", "--batch", "2", "--gpu", "h200"]
-    done = subprocess.run(
-        [sys.executable, "-m", "shardlang", *base, "--compare", "plans/hsdp.sl", "--link", "dp=25GB/s:30us"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = shardlang_cli(*base, "--compare", "plans/hsdp.sl", "--link", "dp=25GB/s:30us")
     assert done.returncode == 0, done.stderr
     assert "plans/llama_2d.sl against plans/hsdp.sl" in done.stdout and "peak memory" in done.stdout
     assert "step time" in done.stdout and "bytes on world.dp" in done.stdout
-    done = subprocess.run(
-        [sys.executable, "-m", "shardlang", *base, "--format", "json"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    done = shardlang_cli(*base, "--format", "json")
     data = json.loads(done.stdout)
     peak, time = data["peak"], data["time"]
     assert peak["bytes"] == sum(n for _, n in peak["categories"]) and peak["batch"] == 2

@@ -25,7 +25,7 @@ from shardlang.checkpoints.records import Checkpoint
 from shardlang.checkpoints.saving import save_checkpoint
 from shardlang.cli import main
 
-from .conftest import ROOT
+from .conftest import ROOT, shardlang_cli
 
 MLP, MLP_TP = str(ROOT / "examples/mlp.py"), str(ROOT / "plans/mlp_tp.sl")
 
@@ -40,16 +40,7 @@ class Payload:
         return os.system, (f"touch {self.marker}",)
 
 
-def shardlang(*args, timeout=600):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run(
-        [sys.executable, "-m", "shardlang", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=timeout,
-    )
+shardlang = shardlang_cli
 
 
 def refused(rc: int, output: str, *names) -> None:
