@@ -50,7 +50,15 @@ def simulated_world(world_size: int, rank: int) -> Iterator[None]:
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        if not _forked:
+            dist.destroy_process_group()
+
+
+#: Whether this process is in_fork's child. It ends by os._exit and never destroys its fake world: that
+#: clears c10d's tables, shared with the parent's world it set aside, and the last reference to a real gloo
+#: group of the parent then runs its destructor, which waits for threads that were not forked (a child
+#: hung there for its whole time limit in one run of the suite).
+_forked = False
 
 
 def placed_as(tensor, mesh: str = "?") -> Placed:
@@ -225,6 +233,8 @@ def in_fork(fn: Callable[[], Any], timeout_s: float) -> tuple[str, Any]:
         os.close(write)
         return "failed", f"cannot fork: {_why(e)}"
     if pid == 0:  # the child
+        global _forked
+        _forked = True
         try:
             die_with(parent)  # killed with the command (SIGTERM, SIGKILL), never left running on its own
             os.close(read)
