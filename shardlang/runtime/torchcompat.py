@@ -148,3 +148,11 @@ def fsdp_param_class():
     from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, ShardedState
 
     return FSDPParam, ShardedState
+
+
+def all_to_all_autograd(tensor, output_sizes: list[int], input_sizes: list[int], group):
+    """`all_to_all_single` that autograd runs backwards (the gradient goes back the way the rows came);
+    torch.distributed.nn.functional's is deprecated in favour of the functional collectives' one."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_to_all_single_autograd(tensor, output_sizes, input_sizes, group))

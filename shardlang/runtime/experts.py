@@ -1,0 +1,110 @@
+"""Expert parallelism for a mixture of experts: each rank of a mesh dim keeps num_experts / ep experts, and
+every token goes to the rank holding the expert its router chose and comes back (two all-to-alls).
+
+It works on the experts module every MoE family of transformers 5 shares (Mixtral, Qwen2/3-MoE, OLMoE,
+DeepSeek-V2/V3, gpt-oss, ...): one module holding every expert's weights stacked along dim 0, with
+`num_experts` and `forward(hidden_states [tokens, hidden], top_k_index [tokens, k], top_k_weights
+[tokens, k]) -> [tokens, hidden]`. The router, outside it, stays whole on every rank.
+
+On each rank the module's own forward computes its experts (whatever implementation transformers picked:
+a loop, a grouped matmul), on the rows it received, with its shard of the weights and a weight of one; the
+routing weights are applied back on the rank the tokens came from, so their gradient reaches the router
+there. The gradient of an expert's weights is the sum over every token routed to it from every rank of
+the mesh dim: the ranks of an ep dim train on different data, as data-parallel ranks do.
+
+Like runtime.tpstyles, the style is a ParallelStyle and each method imports what it needs, so that
+`compile --emit python` can paste its source.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.tensor.parallel import ParallelStyle
+
+
+class ExpertParallel(ParallelStyle):
+    """Split a stacked-experts module over a 1-D mesh: every parameter whose dim 0 is the number of experts
+    becomes a DTensor sharded on dim 0 (contiguous blocks of experts per rank), and the forward sends each
+    (token, choice) pair to the rank holding its expert and the result back."""
+
+    def _apply(self, module, device_mesh):
+        import types
+
+        import torch.nn as nn
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        experts = expert_count(module)
+        ep = device_mesh.size()
+        if experts % ep:
+            raise ValueError(f"{experts} experts do not split evenly over {ep} ranks")
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param.dim() >= 1 and param.shape[0] == experts:
+                sharded = distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+                module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        module.forward = types.MethodType(_expert_parallel_forward(module.forward, experts, device_mesh), module)
+        return module
+
+
+def expert_count(module) -> int:
+    """The number of experts a stacked-experts module holds: its `num_experts`, else dim 0 of its
+    parameters where they all agree."""
+    count = getattr(module, "num_experts", None)
+    if isinstance(count, int) and count > 0:
+        return count
+    firsts = {p.shape[0] for p in module.parameters(recurse=False) if p.dim() >= 2}
+    if len(firsts) != 1:
+        raise ValueError("cannot tell how many experts it holds: no `num_experts`, and its 3-D weights disagree")
+    return firsts.pop()
+
+
+def _expert_parallel_forward(local_forward, experts, mesh):
+    """The forward of an expert-parallel module, around the module's own (`local_forward`, bound)."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+        import torch
+        import torch.distributed as dist
+        from torch.distributed.tensor import DTensor
+
+        from shardlang.runtime.torchcompat import all_to_all_autograd
+
+        group = mesh.get_group()
+        ep, per_rank = mesh.size(), experts // mesh.size()
+        tokens, k = top_k_index.shape
+        chosen = top_k_index.reshape(-1)
+        # (token, choice) pairs in the order of the rank holding their expert
+        owner = torch.div(chosen, per_rank, rounding_mode="floor")
+        order = torch.argsort(owner, stable=True)
+        token_of = torch.arange(tokens, device=chosen.device).repeat_interleave(k)[order]
+        send = torch.bincount(owner, minlength=ep)
+        receive = torch.empty_like(send)
+        dist.all_to_all_single(receive, send, group=group)
+        send_sizes, receive_sizes = send.tolist(), receive.tolist()
+        rows = all_to_all_autograd(hidden_states[token_of], receive_sizes, send_sizes, group)
+        local_index = chosen[order] % per_rank
+        received_index = local_index.new_empty(sum(receive_sizes))
+        dist.all_to_all_single(received_index, local_index, receive_sizes, send_sizes, group=group)
+        # This rank's experts on the rows it received, through the module's own forward: local weights,
+        # local expert numbers, each row its one expert with weight one.
+        kept = {name: p for name, p in self._parameters.items() if isinstance(p, DTensor)}
+        count = getattr(self, "num_experts", None)
+        local = {name: p.to_local() for name, p in kept.items()}
+        try:
+            self._parameters.update(local)
+            if count is not None:
+                self.num_experts = per_rank
+            ones = torch.ones(received_index.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
+            out = local_forward(rows, received_index[:, None], ones, *args, **kwargs)
+        finally:
+            self._parameters.update(kept)
+            if count is not None:
+                self.num_experts = count
+        if not rows.shape[0] and torch.is_grad_enabled():
+            # No row came here (no expert of this rank was chosen): the backward must still run both
+            # all-to-alls on this rank, as on every other, and give its experts a zero gradient, not none (which
+            # FSDP and DDP would reduce with the other ranks' real ones).
+            out = out + rows * 0 + sum(p.sum() * 0 for p in local.values() if p.requires_grad)
+        back = all_to_all_autograd(out, send_sizes, receive_sizes, group)
+        weighted = back * top_k_weights.reshape(-1)[order, None].to(back.dtype)
+        combined = torch.zeros_like(hidden_states, dtype=back.dtype).index_add(0, token_of, weighted)
+        return combined.to(hidden_states.dtype)
+
+    return forward

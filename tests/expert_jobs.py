@@ -1,0 +1,83 @@
+"""Jobs for the expert-parallel tests: run on every rank of a worker pool (gloo)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
+
+from shardlang.runtime.experts import ExpertParallel
+
+
+def _experts(implementation: str):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    config = Qwen3MoeConfig(hidden_size=8, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2)
+    config._experts_implementation = implementation
+    torch.manual_seed(0)
+    experts = Qwen3MoeExperts(config)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.3)
+        experts.down_proj.normal_(0, 0.3)
+    return experts
+
+
+def _routing(tokens: int, rank: int, only_first_rank: bool):
+    g = torch.Generator().manual_seed(100 + rank)
+    hidden = torch.randn(tokens, 8, generator=g, requires_grad=True)
+    scores = torch.rand(tokens, 4, generator=g)
+    if only_first_rank:  # every token to the experts of rank 0: the other ranks receive nothing
+        scores[:, 2:] = -1
+    index = scores.topk(2, dim=-1).indices
+    weights = torch.rand(tokens, 2, generator=g).softmax(-1).requires_grad_()
+    upstream = torch.randn(tokens, 8, generator=g)
+    return hidden, index, weights, upstream
+
+
+def ep_matches_whole_experts(implementation: str = "eager", only_first_rank: bool = False) -> dict[str, float]:
+    """Each rank routes its own tokens through experts split over ep = the world; compared with the whole
+    experts run on every rank's tokens: the output, and the gradients of the inputs, of the routing weights
+    and of this rank's experts (summed over every rank's tokens). The largest difference of each."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    whole = _experts(implementation)
+    split = parallelize_module(_experts(implementation), mesh, ExpertParallel())
+
+    hidden, index, weights, upstream = _routing(5 + rank, rank, only_first_rank)
+    out = split(hidden, index, weights)
+    (out * upstream).sum().backward()
+
+    errors = {"output": 0.0, "hidden_grad": 0.0, "weights_grad": 0.0, "experts_grad": 0.0}
+    total = 0.0
+    for source in range(world):
+        h, i, w, u = _routing(5 + source, source, only_first_rank)
+        o = whole(h, i, w)
+        total = total + (o * u).sum()
+        if source == rank:
+            mine = (o, h, w)
+    total.backward()
+    o, h, w = mine
+    errors["output"] = (out - o).abs().max().item()
+    errors["hidden_grad"] = (hidden.grad - h.grad).abs().max().item()
+    errors["weights_grad"] = (weights.grad - w.grad).abs().max().item()
+    per_rank = 4 // world
+    for name in ("gate_up_proj", "down_proj"):
+        param = getattr(split, name)
+        assert isinstance(param, DTensor) and param.to_local().shape[0] == per_rank
+        block = getattr(whole, name).grad[rank * per_rank : (rank + 1) * per_rank]
+        errors["experts_grad"] = max(errors["experts_grad"], (param.grad.to_local() - block).abs().max().item())
+    return errors
+
+
+def ep_without_weights_differs() -> float:
+    """The planted mistake: tokens combined without their routing weights. How far the output is off."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    whole = _experts("eager")
+    split = parallelize_module(_experts("eager"), mesh, ExpertParallel())
+    hidden, index, weights, _ = _routing(5 + rank, rank, False)
+    unweighted = split(hidden, index, torch.ones_like(weights))
+    return (unweighted - whole(hidden, index, weights)).abs().max().item()
