@@ -44,7 +44,7 @@ def ep_matches_whole_experts(implementation: str = "eager", only_first_rank: boo
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     whole = _experts(implementation)
-    split = parallelize_module(_experts(implementation), mesh, ExpertParallel())
+    split = parallelize_module(_experts(implementation), mesh, ExpertParallel(shared_batch=False))
 
     hidden, index, weights, upstream = _routing(5 + rank, rank, only_first_rank)
     out = split(hidden, index, weights)
@@ -77,7 +77,33 @@ def ep_without_weights_differs() -> float:
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     whole = _experts("eager")
-    split = parallelize_module(_experts("eager"), mesh, ExpertParallel())
+    split = parallelize_module(_experts("eager"), mesh, ExpertParallel(shared_batch=False))
     hidden, index, weights, _ = _routing(5 + rank, rank, False)
     unweighted = split(hidden, index, torch.ones_like(weights))
     return (unweighted - whole(hidden, index, weights)).abs().max().item()
+
+
+def ep_shared_batch_matches_whole_experts(tokens: int) -> dict[str, float]:
+    """Every rank holds the same `tokens` tokens (as tensor-parallel ranks do) and routes its slice of them:
+    the output and every gradient equal the whole experts' on those tokens, with no token counted twice."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    whole = _experts("eager")
+    split = parallelize_module(_experts("eager"), mesh, ExpertParallel())
+    hidden, index, weights, upstream = _routing(tokens, 0, False)
+    out = split(hidden, index, weights)
+    (out * upstream).sum().backward()
+    h, i, w, u = _routing(tokens, 0, False)
+    o = whole(h, i, w)
+    (o * u).sum().backward()
+    errors = {
+        "output": (out - o).abs().max().item(),
+        "hidden_grad": (hidden.grad - h.grad).abs().max().item(),
+        "weights_grad": (weights.grad - w.grad).abs().max().item(),
+    }
+    per_rank = 4 // world
+    for name in ("gate_up_proj", "down_proj"):
+        block = getattr(whole, name).grad[rank * per_rank : (rank + 1) * per_rank]
+        error = (getattr(split, name).grad.to_local() - block).abs().max().item()
+        errors["experts_grad"] = max(errors.get("experts_grad", 0.0), error)
+    return errors

@@ -31,3 +31,13 @@ def test_a_rank_that_receives_no_token(pools):
 def test_tokens_combined_without_their_weights_are_wrong(pools):
     """The check above can fail: dropping the routing weights changes the output."""
     assert min(pools(2).run(expert_jobs.ep_without_weights_differs)) > 1e-2
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("world", "tokens"), [(2, 7), (4, 7), (4, 3)])
+def test_ranks_that_share_their_tokens_route_one_slice_each(pools, world, tokens):
+    """Ranks holding the same tokens (a tensor-parallel dim): each routes its slice (7 tokens over 2 or 4
+    ranks: uneven; 3 over 4: one rank has none), and the output and gradients equal the whole experts'
+    (sending every token from every rank would count each expert's gradient `world` times)."""
+    for errors in pools(world).run(expert_jobs.ep_shared_batch_matches_whole_experts, tokens):
+        assert max(errors.values()) < 1e-5, errors

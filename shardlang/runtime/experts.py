@@ -24,7 +24,18 @@ from torch.distributed.tensor.parallel import ParallelStyle
 class ExpertParallel(ParallelStyle):
     """Split a stacked-experts module over a 1-D mesh: every parameter whose dim 0 is the number of experts
     becomes a DTensor sharded on dim 0 (contiguous blocks of experts per rank), and the forward sends each
-    (token, choice) pair to the rank holding its expert and the result back."""
+    (token, choice) pair to the rank holding its expert and the result back.
+
+    `shared_batch`: the ranks of the mesh hold the same tokens (a dim whose ranks share the batch, as
+    tensor-parallel ranks do). Each then routes only its own contiguous slice of them, so that no token is
+    computed twice, and the outputs are gathered back over the mesh (the gradients of the shared inputs
+    gathered likewise). Without it each rank routes all of its own tokens: ranks that train on different
+    data, as data-parallel ranks do."""
+
+    def __init__(self, shared_batch: bool = True, src_data_rank: int | None = 0):
+        super().__init__()
+        self.shared_batch = shared_batch
+        self.src_data_rank = src_data_rank
 
     def _apply(self, module, device_mesh):
         import types
@@ -40,7 +51,10 @@ class ExpertParallel(ParallelStyle):
             if param.dim() >= 1 and param.shape[0] == experts:
                 sharded = distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
                 module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        module.forward = types.MethodType(_expert_parallel_forward(module.forward, experts, device_mesh), module)
+        forward = _expert_parallel_forward(module.forward, experts, device_mesh)
+        if self.shared_batch:
+            forward = _one_slice_each(forward, device_mesh)
+        module.forward = types.MethodType(forward, module)
         return module
 
 
@@ -54,6 +68,27 @@ def expert_count(module) -> int:
     if len(firsts) != 1:
         raise ValueError("cannot tell how many experts it holds: no `num_experts`, and its 3-D weights disagree")
     return firsts.pop()
+
+
+def _one_slice_each(forward, mesh):
+    """`forward` on this rank's contiguous slice of tokens that every rank of `mesh` holds alike; the outputs
+    gathered back whole on every rank (an uneven or empty slice too)."""
+
+    def shared(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+        from torch.distributed.tensor import DTensor, Replicate, Shard
+
+        # Replicate -> Shard(0) is a local slice; its backward gathers the slices' gradients.
+        mine = [
+            DTensor.from_local(t, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(0)]).to_local()
+            for t in (hidden_states, top_k_index, top_k_weights)
+        ]
+        out = forward(self, *mine, *args, **kwargs)
+        whole = DTensor.from_local(
+            out.contiguous(), mesh, [Shard(0)], shape=(hidden_states.shape[0], out.shape[-1]), stride=(out.shape[-1], 1)
+        )
+        return whole.full_tensor()
+
+    return shared
 
 
 def _expert_parallel_forward(local_forward, experts, mesh):
