@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
+import torch
 
 from . import expert_jobs
+from .conftest import ROOT
 
 pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[hf]'")
 
@@ -41,3 +45,75 @@ def test_ranks_that_share_their_tokens_route_one_slice_each(pools, world, tokens
     (sending every token from every rank would count each expert's gradient `world` times)."""
     for errors in pools(world).run(expert_jobs.ep_shared_batch_matches_whole_experts, tokens):
         assert max(errors.values()) < 1e-5, errors
+
+
+# --- the style in a plan ----------------------------------------------------------------------------
+
+EP_PLAN = ROOT / "plans" / "hf" / "qwen3_moe_ep.sl"
+QWEN3_MOE = str(ROOT / "examples" / "hf_qwen3_moe.py")
+
+
+@pytest.mark.distributed
+def test_a_token_sent_by_every_rank_that_holds_it_fails_the_gradients_check_at_the_experts(tmp_path, pools):
+    """The plan's expert_parallel passes; the same experts routing every token from both tp ranks (the
+    data-parallel form on ranks that share their batch) count each expert's gradient twice, and the
+    gradients check fails at the experts' rule."""
+    import shardlang
+    from shardlang.launch.job import Job, run
+
+    plan = EP_PLAN.read_text().replace("init meta", "init meta\nverify gradients(steps=1)")
+    twice = plan.replace("mesh world", "use shardlang.runtime.experts.ExpertParallel as twice\n\nmesh world", 1)
+    twice = twice.replace(": expert_parallel", ": twice(shared_batch=false)")
+    reports = {}
+    for name, text in (("fixed", plan), ("twice", twice)):
+        path = tmp_path / f"{name}.sl"
+        path.write_text(text)
+        job = Job(str(path), {}, QWEN3_MOE, None, shardlang.load(path).checks)
+        reports[name] = pools(4).run(run, job)[0]
+    (fixed,) = reports["fixed"].checks
+    assert fixed.status == "pass", fixed.message
+    (wrong,) = reports["twice"].checks
+    assert wrong.status == "fail" and "mlp.experts.gate_up_proj" in wrong.message, wrong.message
+    (where,) = [d for d in reports["twice"].diagnostics if "first disagreement" in d.message]
+    assert (
+        "model.layers.0.mlp.experts" in where.message
+        and where.span.line == plan.count("\n", 0, plan.index(": expert_parallel")) + 3
+    )
+
+
+def test_expert_parallel_on_what_it_cannot_split_is_sl202(tmp_path, monkeypatch, capsys):
+    """On a module without stacked experts, and on experts that do not divide by the mesh dim."""
+    from shardlang.cli import main
+
+    monkeypatch.chdir(ROOT)
+    path = tmp_path / "plan.sl"
+    path.write_text(
+        "shardlang 1\nmesh world = cpu[tp=3]\nparallelize on world.tp {\n"
+        "    model.layers.*.mlp.experts : expert_parallel\n    model.layers.*.mlp.gate : expert_parallel\n}\n"
+    )
+    assert main(["lint", str(path), QWEN3_MOE, "--no-step"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(
+        r"plan\.sl:4:\d+: error\[SL202\] expert_parallel does not apply to 'model\.layers\.0\.mlp\.experts'", out
+    )
+    assert "its 4 experts do not split evenly over 3 ranks" in out
+    assert re.search(
+        r"plan\.sl:5:\d+: error\[SL202\] expert_parallel does not apply to 'model\.layers\.0\.mlp\.gate'", out
+    )
+    assert "stacked on dim 0" in out and "a router stays whole" in out
+
+
+@pytest.mark.distributed
+def test_the_plan_explains_with_its_all_to_alls(tmp_path):
+    """explain lays the experts out split by expert and simulates the step (routing taken as uniform)."""
+    import shardlang
+    from examples.hf_qwen3_moe import build_model
+
+    with torch.device("meta"):
+        model = build_model()
+    from examples.hf_qwen3_moe import example_input, loss
+
+    e = shardlang.load(EP_PLAN).explain(model, world_size=4, example_input=example_input, loss=loss)
+    experts = [t for t in e.tensors if t.name == "model.layers.0.mlp.experts.gate_up_proj"]
+    assert experts and experts[0].placements[-1] == "S(0)" and experts[0].local_shape[0] == 1  # 4 experts / tp 2 / dp 2
+    assert any("all_to_all" in c.op for c in e.collectives), e.collectives

@@ -114,6 +114,29 @@ def tp_placement(style: ir.Style, module: nn.Module, name: str):
     return None
 
 
+def stacked_experts(module: nn.Module) -> int | None:
+    """How many experts a module holds stacked on dim 0 of its 3-D weights (transformers' experts); None
+    for any other module (a router, whose 2-D weight also has a row per expert)."""
+    try:
+        count = expert_count(module)
+    except ValueError:
+        return None
+    own = module.parameters(recurse=False)
+    return count if any(p.dim() >= 3 and p.shape[0] == count for p in own) else None
+
+
+def expert_count(module) -> int:
+    """The number of experts a stacked-experts module holds: its `num_experts`, else dim 0 of its
+    parameters where they all agree."""
+    count = getattr(module, "num_experts", None)
+    if isinstance(count, int) and count > 0:
+        return count
+    firsts = {p.shape[0] for p in module.parameters(recurse=False) if p.dim() >= 3}
+    if len(firsts) != 1:
+        raise ValueError("cannot tell how many experts it holds: no `num_experts`, and its 3-D weights disagree")
+    return firsts.pop()
+
+
 def owned(model_modules: Mapping[str, nn.Module], buffers: bool = True) -> Iterator[tuple[str, str, str, object]]:
     """(tensor FQN, owner module FQN, local name, tensor) for every parameter (and buffer), tied ones
     under each of their names."""
@@ -236,6 +259,13 @@ def _by_rule(plan, match: RuleMatch, resolution, probe, owner, name, is_param, o
             return unknown(f"the `use` style '{style.name}' removed or renamed it")
         return placed if placed.mesh is not None else None
     kind = style.name
+    if probe == owner and kind == "expert_parallel":
+        # the experts split on dim 0; anything else of the module stays a plain tensor
+        module = resolution.modules[owner]
+        tensor, experts = module._parameters.get(name), stacked_experts(module)
+        if tensor is not None and experts is not None and tensor.dim() >= 1 and tensor.shape[0] == experts:
+            return Placed(mesh.mesh, mesh.dims, (ir.Shard(0),))
+        return None
     if probe == owner and kind in SHARDING_STYLES:
         # what the style does not shard, distribute_module replicates (an embedding's scale buffer)
         placement = tp_placement(style, resolution.modules[owner], name) or ir.Replicate()

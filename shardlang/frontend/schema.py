@@ -186,6 +186,8 @@ STYLES: dict[str, dict[str, Convert]] = {
     "replicated_with_grad_allreduce": {},
     "colwise_conv1d": {"input": layout, "output": layout, "local_output": boolean},
     "rowwise_conv1d": {"input": layout, "output": layout, "local_output": boolean},
+    # a mixture of experts' stacked experts, split by expert (shardlang.runtime.experts)
+    "expert_parallel": {},
 }
 
 MIXED_PRECISION: dict[str, Convert] = {"param": dtype, "reduce": dtype, "output": dtype, "cast_forward_inputs": boolean}

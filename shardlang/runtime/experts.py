@@ -20,6 +20,9 @@ from __future__ import annotations
 
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from ..compiler.predict import stacked_experts
+from .torchcompat import all_to_all_autograd, is_fake
+
 
 class ExpertParallel(ParallelStyle):
     """Split a stacked-experts module over a 1-D mesh: every parameter whose dim 0 is the number of experts
@@ -43,7 +46,9 @@ class ExpertParallel(ParallelStyle):
         import torch.nn as nn
         from torch.distributed.tensor import Shard, distribute_tensor
 
-        experts = expert_count(module)
+        experts = stacked_experts(module)
+        if experts is None:
+            raise ValueError("it holds no expert weights stacked on dim 0 (a router stays whole)")
         ep = device_mesh.size()
         if experts % ep:
             raise ValueError(f"{experts} experts do not split evenly over {ep} ranks")
@@ -56,18 +61,6 @@ class ExpertParallel(ParallelStyle):
             forward = _one_slice_each(forward, device_mesh)
         module.forward = types.MethodType(forward, module)
         return module
-
-
-def expert_count(module) -> int:
-    """The number of experts a stacked-experts module holds: its `num_experts`, else dim 0 of its
-    parameters where they all agree."""
-    count = getattr(module, "num_experts", None)
-    if isinstance(count, int) and count > 0:
-        return count
-    firsts = {p.shape[0] for p in module.parameters(recurse=False) if p.dim() >= 2}
-    if len(firsts) != 1:
-        raise ValueError("cannot tell how many experts it holds: no `num_experts`, and its 3-D weights disagree")
-    return firsts.pop()
 
 
 def _one_slice_each(forward, mesh):
@@ -99,8 +92,6 @@ def _expert_parallel_forward(local_forward, experts, mesh):
         import torch.distributed as dist
         from torch.distributed.tensor import DTensor
 
-        from shardlang.runtime.torchcompat import all_to_all_autograd
-
         group = mesh.get_group()
         ep, per_rank = mesh.size(), experts // mesh.size()
         tokens, k = top_k_index.shape
@@ -109,14 +100,21 @@ def _expert_parallel_forward(local_forward, experts, mesh):
         owner = torch.div(chosen, per_rank, rounding_mode="floor")
         order = torch.argsort(owner, stable=True)
         token_of = torch.arange(tokens, device=chosen.device).repeat_interleave(k)[order]
-        send = torch.bincount(owner, minlength=ep)
-        receive = torch.empty_like(send)
-        dist.all_to_all_single(receive, send, group=group)
-        send_sizes, receive_sizes = send.tolist(), receive.tolist()
-        rows = all_to_all_autograd(hidden_states[token_of], receive_sizes, send_sizes, group)
         local_index = chosen[order] % per_rank
-        received_index = local_index.new_empty(sum(receive_sizes))
-        dist.all_to_all_single(received_index, local_index, receive_sizes, send_sizes, group=group)
+        if is_fake(hidden_states):
+            # A simulated step (explain, lint) has no routing to read: every rank sends and receives as many
+            # pairs, as under uniform routing.
+            send_sizes = [tokens * k // ep + (r < tokens * k % ep) for r in range(ep)]
+            receive_sizes = send_sizes
+            received_index = torch.arange(tokens * k, device=chosen.device) % per_rank
+        else:
+            send = torch.bincount(owner, minlength=ep)
+            receive = torch.empty_like(send)
+            dist.all_to_all_single(receive, send, group=group)
+            send_sizes, receive_sizes = send.tolist(), receive.tolist()  # the layer's one host sync
+            received_index = local_index.new_empty(sum(receive_sizes))
+            dist.all_to_all_single(received_index, local_index, receive_sizes, send_sizes, group=group)
+        rows = all_to_all_autograd(hidden_states[token_of], receive_sizes, send_sizes, group)
         # This rank's experts on the rows it received, through the module's own forward: local weights,
         # local expert numbers, each row its one expert with weight one.
         kept = {name: p for name, p in self._parameters.items() if isinstance(p, DTensor)}

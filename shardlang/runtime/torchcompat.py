@@ -156,3 +156,10 @@ def all_to_all_autograd(tensor, output_sizes: list[int], input_sizes: list[int],
     from torch.distributed import _functional_collectives as funcol
 
     return funcol.wait_tensor(funcol.all_to_all_single_autograd(tensor, output_sizes, input_sizes, group))
+
+
+def is_fake(tensor) -> bool:
+    """Whether `tensor` has no data: a fake tensor (explain's and lint's simulated step) or one on meta."""
+    from torch._subclasses.fake_tensor import is_fake as fake
+
+    return tensor.device.type == "meta" or fake(tensor)

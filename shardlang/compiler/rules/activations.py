@@ -213,6 +213,8 @@ def _after(style: ir.Style) -> str | None:
     name = style.name
     if name == "replicated_with_grad_allreduce":  # runs on each rank's part: activations unchanged
         return None
+    if name == "expert_parallel":  # tokens gathered back whole on every rank
+        return REPLICATED
     if name in ("colwise", "rowwise"):
         default = ir.Shard(-1) if name == "colwise" else ir.Replicate()
         output, local = style.get("output", default), style.get("local_output", True)

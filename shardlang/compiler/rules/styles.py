@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from ...frontend import ir
 from ...frontend.diagnostics import SL202, SL207, Diagnostic, few
-from ..predict import style_kind
+from ..predict import stacked_experts, style_kind
 from ..resolve import Resolution
 from .common import Predictions, Shapes, dim_sizes
 
@@ -68,6 +68,15 @@ def _misfit(style: ir.Style, module: nn.Module, tp: int) -> str | None:
                 f"its {rows} output rows do not split into {parts} equal parts that each divide by tp={tp}: "
                 "packed_colwise needs out_features divisible by parts x tp"
             )
+    if kind == "expert_parallel":
+        experts = stacked_experts(module)
+        if experts is None:
+            return (
+                "expert_parallel splits a module holding every expert's weights stacked on dim 0 (transformers' "
+                "experts: gate_up_proj [experts, ...]); a router stays whole on every rank"
+            )
+        if experts % tp:
+            return f"its {experts} experts do not split evenly over {tp} ranks"
     if kind in ("sequence_parallel", "replicated_with_grad_allreduce"):
         nested = _nested_parameters(module)
         if nested:
@@ -83,9 +92,8 @@ def fitting_style(module: nn.Module) -> str:
     if any(p.ndim == 3 for p in own.values()):
         tensors = ", ".join(f"{n} {list(p.shape)}" for n, p in own.items() if p.ndim == 3)
         return (
-            f"it holds 3-D tensors ({tensors}, fused experts) that no built-in style shards: leave it without a "
-            "rule (each tp rank keeps the experts whole and fully_shard shards them over dp), or `use` a style "
-            "of your own"
+            f"it holds 3-D tensors ({tensors}, fused experts): `expert_parallel` splits them by expert, or leave "
+            "it without a rule (each tp rank keeps the experts whole and fully_shard shards them over dp)"
         )
     if own.get("weight") is not None and own["weight"].ndim == 2 and not _nested_parameters(module):
         return (
