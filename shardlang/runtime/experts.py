@@ -18,6 +18,7 @@ Like runtime.tpstyles, the style is a ParallelStyle and each method imports what
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..compiler.predict import stacked_experts
@@ -65,23 +66,72 @@ class ExpertParallel(ParallelStyle):
 
 def _one_slice_each(forward, mesh):
     """`forward` on this rank's contiguous slice of tokens that every rank of `mesh` holds alike; the outputs
-    gathered back whole on every rank (an uneven or empty slice too)."""
+    gathered back whole on every rank (an uneven or empty slice too). Plain autograd functions, as the
+    hand-written baseline of benchmarks/ep_compare.py uses, rather than DTensor redistributions: the version
+    built on those ran at 0.76 of that baseline's throughput (benchmarks/RESULTS.md)."""
 
     def shared(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
-        from torch.distributed.tensor import DTensor, Replicate, Shard
-
-        # Replicate -> Shard(0) is a local slice; its backward gathers the slices' gradients.
-        mine = [
-            DTensor.from_local(t, mesh, [Replicate()], run_check=False).redistribute(mesh, [Shard(0)]).to_local()
-            for t in (hidden_states, top_k_index, top_k_weights)
-        ]
+        group = mesh.get_group()
+        sizes = _row_sizes(hidden_states.shape[0], mesh.size())
+        mine = [RowSlice.apply(t, sizes, group) for t in (hidden_states, top_k_index, top_k_weights)]
         out = forward(self, *mine, *args, **kwargs)
-        whole = DTensor.from_local(
-            out.contiguous(), mesh, [Shard(0)], shape=(hidden_states.shape[0], out.shape[-1]), stride=(out.shape[-1], 1)
-        )
-        return whole.full_tensor()
+        return RowGather.apply(out, sizes, group)
 
     return shared
+
+
+def _row_sizes(rows: int, ranks: int) -> list[int]:
+    """How many of `rows` each of `ranks` takes, in order: as even as can be, the first ones one more."""
+    return [rows // ranks + (r < rows % ranks) for r in range(ranks)]
+
+
+def _gather_rows(tensor, sizes, group):
+    """Every rank's rows (`sizes[r]` from rank r) concatenated in rank order, on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    most = max(sizes)
+    padded = tensor.new_zeros((most, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    everyone = tensor.new_empty((most * len(sizes), *tensor.shape[1:]))
+    dist.all_gather_into_tensor(everyone, padded, group=group)
+    return torch.cat([part[:n] for part, n in zip(everyone.split(most), sizes)])
+
+
+class RowSlice(torch.autograd.Function):
+    """This rank's rows of a tensor every rank holds alike; the gradient, whole on every rank, gathered
+    from each rank's rows."""
+
+    @staticmethod
+    def forward(ctx, tensor, sizes, group):
+        import torch.distributed as dist
+
+        ctx.sizes, ctx.group = sizes, group
+        rank = dist.get_rank(group)
+        start = sum(sizes[:rank])
+        return tensor[start : start + sizes[rank]].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_rows(grad.contiguous(), ctx.sizes, ctx.group), None, None
+
+
+class RowGather(torch.autograd.Function):
+    """Every rank's rows, whole on every rank; the gradient of this rank's (every rank computes the same
+    loss from the whole, so the gradient arrives whole and each takes its own rows)."""
+
+    @staticmethod
+    def forward(ctx, tensor, sizes, group):
+        ctx.sizes, ctx.group = sizes, group
+        return _gather_rows(tensor.contiguous(), sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        rank = dist.get_rank(ctx.group)
+        start = sum(ctx.sizes[:rank])
+        return grad[start : start + ctx.sizes[rank]].contiguous(), None, None
 
 
 def _expert_parallel_forward(local_forward, experts, mesh):

@@ -1,0 +1,297 @@
+"""shardlang's `expert_parallel` against expert parallelism written by hand with torch, on transformers' own
+MixtralForCausalLM of about 1.2B parameters (16 layers, hidden 1024, 8 experts of width 2816, top 2), EP
+over every GPU: both models built in one run and trained alternately after warm-up; median step time,
+tokens/s and peak memory per side, and the collectives of one forward+backward of each.
+
+    torchrun --nproc-per-node 2 benchmarks/ep_compare.py            # three runs: the median of their ratios
+    torchrun --nproc-per-node 2 benchmarks/ep_compare.py --dry-run --steps 2 --warmup 1   # CPU, gloo, tiny
+
+The same work on both sides. The ranks share their batch (4 x 1024 tokens, the same on every rank), as in
+plans/hf/mixtral_ep.sl, which shardlang applies (`benchmarks/plans/mixtral_ep.sl`: the same rule): each rank
+routes its contiguous slice of the tokens, every (token, choice) pair goes to the rank holding its expert by
+an all-to-all, the experts module's own forward (transformers' grouped matmul) runs the local experts, a
+second all-to-all brings the results back, the routing weights are applied on the sending rank and the
+slices are gathered back whole. The hand-written side does exactly that with plain tensors and torch's
+collectives (`hand_written_ep` below: local expert weights as ordinary parameters, an autograd function
+for the slice and the gather); shardlang's keeps the experts as Shard(0) DTensors and slices and gathers
+through DTensor. The router, attention, norms and embeddings are whole on both. bf16 parameters, AdamW
+(lr 1e-4), no gradient reduction (every rank computes the same gradients for what is whole).
+
+Measurement: `--warmup` steps of each, then `--steps` steps alternating (even steps shardlang first), each
+timed from a barrier to the GPUs' synchronisation; a step's time is the slowest rank's, the median per
+side. Peak memory: torch.cuda.max_memory_allocated over a step minus what was allocated before it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SIDES = ("shardlang", "hand")
+
+
+def arguments(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--dry-run", action="store_true", help="CPU workers (gloo) and a tiny model")
+    return parser.parse_args(argv)
+
+
+def configure(tiny: bool):
+    from transformers import MixtralConfig
+
+    if tiny:
+        size = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+        size.update(num_key_value_heads=2, vocab_size=128)
+    else:
+        size = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16)
+        size.update(num_key_value_heads=8, vocab_size=32000)
+    config = MixtralConfig(**size, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=4096)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+class _Slice:
+    """This rank's contiguous 1/n of the rows every rank holds alike; the backward gathers the slices'
+    gradients (rows divisible by n)."""
+
+    @staticmethod
+    def make():
+        import torch
+        import torch.distributed as dist
+
+        class Slice(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, group):
+                ctx.group = group
+                n, r = dist.get_world_size(group), dist.get_rank(group)
+                return x.chunk(n)[r].contiguous()
+
+            @staticmethod
+            def backward(ctx, grad):
+                n = dist.get_world_size(ctx.group)
+                whole = grad.new_empty((grad.shape[0] * n, *grad.shape[1:]))
+                dist.all_gather_into_tensor(whole, grad.contiguous(), group=ctx.group)
+                return whole, None
+
+        class Gather(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, group):
+                ctx.group = group
+                n = dist.get_world_size(group)
+                whole = x.new_empty((x.shape[0] * n, *x.shape[1:]))
+                dist.all_gather_into_tensor(whole, x.contiguous(), group=group)
+                return whole
+
+            @staticmethod
+            def backward(ctx, grad):  # every rank's loss is the same: its gradient is whole on each
+                n, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+                return grad.chunk(n)[r].contiguous(), None
+
+        return Slice, Gather
+
+
+def hand_written_ep(model) -> None:
+    """Expert parallelism over the default group by hand: each experts module keeps its rank's experts as
+    plain parameters and runs this forward."""
+    import types
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    Slice, Gather = _Slice.make()
+    n, r = dist.get_world_size(), dist.get_rank()
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        total = experts.num_experts
+        per = total // n
+        for name in ("gate_up_proj", "down_proj"):
+            whole = getattr(experts, name)
+            setattr(experts, name, nn.Parameter(whole.detach()[r * per : (r + 1) * per].clone()))
+        experts.num_experts = per
+        local_forward = experts.forward
+
+        def forward(self, hidden, index, weights, local_forward=local_forward, per=per):
+            hidden, index, weights = (Slice.apply(t, None) for t in (hidden, index, weights))
+            tokens, k = index.shape
+            chosen = index.reshape(-1)
+            owner = chosen // per
+            order = torch.argsort(owner, stable=True)
+            token_of = torch.arange(tokens, device=chosen.device).repeat_interleave(k)[order]
+            send = torch.bincount(owner, minlength=n)
+            receive = torch.empty_like(send)
+            dist.all_to_all_single(receive, send)
+            send_sizes, receive_sizes = send.tolist(), receive.tolist()
+            local = chosen[order] % per
+            received = local.new_empty(sum(receive_sizes))
+            dist.all_to_all_single(received, local, receive_sizes, send_sizes)
+            rows = wait_tensor(
+                all_to_all_single_autograd(hidden[token_of], receive_sizes, send_sizes, dist.group.WORLD)
+            )
+            ones = torch.ones(received.shape[0], 1, dtype=weights.dtype, device=rows.device)
+            out = local_forward(rows, received[:, None], ones)
+            back = wait_tensor(all_to_all_single_autograd(out, send_sizes, receive_sizes, dist.group.WORLD))
+            weighted = back * weights.reshape(-1)[order, None].to(back.dtype)
+            combined = torch.zeros_like(hidden, dtype=back.dtype).index_add(0, token_of, weighted)
+            return Gather.apply(combined.to(hidden.dtype), None)
+
+        experts.forward = types.MethodType(forward, experts)
+
+
+def main(argv=None) -> None:
+    args = arguments(argv)
+    sys.path.insert(0, str(ROOT))
+    import torch
+    import torch.distributed as dist
+    from transformers import MixtralForCausalLM
+
+    import shardlang
+    from shardlang.runtime.apply import apply_plan
+    from shardlang.verification.comms import Recorder
+
+    cuda = not args.dry_run
+    if cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = configure(args.dry_run)
+    seq = 32 if args.dry_run else args.seq
+    plan = shardlang.load(ROOT / "benchmarks" / "plans" / "mixtral_ep.sl", world_size=world)
+
+    def build():
+        torch.manual_seed(0)
+        with device:
+            return MixtralForCausalLM(config).to(torch.bfloat16)
+
+    def build_shardlang():
+        return apply_plan(plan, build()).model
+
+    def build_hand():
+        model = build()
+        hand_written_ep(model)
+        return model
+
+    built = {"shardlang": build_shardlang(), "hand": build_hand()}
+
+    def groups(model):
+        # fused AdamW takes no mix of DTensors (the experts on shardlang's side) and plain tensors in one group
+        from torch.distributed.tensor import DTensor
+
+        params = list(model.parameters())
+        split = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+        return [{"params": group} for group in split if group]
+
+    optims = {side: torch.optim.AdamW(groups(m), lr=1e-4, fused=cuda) for side, m in built.items()}
+    tokens = torch.randint(0, config.vocab_size, (args.batch, seq), generator=torch.Generator().manual_seed(1))
+    tokens = tokens.to(device)
+
+    def forward_backward(model):
+        logits = model(input_ids=tokens).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].float().reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
+        )
+        loss.backward()
+        return loss.item()
+
+    # the same model on both sides: their first losses agree (bf16: to about a percent)
+    first = {side: forward_backward(built[side]) for side in SIDES}
+    for side in SIDES:
+        optims[side].zero_grad(set_to_none=True)
+
+    def timed(side) -> tuple[float, int]:
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() if cuda else 0
+        sync()
+        dist.barrier()
+        start = time.perf_counter()
+        forward_backward(built[side])
+        optims[side].step()
+        optims[side].zero_grad(set_to_none=True)
+        sync()
+        return time.perf_counter() - start, (torch.cuda.max_memory_allocated() - before) if cuda else 0
+
+    for _ in range(args.warmup):
+        for side in SIDES:
+            timed(side)
+    counts = {}
+    for side in SIDES:
+        recorder = Recorder()
+        with recorder:
+            forward_backward(built[side])
+        optims[side].zero_grad(set_to_none=True)
+        counts[side] = recorder.counts()
+    times = {side: [] for side in SIDES}
+    peaks = dict.fromkeys(SIDES, 0)
+    for i in range(args.steps):
+        for side in SIDES if i % 2 == 0 else SIDES[::-1]:
+            elapsed, peak = timed(side)
+            times[side].append(elapsed)
+            peaks[side] = max(peaks[side], peak)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, (times, peaks, counts))
+    if rank == 0:
+        slowest = {s: [max(t[0][s][i] for t in everyone) for i in range(args.steps)] for s in SIDES}
+        result = {
+            "card": torch.cuda.get_device_name() if cuda else "cpu",
+            "torch": torch.__version__,
+            "world": world,
+            "parameters": sum(p.numel() for p in build().parameters()) if not cuda else _count(config),
+            "tokens_per_step": args.batch * seq,
+            "first_loss": first,
+            "steps": args.steps,
+        }
+        for side in SIDES:
+            median = statistics.median(slowest[side])
+            result[side] = {
+                "median_s": median,
+                "tokens_per_s": args.batch * seq / median,
+                "peak_bytes": max(t[1][side] for t in everyone),
+                "counts": everyone[0][2][side],
+            }
+        result["ratio"] = result["hand"]["median_s"] / result["shardlang"]["median_s"]  # > 1: shardlang faster
+        result["memory_ratio"] = result["shardlang"]["peak_bytes"] / max(1, result["hand"]["peak_bytes"])
+        print("RESULT " + json.dumps(result))
+        report(result)
+    dist.destroy_process_group()
+
+
+def _count(config) -> int:
+    import torch
+    from transformers import MixtralForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in MixtralForCausalLM(config).parameters())
+
+
+def report(result: dict) -> None:
+    print(
+        f"Mixtral {result['parameters'] / 1e9:.2f}B, EP {result['world']} on {result['card']}, torch {result['torch']}"
+    )
+    print(f"{'side':<10} {'median step':>12} {'tokens/s':>10} {'peak memory':>12}  collectives")
+    for side in SIDES:
+        r = result[side]
+        print(
+            f"{side:<10} {r['median_s'] * 1e3:>10.1f} ms {r['tokens_per_s']:>10.0f} "
+            f"{r['peak_bytes'] / 2**30:>10.2f} GiB  {r['counts']}"
+        )
+    print(
+        f"hand / shardlang step time: {result['ratio']:.4f}; peak memory shardlang / hand: {result['memory_ratio']:.4f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
