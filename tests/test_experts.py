@@ -117,3 +117,19 @@ def test_the_plan_explains_with_its_all_to_alls(tmp_path):
     experts = [t for t in e.tensors if t.name == "model.layers.0.mlp.experts.gate_up_proj"]
     assert experts and experts[0].placements[-1] == "S(0)" and experts[0].local_shape[0] == 1  # 4 experts / tp 2 / dp 2
     assert any("all_to_all" in c.op for c in e.collectives), e.collectives
+
+
+def test_fsdp_over_the_dim_the_experts_are_split_on_is_sl218(tmp_path, monkeypatch, capsys):
+    """A dim that splits the experts cannot also shard units: said before any run, at the fully_shard block."""
+    from shardlang.cli import main
+
+    monkeypatch.chdir(ROOT)
+    path = tmp_path / "plan.sl"
+    path.write_text(
+        "shardlang 1\nmesh world = cpu[ep=2]\nparallelize on world.ep {\n    model.layers.*.mlp.experts : expert_parallel\n}\n"
+        "fully_shard on world.ep {\n    each model.layers.*\n}\n"
+    )
+    assert main(["lint", str(path), QWEN3_MOE, "--no-step"]) == 1
+    out = capsys.readouterr().out
+    assert "plan.sl:6:16: error[SL218] fully_shard on world.ep spreads over world.ep" in out, out
+    assert "the parallelize block: " in out and "plan.sl:3:16" in out

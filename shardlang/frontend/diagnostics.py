@@ -62,6 +62,10 @@ class Code(enum.Enum):
         Severity.ERROR,
         "a mesh dim larger than 1 that no statement uses: its ranks train on different data and nothing averages them",
     )
+    SL218 = (
+        Severity.ERROR,
+        "a mesh dim that both splits tensors (parallelize) and shards or replicates units (fully_shard, replicate)",
+    )
     SL220 = (
         Severity.ERROR,
         "lint's simulated training step raises in a module: what it received against what its rule expects",
@@ -127,6 +131,7 @@ class Code(enum.Enum):
     SL215,
     SL216,
     SL217,
+    SL218,
     SL220,
     SL221,
     SL222,

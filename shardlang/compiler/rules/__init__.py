@@ -7,7 +7,7 @@ from .compiles import fullgraph_over_checkpoint
 from .coverage import unsynchronised_gradients
 from .devices import mixed_device_meshes, uninitialised_on_meta
 from .matches import duplicate_matches, unit_conflicts
-from .meshes import unused_dims
+from .meshes import tensor_and_data_dims, unused_dims
 from .pipelines import stage_count, v_schedule_over_gloo, zero_bubble_with_data_parallelism
 from .shards import tied_parameters, uneven_shards, unrunnable_shards
 from .styles import loss_parallel_output, style_module_types
@@ -15,6 +15,7 @@ from .styles import loss_parallel_output, style_module_types
 #: Every rule, in the order lint runs them.
 RULES: tuple[Rule, ...] = (
     unused_dims,
+    tensor_and_data_dims,
     duplicate_matches,
     unit_conflicts,
     style_module_types,

@@ -1,4 +1,4 @@
-"""Mesh dims that nothing uses (SL217): a dim larger than 1 that no statement names.
+"""Mesh dims that nothing uses (SL217), and dims used for two kinds of parallelism at once (SL218).
 
 Every statement that spreads the model over ranks names the dims it spreads it over: `parallelize`
 (tensor parallelism), `fully_shard` and `replicate` (data parallelism, which averages gradients),
@@ -11,7 +11,7 @@ step. `shardlang init --tp N` wrote such a dim for models without a TP plan of t
 from __future__ import annotations
 
 from ...frontend import ir
-from ...frontend.diagnostics import SL217, Diagnostic
+from ...frontend.diagnostics import SL217, SL218, Diagnostic
 from ..resolve import Resolution
 from .common import Predictions, Shapes, dim_sizes
 
@@ -51,4 +51,35 @@ def unused_dims(plan: ir.Plan, resolution: Resolution, predictions: Predictions,
                     ),
                 )
             )
+    return found
+
+
+def tensor_and_data_dims(
+    plan: ir.Plan, resolution: Resolution, predictions: Predictions, shapes: Shapes
+) -> list[Diagnostic]:
+    """SL218: a dim that a `parallelize` block splits tensors over (tensor or expert parallelism: its ranks
+    share their batch) and a `fully_shard` or `replicate` block also names (its ranks train on different
+    data). FSDP2 and DDP cannot spread over a dim the tensors are already split on; torch fails at the first
+    `fully_shard` ("Cannot concatenate overlapping meshes"). One diagnostic per data-parallel block."""
+    split = {(b.mesh.mesh, dim): b for b in plan.parallelize for dim in b.mesh.dims}
+    found = []
+    for unit in plan.units:
+        both = [dim for dim in unit.mesh.dims if (unit.mesh.mesh, dim) in split]
+        if not both:
+            continue
+        block = split[(unit.mesh.mesh, both[0])]
+        names = ", ".join(f"{unit.mesh.mesh}.{dim}" for dim in both)
+        found.append(
+            Diagnostic(
+                SL218,
+                f"{unit.kind} on {unit.mesh} spreads over {names}, which a parallelize block already splits the "
+                "tensors over",
+                unit.mesh.span,
+                (
+                    f"the parallelize block: {block.mesh.span.file}:{block.mesh.span.line}:{block.mesh.span.col}",
+                    "give data parallelism its own dim (`mesh world = auto[dp=auto, tp=2]`: parallelize on world.tp, "
+                    "fully_shard on world.dp)",
+                ),
+            )
+        )
     return found
