@@ -117,6 +117,7 @@ def test_the_plan_explains_with_its_all_to_alls(tmp_path):
     experts = [t for t in e.tensors if t.name == "model.layers.0.mlp.experts.gate_up_proj"]
     assert experts and experts[0].placements[-1] == "S(0)" and experts[0].local_shape[0] == 1  # 4 experts / tp 2 / dp 2
     assert any("all_to_all" in c.op for c in e.collectives), e.collectives
+    assert any("routing taken as uniform" in note for note in e.notes), e.notes
 
 
 def test_fsdp_over_the_dim_the_experts_are_split_on_is_sl218(tmp_path, monkeypatch, capsys):
@@ -133,3 +134,30 @@ def test_fsdp_over_the_dim_the_experts_are_split_on_is_sl218(tmp_path, monkeypat
     out = capsys.readouterr().out
     assert "plan.sl:6:16: error[SL218] fully_shard on world.ep spreads over world.ep" in out, out
     assert "the parallelize block: " in out and "plan.sl:3:16" in out
+
+
+@pytest.mark.distributed
+def test_the_benchmark_runs_both_sides_to_the_same_loss_and_collectives():
+    """benchmarks/ep_compare.py's dry run (CPU, gloo, a tiny Mixtral): the plan's side and the hand-written
+    one start from the same loss and run the same collectives, so what it times is the same work."""
+    import json
+    import subprocess
+    import sys
+
+    from shardlang.launch.workers import free_port
+
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
+        + ["--master-port", str(free_port())]
+        + ["benchmarks/ep_compare.py", "--dry-run", "--steps", "2", "--warmup", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT ") :])
+    assert result["first_loss"]["shardlang"] == result["first_loss"]["hand"]
+    counts = {side: result[side]["counts"] for side in ("shardlang", "hand")}
+    assert counts["shardlang"]["all_to_all_single"] == counts["hand"]["all_to_all_single"] > 0, counts
+    assert sum(counts["shardlang"].values()) == sum(counts["hand"].values()), counts

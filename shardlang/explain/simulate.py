@@ -156,7 +156,7 @@ def _explain_here(plan: ir.Plan, model: nn.Module | None, options: ExplainOption
                 notes = (_failed(e),)
         else:
             notes = ("no collectives: the model file defines no example_input",)
-    notes += _compile_note(plan, peak)
+    notes += _compile_note(plan, peak) + _routing_note(plan, peak)
     return Explanation(
         plan.source.name, world_size, rank, meshes, tensors, ranks, collectives, notes, peak, timed, fitted
     )
@@ -212,6 +212,16 @@ def _compile_note(plan: ir.Plan, peak) -> tuple[str, ...]:
     if not plan.compiles or peak is None:
         return ()
     return ("compile is not modelled: the peak and the time are those of the modules run eager",)
+
+
+def _routing_note(plan: ir.Plan, peak) -> tuple[str, ...]:
+    """What explain assumes of a plan that splits experts: no router runs on data in a simulated step."""
+    if peak is None or not any(r.style.name == "expert_parallel" for b in plan.parallelize for r in b.rules):
+        return ()
+    return (
+        "expert_parallel: routing taken as uniform (every rank sends and receives as many tokens); the "
+        "all-to-all bytes, the experts' activations and their time are those of an even load",
+    )
 
 
 def select(explanation: Explanation, pattern: str | None) -> tuple[TensorInfo, ...]:
