@@ -264,9 +264,18 @@ def main(argv=None) -> None:
             }
         result["ratio"] = result["hand"]["median_s"] / result["shardlang"]["median_s"]  # > 1: shardlang faster
         result["memory_ratio"] = result["shardlang"]["peak_bytes"] / max(1, result["hand"]["peak_bytes"])
-        print("RESULT " + json.dumps(result))
+        print("RESULT " + json.dumps(result), flush=True)
         report(result)
+    # gloo's threads at interpreter exit can abort the process ("terminate called without an active
+    # exception", torch 2.13): collect what refers to the groups, destroy them, and leave without exit hooks
+    import gc
+
+    built.clear()
+    optims.clear()
+    gc.collect()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def _count(config) -> int:

@@ -281,8 +281,8 @@ def test_sync_over_makes_replicas_equal(pools):
 
 
 FAILING_STYLE = """use tests.dist_jobs.raise_after_change as flaky
-mesh world = cpu[dp=auto]
-parallelize on world.dp { net1 : colwise; net2 : flaky }
+mesh world = cpu[dp=auto, tp=2]
+parallelize on world.tp { net1 : colwise; net2 : flaky }
 fully_shard on world.dp { }"""
 FAILING_INIT = """mesh world = cpu[dp=auto]
 checkpoint net1
