@@ -157,14 +157,13 @@ def main(argv=None) -> None:
     from transformers import MixtralForCausalLM
 
     import shardlang
+    from benchmarks.gpu_throughput import NoMemory, alternate, join
     from shardlang.runtime.apply import apply_plan
     from shardlang.verification.comms import Recorder
 
     cuda = not args.dry_run
-    if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device = join(args.dry_run)
+    memory = torch.cuda if cuda else NoMemory()
     rank, world = dist.get_rank(), dist.get_world_size()
     config = configure(args.dry_run)
     seq = 32 if args.dry_run else args.seq
@@ -211,18 +210,16 @@ def main(argv=None) -> None:
         optims[side].zero_grad(set_to_none=True)
 
     def timed(side) -> tuple[float, int]:
-        sync = torch.cuda.synchronize if cuda else (lambda: None)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated() if cuda else 0
-        sync()
+        memory.synchronize()
+        memory.reset_peak_memory_stats()
+        before = memory.memory_allocated()
         dist.barrier()
         start = time.perf_counter()
         forward_backward(built[side])
         optims[side].step()
         optims[side].zero_grad(set_to_none=True)
-        sync()
-        return time.perf_counter() - start, (torch.cuda.max_memory_allocated() - before) if cuda else 0
+        memory.synchronize()
+        return time.perf_counter() - start, memory.max_memory_allocated() - before
 
     for _ in range(args.warmup):
         for side in SIDES:
@@ -234,13 +231,7 @@ def main(argv=None) -> None:
             forward_backward(built[side])
         optims[side].zero_grad(set_to_none=True)
         counts[side] = recorder.counts()
-    times = {side: [] for side in SIDES}
-    peaks = dict.fromkeys(SIDES, 0)
-    for i in range(args.steps):
-        for side in SIDES if i % 2 == 0 else SIDES[::-1]:
-            elapsed, peak = timed(side)
-            times[side].append(elapsed)
-            peaks[side] = max(peaks[side], peak)
+    times, peaks = alternate(SIDES, args.steps, timed)
     everyone = [None] * world
     dist.all_gather_object(everyone, (times, peaks, counts))
     if rank == 0:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -33,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import shardlang  # noqa: E402
-from benchmarks.gpu_throughput import NoMemory  # noqa: E402
+from benchmarks.gpu_throughput import NoMemory, join  # noqa: E402
 from shardlang.runtime.apply import apply_plan  # noqa: E402
 
 
@@ -137,9 +136,7 @@ def main() -> None:
     parser.add_argument("--dry-run", action="store_true", help="check this script on CPU (gloo) with the tiny model")
     args = parser.parse_args()
     cuda = not args.dry_run
-    if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if cuda else "gloo")
+    join(args.dry_run)
     rank, world = dist.get_rank(), dist.get_world_size()
     memory = torch.cuda if cuda else NoMemory()
     card = torch.cuda.get_device_name() if cuda else "cpu"

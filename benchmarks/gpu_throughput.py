@@ -49,6 +49,30 @@ class NoMemory:
         pass
 
 
+def join(dry_run: bool) -> torch.device:
+    """This torchrun process's process group, nccl on its own GPU (gloo on the CPU for a dry run), and the
+    device it computes on."""
+    if dry_run:
+        dist.init_process_group("gloo")
+        return torch.device("cpu")
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def alternate(sides: tuple[str, ...], steps: int, timed) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """`steps` timed steps of each side, alternating (even steps in the order of `sides`, odd ones reversed):
+    each side's step times, and its largest peak. `timed(side)` runs one step: (seconds, peak bytes)."""
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    peaks = dict.fromkeys(sides, 0)
+    for i in range(steps):
+        for side in sides if i % 2 == 0 else sides[::-1]:
+            elapsed, peak = timed(side)
+            times[side].append(elapsed)
+            peaks[side] = max(peaks[side], peak)
+    return times, peaks
+
+
 class Tiny:
     """The tiny example model in llama_1b's place, for a dry run."""
 
@@ -109,10 +133,7 @@ def main() -> None:
 
         llama_1b = Tiny(tiny)
     cuda = not args.dry_run
-    local = int(os.environ["LOCAL_RANK"])
-    if cuda:
-        torch.cuda.set_device(local)
-    dist.init_process_group("nccl" if cuda else "gloo")
+    join(args.dry_run)
     memory = torch.cuda if cuda else NoMemory()
     rank, world = dist.get_rank(), dist.get_world_size()
     plan = shardlang.load(ROOT / "benchmarks" / "plans" / f"llama_1b_{args.config}.sl")

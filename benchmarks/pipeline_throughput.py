@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import shardlang  # noqa: E402
 from benchmarks import llama_1b  # noqa: E402
+from benchmarks.gpu_throughput import join  # noqa: E402
 from shardlang.frontend.ir import SCHEDULES  # noqa: E402
 from shardlang.runtime.apply import apply_plan, build_pipeline  # noqa: E402
 
@@ -161,10 +161,7 @@ def main() -> None:
 
         llama_1b = Tiny
     cuda = not args.dry_run
-    if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device = join(args.dry_run)
     rank, world = dist.get_rank(), dist.get_world_size()
     per_rank = 2 if args.schedule == "interleaved_1f1b" else 1
     params = {"schedule": args.schedule, "per_rank": per_rank, "microbatches": args.microbatches}

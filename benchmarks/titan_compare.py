@@ -82,7 +82,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -129,17 +128,14 @@ def main(argv=None) -> None:
     from torchtitan.distributed import utils as titan_utils
 
     import shardlang
-    from benchmarks.gpu_throughput import PEAK_BF16, NoMemory
+    from benchmarks.gpu_throughput import PEAK_BF16, NoMemory, alternate, join
     from shardlang.runtime.apply import apply_plan
     from shardlang.verification.comms import Recorder
 
     cuda = not args.dry_run
     tiny = args.dry_run
     backend = args.backend or ("inductor" if cuda else "aot_eager")
-    if cuda:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device = join(args.dry_run)
     memory = torch.cuda if cuda else NoMemory()
     rank, world = dist.get_rank(), dist.get_world_size()
     tp, needs = CONFIGS[args.config]
@@ -210,13 +206,7 @@ def main(argv=None) -> None:
             forward_backward(built[side])
         optims[side].zero_grad(set_to_none=True)
         counts[side] = recorder.counts()
-    times = {side: [] for side in SIDES}
-    peaks = {side: 0 for side in SIDES}
-    for i in range(args.steps):
-        for side in SIDES if i % 2 == 0 else SIDES[::-1]:
-            elapsed, peak = timed(side)
-            times[side].append(elapsed)
-            peaks[side] = max(peaks[side], peak)
+    times, peaks = alternate(SIDES, args.steps, timed)
 
     everyone = [None] * world
     dist.all_gather_object(everyone, (times, peaks, counts))
