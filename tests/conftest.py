@@ -102,16 +102,20 @@ def start_forkserver() -> None:
     start_forkserver(("transformers",) if importlib.util.find_spec("transformers") else ())
 
 
-def shardlang_cli(*args: str, env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+def shardlang_cli(
+    *args: str, env: dict[str, str] | None = None, cwd: Path = ROOT, workers: bool = True
+) -> subprocess.CompletedProcess:
     """`shardlang ARGS` run in this process, as `python -m shardlang` would run it from `cwd` with `env` added
     to the environment: its exit status and what it printed. Its workers fork from this process's
     forkserver, which stays up between commands (a command in a fresh interpreter spends 5-6 s importing
-    torch twice, in itself and in its forkserver). The environment and working directory are restored
-    afterwards; the tests that need the real process (signals, the process tree, torchrun, the console
-    script, code that exits the interpreter) start one."""
+    torch twice, in itself and in its forkserver); `workers=False` for a command that starts none (lint
+    --no-step), which then starts no process at all and may run in the fast lane. The environment and
+    working directory are restored afterwards; the tests that need the real process (signals, the process
+    tree, torchrun, the console script, code that exits the interpreter) start one."""
     from shardlang.cli.main import main
 
-    start_forkserver()
+    if workers:
+        start_forkserver()
     out, err = io.StringIO(), io.StringIO()
     saved, here = dict(os.environ), Path.cwd()
     try:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from . import expert_jobs
-from .conftest import ROOT
+from .conftest import ROOT, shardlang_cli
 
 pytest.importorskip("transformers", reason="needs transformers: pip install -e '.[hf]'")
 
@@ -81,18 +81,22 @@ def test_a_token_sent_by_every_rank_that_holds_it_fails_the_gradients_check_at_t
     )
 
 
-def test_expert_parallel_on_what_it_cannot_split_is_sl202(tmp_path, monkeypatch, capsys):
-    """On a module without stacked experts, and on experts that do not divide by the mesh dim."""
-    from shardlang.cli import main
-
-    monkeypatch.chdir(ROOT)
+def _lint_without_step(tmp_path, text: str) -> str:
+    """`shardlang lint plan.sl examples/hf_qwen3_moe.py --no-step` on `text`, which has errors: what it prints."""
     path = tmp_path / "plan.sl"
-    path.write_text(
+    path.write_text(text)
+    done = shardlang_cli("lint", path, QWEN3_MOE, "--no-step", workers=False)
+    assert done.returncode == 1, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_expert_parallel_on_what_it_cannot_split_is_sl202(tmp_path):
+    """On a module without stacked experts, and on experts that do not divide by the mesh dim."""
+    out = _lint_without_step(
+        tmp_path,
         "shardlang 1\nmesh world = cpu[tp=3]\nparallelize on world.tp {\n"
-        "    model.layers.*.mlp.experts : expert_parallel\n    model.layers.*.mlp.gate : expert_parallel\n}\n"
+        "    model.layers.*.mlp.experts : expert_parallel\n    model.layers.*.mlp.gate : expert_parallel\n}\n",
     )
-    assert main(["lint", str(path), QWEN3_MOE, "--no-step"]) == 1
-    out = capsys.readouterr().out
     assert re.search(
         r"plan\.sl:4:\d+: error\[SL202\] expert_parallel does not apply to 'model\.layers\.0\.mlp\.experts'", out
     )
@@ -104,14 +108,13 @@ def test_expert_parallel_on_what_it_cannot_split_is_sl202(tmp_path, monkeypatch,
 
 
 @pytest.mark.distributed
-def test_the_plan_explains_with_its_all_to_alls(tmp_path):
+def test_the_plan_explains_with_its_all_to_alls():
     """explain lays the experts out split by expert and simulates the step (routing taken as uniform)."""
     import shardlang
-    from examples.hf_qwen3_moe import build_model
+    from examples.hf_qwen3_moe import build_model, example_input, loss
 
     with torch.device("meta"):
         model = build_model()
-    from examples.hf_qwen3_moe import example_input, loss
 
     e = shardlang.load(EP_PLAN).explain(model, world_size=4, example_input=example_input, loss=loss)
     experts = [t for t in e.tensors if t.name == "model.layers.0.mlp.experts.gate_up_proj"]
@@ -120,18 +123,13 @@ def test_the_plan_explains_with_its_all_to_alls(tmp_path):
     assert any("routing taken as uniform" in note for note in e.notes), e.notes
 
 
-def test_fsdp_over_the_dim_the_experts_are_split_on_is_sl218(tmp_path, monkeypatch, capsys):
+def test_fsdp_over_the_dim_the_experts_are_split_on_is_sl218(tmp_path):
     """A dim that splits the experts cannot also shard units: said before any run, at the fully_shard block."""
-    from shardlang.cli import main
-
-    monkeypatch.chdir(ROOT)
-    path = tmp_path / "plan.sl"
-    path.write_text(
+    out = _lint_without_step(
+        tmp_path,
         "shardlang 1\nmesh world = cpu[ep=2]\nparallelize on world.ep {\n    model.layers.*.mlp.experts : expert_parallel\n}\n"
-        "fully_shard on world.ep {\n    each model.layers.*\n}\n"
+        "fully_shard on world.ep {\n    each model.layers.*\n}\n",
     )
-    assert main(["lint", str(path), QWEN3_MOE, "--no-step"]) == 1
-    out = capsys.readouterr().out
     assert "plan.sl:6:16: error[SL218] fully_shard on world.ep spreads over world.ep" in out, out
     assert "the parallelize block: " in out and "plan.sl:3:16" in out
 
