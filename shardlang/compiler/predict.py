@@ -115,26 +115,24 @@ def tp_placement(style: ir.Style, module: nn.Module, name: str):
 
 
 def stacked_experts(module: nn.Module) -> int | None:
-    """How many experts a module holds stacked on dim 0 of its 3-D weights (transformers' experts); None
-    for any other module (a router, whose 2-D weight also has a row per expert)."""
-    try:
-        count = expert_count(module)
-    except ValueError:
-        return None
-    own = module.parameters(recurse=False)
-    return count if any(p.dim() >= 3 and p.shape[0] == count for p in own) else None
-
-
-def expert_count(module) -> int:
-    """The number of experts a stacked-experts module holds: its `num_experts`, else dim 0 of its
-    parameters where they all agree."""
+    """How many experts a module holds stacked on dim 0 of its 3-D weights (transformers' experts): its
+    `num_experts`, else the dim 0 all its 3-D weights share. None for any other module (a router, whose 2-D
+    weight also has a row per expert)."""
+    own = list(module.parameters(recurse=False))
     count = getattr(module, "num_experts", None)
-    if isinstance(count, int) and count > 0:
-        return count
-    firsts = {p.shape[0] for p in module.parameters(recurse=False) if p.dim() >= 3}
-    if len(firsts) != 1:
-        raise ValueError("cannot tell how many experts it holds: no `num_experts`, and its 3-D weights disagree")
-    return firsts.pop()
+    if not (isinstance(count, int) and count > 0):
+        firsts = {p.shape[0] for p in own if p.dim() >= 3}
+        count = firsts.pop() if len(firsts) == 1 else None
+    return count if count is not None and any(p.dim() >= 3 and p.shape[0] == count for p in own) else None
+
+
+def expert_tensors(module: nn.Module) -> tuple[str, ...]:
+    """The own parameters of a stacked-experts module that are split by expert: each whose dim 0 counts the
+    experts (gpt-oss's 2-D biases too). None of any other module's."""
+    experts = stacked_experts(module)
+    if experts is None:
+        return ()
+    return tuple(n for n, p in module.named_parameters(recurse=False) if p.dim() >= 1 and p.shape[0] == experts)
 
 
 def owned(model_modules: Mapping[str, nn.Module], buffers: bool = True) -> Iterator[tuple[str, str, str, object]]:
@@ -261,11 +259,9 @@ def _by_rule(plan, match: RuleMatch, resolution, probe, owner, name, is_param, o
     kind = style.name
     if probe == owner and kind == "expert_parallel":
         # the experts split on dim 0; anything else of the module stays a plain tensor
-        module = resolution.modules[owner]
-        tensor, experts = module._parameters.get(name), stacked_experts(module)
-        if tensor is not None and experts is not None and tensor.dim() >= 1 and tensor.shape[0] == experts:
-            return Placed(mesh.mesh, mesh.dims, (ir.Shard(0),))
-        return None
+        return (
+            Placed(mesh.mesh, mesh.dims, (ir.Shard(0),)) if name in expert_tensors(resolution.modules[owner]) else None
+        )
     if probe == owner and kind in SHARDING_STYLES:
         # what the style does not shard, distribute_module replicates (an embedding's scale buffer)
         placement = tp_placement(style, resolution.modules[owner], name) or ir.Replicate()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ..compiler.predict import stacked_experts
+from ..compiler.predict import expert_tensors, stacked_experts
 from .torchcompat import all_to_all_autograd, is_fake
 
 
@@ -53,10 +53,10 @@ class ExpertParallel(ParallelStyle):
         ep = device_mesh.size()
         if experts % ep:
             raise ValueError(f"{experts} experts do not split evenly over {ep} ranks")
-        for name, param in list(module.named_parameters(recurse=False)):
-            if param.dim() >= 1 and param.shape[0] == experts:
-                sharded = distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
-                module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        for name in expert_tensors(module):
+            param = module._parameters[name]
+            sharded = distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         forward = _expert_parallel_forward(module.forward, experts, device_mesh)
         if self.shared_batch:
             forward = _one_slice_each(forward, device_mesh)
