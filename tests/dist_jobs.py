@@ -436,7 +436,8 @@ def emitted_code_matches_apply(plan_text: str, model: str, world_size: int, with
         meta_model = build()
     code = plan.to_python(meta_model, world_size) if with_model else plan.to_python()
     namespace: dict = {}
-    exec(compile(code, "<emitted>", "exec"), namespace)
+    # dont_inherit: as a file of its own, without this module's `from __future__ import annotations`
+    exec(compile(code, "<emitted>", "exec", dont_inherit=True), namespace)
     torch.manual_seed(0)
     a = plan.build(build)
     apply_plan(plan, a)

@@ -159,3 +159,14 @@ def test_the_benchmark_runs_both_sides_to_the_same_loss_and_collectives():
     counts = {side: result[side]["counts"] for side in ("shardlang", "hand")}
     assert counts["shardlang"]["all_to_all_single"] == counts["hand"]["all_to_all_single"] > 0, counts
     assert sum(counts["shardlang"].values()) == sum(counts["hand"].values()), counts
+
+
+@pytest.mark.distributed
+def test_the_printed_program_splits_the_experts_as_apply_does(pools):
+    """`compile --emit python` pastes ExpertParallel and what it calls (compiler and torchcompat functions
+    among them): the program, run on its own, gives the placements and shards apply gives."""
+    from . import dist_jobs
+
+    assert pools(4).run(
+        dist_jobs.emitted_code_matches_apply, EP_PLAN.read_text(), "examples.hf_qwen3_moe:build_model", 4
+    )[0]

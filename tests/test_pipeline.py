@@ -137,7 +137,7 @@ def _emitted_job(source: str, plan_path: str):
     from shardlang.runtime.apply import apply_plan, build_pipeline
 
     namespace: dict = {}
-    exec(compile(source, "emitted.py", "exec"), namespace)  # noqa: S102 - the program compile printed
+    exec(compile(source, "emitted.py", "exec", dont_inherit=True), namespace)  # noqa: S102 - the program compile printed
     tokens = example_input(8, torch.Generator().manual_seed(3))
     results = []
     for kind in ("emitted", "apply"):

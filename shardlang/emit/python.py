@@ -143,7 +143,16 @@ def _imports(program: p.Program) -> list[str]:
     for path in names:
         module, _, name = path.rpartition(".")
         by_module.setdefault(module, set()).add(name)
-    lines = ["import contextlib", "", "import torch", "import torch.distributed as dist"]
+    # Pasted source keeps the annotations of its module, where they are never evaluated (`nn.Module` in a
+    # module that pastes no `nn`): the program's are not either.
+    lines = [
+        "from __future__ import annotations",
+        "",
+        "import contextlib",
+        "",
+        "import torch",
+        "import torch.distributed as dist",
+    ]
     lines += [f"from {m} import {', '.join(sorted(n))}" for m, n in sorted(by_module.items())]
     lines += [kind.private_import for kind in kinds if kind.private_import is not None]
     for use in program.plan.uses:
