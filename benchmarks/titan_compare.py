@@ -100,6 +100,24 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--config", choices=sorted(CONFIGS), required=True)
     parser.add_argument("--compile", action="store_true", help="compile each block in both (per-block torch.compile)")
     parser.add_argument(
+        "--compile-loss",
+        action="store_true",
+        help="with --compile, also compile the loss on both sides: the plan's `compile loss`, torchtitan's "
+        "loss component (torch.compile of the loss function, as its BaseLoss does)",
+    )
+    parser.add_argument(
+        "--titan-eager",
+        action="store_true",
+        help="with --compile: torchtitan's side stays eager (its default), to time shardlang compiled against it",
+    )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the timing, profile N more steps of each side on rank 0 and print GPU time by kernel kind",
+    )
+    parser.add_argument(
         "--backend", help="torch.compile backend for --compile (default: inductor; aot_eager in a dry run)"
     )
     parser.add_argument(
@@ -145,7 +163,9 @@ def main(argv=None) -> None:
     titan_utils.set_spmd_backend("partial_dtensor")  # as torchtitan's trainer does, for its modules' hooks
 
     config = titan_1b.configure(tiny)
-    name = f"titan_1b_{args.config}{'_compile' if args.compile else ''}.sl"
+    name = f"titan_1b_{args.config}{'_compile' if args.compile else ''}{'_loss' if args.compile_loss else ''}.sl"
+    if not (ROOT / "benchmarks" / "plans" / name).exists():
+        raise SystemExit(f"no plan benchmarks/plans/{name} for --config {args.config} with these flags")
     params = {"backend": backend} if args.compile else None
     plan = shardlang.load(ROOT / "benchmarks" / "plans" / name, params, world_size=world)
 
@@ -156,7 +176,7 @@ def main(argv=None) -> None:
 
     def build_titan():
         torch.manual_seed(0)
-        return titan(config, args, world, tp, backend, device)
+        return titan(config, args, world, tp, backend, device, compiled=args.compile and not args.titan_eager)
 
     built = {}
     for side in ("shardlang", "torchtitan") if args.order == "shardlang-first" else ("torchtitan", "shardlang"):
@@ -173,13 +193,20 @@ def main(argv=None) -> None:
 
         return loss_parallel()
 
-    def forward_backward(model):
+    # shardlang's loss as its plan says (`compile loss`); torchtitan's as its loss component compiles it.
+    titan_loss = titan_1b.loss
+    if args.compile_loss and not args.titan_eager:
+        titan_loss = torch.compile(titan_1b.loss, backend=backend)
+    losses = {"shardlang": plan.loss(titan_1b.loss), "torchtitan": titan_loss}
+
+    def forward_backward(side):
+        model = built[side]
         with loss_context():
-            loss = titan_1b.loss(model(tokens), tokens)
+            loss = losses[side](model(tokens), tokens)
             loss.backward()
 
     def step(side):
-        forward_backward(built[side])
+        forward_backward(side)
         optims[side].step()
         optims[side].zero_grad(set_to_none=True)
 
@@ -203,10 +230,11 @@ def main(argv=None) -> None:
     for side in SIDES:
         recorder = Recorder()
         with eager, recorder:
-            forward_backward(built[side])
+            forward_backward(side)
         optims[side].zero_grad(set_to_none=True)
         counts[side] = recorder.counts()
     times, peaks = alternate(SIDES, args.steps, timed)
+    profiles = {side: profile(lambda side=side: timed(side), args.profile) for side in SIDES} if args.profile else {}
 
     everyone = [None] * world
     dist.all_gather_object(everyone, (times, peaks, counts))
@@ -217,6 +245,9 @@ def main(argv=None) -> None:
             "config": args.config,
             "plan": f"benchmarks/plans/{name}",
             "compile": backend if args.compile else None,
+            "compile_loss": args.compile_loss,
+            "titan_eager": args.titan_eager,
+            "profile": profiles if rank == 0 else {},
             "order": args.order,
             "world": world,
             "dp": dp,
@@ -254,7 +285,7 @@ def main(argv=None) -> None:
     dist.destroy_process_group()
 
 
-def titan(config, args, world: int, tp: int, backend: str, device):
+def titan(config, args, world: int, tp: int, backend: str, device, compiled: bool):
     """torchtitan's side: its own ParallelDims and parallelize_llama, as its trainer calls them, then
     `to_empty` on the device and its own initialisation (see the docstring)."""
     import torch
@@ -279,7 +310,8 @@ def titan(config, args, world: int, tp: int, backend: str, device):
         mixed_precision_param="bfloat16",
         mixed_precision_reduce="float32",
     )
-    compile_config = CompileConfig(enable=args.compile, components=["model"], backend=backend)
+    # The loss is compiled (or not) by main(), the same function on both sides: components=["model"] here.
+    compile_config = CompileConfig(enable=compiled, components=["model"], backend=backend)
     dims = parallel_dims.ParallelDims.from_config(parallelism, world)
     dims.build_mesh()
     with torch.device("meta"):
@@ -304,8 +336,51 @@ def titan(config, args, world: int, tp: int, backend: str, device):
     return model
 
 
+#: Kernel kinds for --profile, by the first pattern a kernel's name matches (lower case).
+KERNEL_KINDS = (
+    ("nccl", r"nccl"),
+    ("attention", r"flash|fmha|cudnn|attention|sdpa"),
+    ("matmul", r"gemm|cutlass|nvjet|sm90_|sm80_|cublas|xmma"),
+    ("optimizer", r"adam|multi_tensor"),
+    ("fused (triton)", r"^triton_"),
+    ("cross-entropy", r"softmax|nll|log_softmax|cross_entropy"),
+    ("copy / cast", r"copy|cast|convert|cat|fill|memset"),
+    ("other", r""),
+)
+
+
+def profile(step, steps: int) -> dict:
+    """`steps` steps under torch.profiler: the GPU time per step by kernel kind, and the 12 longest
+    kernels (ms per step). NCCL kernels run beside the compute: their time overlaps the rest."""
+    import re
+
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    # Every rank steps (the collectives need them all); on the CPU (a dry run) no kernel has a GPU time.
+    activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
+    with torch_profile(activities=[activity]) as prof:
+        for _ in range(steps):
+            step()
+    kinds: dict[str, float] = {}
+    kernels: dict[str, float] = {}
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
+        if not us or event.key.startswith(("ProfilerStep", "cudaDeviceSynchronize")):
+            continue
+        name = event.key.lower()
+        kind = next(k for k, pattern in KERNEL_KINDS if re.search(pattern, name))
+        kinds[kind] = kinds.get(kind, 0.0) + us / 1e3 / steps
+        kernels[event.key[:90]] = us / 1e3 / steps
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
+    return {"by_kind_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "top_ms": top}
+
+
 def report(result: dict) -> None:
     compiled = f"compiled per block ({result['compile']})" if result["compile"] else "eager"
+    compiled += ", loss compiled" if result.get("compile_loss") else ""
+    compiled += " (torchtitan's side eager)" if result.get("titan_eager") else ""
     print(
         f"{result['config']} (dp {result['dp']} x tp {result['tp']}), {compiled}, {result['model']}, batch "
         f"{result['batch']} x {result['seq']} per dp rank, on {result['world']} x {result['card']}, torch "
@@ -330,6 +405,12 @@ def report(result: dict) -> None:
         for rank, seen in enumerate(result["counts_per_rank"]):
             print(f"  rank {rank}: shardlang {seen['shardlang']}")
             print(f"  rank {rank}: torchtitan {seen['torchtitan']}")
+    for side, seen in result.get("profile", {}).items():
+        print(f"{side}: GPU ms per step by kernel kind (NCCL overlaps the rest)")
+        for kind, ms in seen["by_kind_ms"].items():
+            print(f"  {kind:16}{ms:>9.2f}")
+        for name, ms in seen["top_ms"]:
+            print(f"    {ms:>8.2f}  {name}")
     print("RESULT " + json.dumps(result))
 
 

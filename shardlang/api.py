@@ -87,6 +87,16 @@ class Plan(ir.Plan):
         model_file = ModelFile("library", build, example_input, loss) if example_input is not None else None
         return explain(self, model, options, model_file)
 
+    def loss(self, loss: Any) -> Any:
+        """The loss function to train the sharded model with: `loss` itself, or compiled as the plan's
+        `compile loss (OPTIONS)` says (the same compiled function on every call). Under `loss_parallel`,
+        call it and its backward inside `torch.distributed.tensor.parallel.loss_parallel()`."""
+        if self.compile_loss is None:
+            return loss
+        from .runtime.helpers import compiled_loss
+
+        return compiled_loss(loss, **dict(self.compile_loss.options))
+
     def to_python(self, model: Any = None, world_size: int | None = None) -> str:
         """The program as plain torch code; resolved against `model` (any device, meta is enough) if given."""
         from .emit.python import compile_python

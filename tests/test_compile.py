@@ -129,3 +129,60 @@ def test_compiled_fsdp_plan_passes_the_gradients_check(tmp_path):
     ]
     # the two units, run eagerly: each gathered for the forward and again for the backward, reduced once
     assert checks[2]["data"]["counts"] == {"_allgather_base_": 4, "_reduce_scatter_base_": 2}, checks[2]
+
+
+#: A model file whose loss tells compiled code from eager: compiled, it adds the sum of the output,
+#: so gradients taken through the compiled loss differ from the unsharded model's (eager) ones.
+TELLING_LOSS = """import torch
+from examples.mlp import build_model, example_input
+
+
+def loss(output, inputs):
+    mean = output.float().pow(2).mean()
+    return mean + output.float().sum() if torch.compiler.is_compiling() else mean
+"""
+
+
+def test_compile_loss_is_the_model_files_loss_function():
+    plan = shardlang.loads(
+        "mesh world = cpu[tp=2]\ncompile net1, loss (backend=aot_eager)\nparallelize on world.tp { loss : colwise }"
+    )
+    assert [str(c.target) for c in plan.compiles] == ["net1"]
+    assert plan.compile_loss.options == (("backend", "aot_eager"),)
+    assert (plan.compile_loss.span.line, plan.compile_loss.span.col) == (2, 15)
+    assert plan.parallelize[0].rules[0].target.segments == ("loss",)  # elsewhere `loss` is a module name
+    assert _codes("compile loss\ncompile net1, loss (fullgraph=true)") == [("SL103", 2, 15)]
+    assert shardlang.loads("compile net1").loss(abs) is abs
+    compiled = plan.loss(abs)
+    assert compiled is not abs and compiled is plan.loss(abs)  # compiled once
+    assert compiled(torch.tensor(-2.0)) == 2.0
+
+
+def test_compile_loss_is_printed(tmp_path):
+    plan = shardlang.loads(
+        "mesh world = cpu[dp=auto]\nfully_shard on world.dp { each net1 }\ncompile loss (backend=aot_eager, fullgraph=true)"
+    )
+    text = plan.to_python(MLP(), 2)
+    assert "return compiled_loss(loss, backend='aot_eager', fullgraph=True)" in text
+    namespace: dict = {}
+    exec(compile(text, "printed.py", "exec", dont_inherit=True), namespace)
+    compiled = namespace["loss_function"](lambda output, inputs: output.pow(2).mean())
+    assert compiled(torch.ones(3), None) == 1.0
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_gradients_check_steps_the_compiled_loss(tmp_path, compiled):
+    """The sharded model's loss is the compiled one (and the unsharded model's eager): a loss that
+    computes something else when compiled fails the check only under `compile loss`."""
+    (tmp_path / "telling.py").write_text(TELLING_LOSS)
+    path = tmp_path / "plan.sl"
+    path.write_text(APPLIED + ("compile loss (backend=aot_eager)\n" if compiled else ""))
+    done = shardlang_cli("apply", path, tmp_path / "telling.py", "--nproc", "2", "--json", env={"PYTHONPATH": "."})
+    report = json.loads(done.stdout)
+    checks = {c["check"]: c for c in report["checks"]}
+    assert checks["gradients"]["status"] == ("fail" if compiled else "pass"), done.stdout
+    if compiled:  # named where it went wrong: the gradient the compiled loss sent back
+        (finding,) = [d for d in report["diagnostics"] if "first disagreement" in d["message"]]
+        assert "as the loss sent it back" in finding["message"]
+        assert (finding["line"], finding["col"]) == (6, 9), finding

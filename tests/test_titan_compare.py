@@ -66,7 +66,7 @@ def test_fsdp_dry_run_prints_the_table_and_identical_collectives():
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("name", "world"), [("fsdp", 2), ("tp_sp", 2), ("tp_fsdp", 4), ("fsdp_compile", 2)], ids=lambda x: str(x)
+    ("name", "world"), [("fsdp", 2), ("tp_sp", 2), ("tp_fsdp", 4), ("fsdp_compile_loss", 2), ("tp_sp_compile_loss", 2)], ids=lambda x: str(x)
 )
 def test_the_benchmarks_plans_pass_their_checks_on_the_same_model_class(pools, name, world):
     """Each plan the benchmark times, applied with its own checks to torchtitan's Llama3 of the benchmark's
@@ -76,7 +76,7 @@ def test_the_benchmarks_plans_pass_their_checks_on_the_same_model_class(pools, n
     from shardlang.launch.job import Job, run
 
     plan = ROOT / "benchmarks" / "plans" / f"titan_1b_{name}.sl"
-    params = {"backend": "aot_eager"} if name.endswith("_compile") else {}
+    params = {"backend": "aot_eager"} if "_compile" in name else {}
     checks = shardlang.load(plan, params=params).checks
     job = Job(str(plan), params, str(ROOT / "benchmarks" / "titan_1b_tiny.py"), None, checks)
     report = pools(world).run(run, job)[0]

@@ -267,6 +267,15 @@ def to_python(program: p.Program, command: str = "") -> str:
     else:
         parts.append("def apply_plan(model):\n" + "\n".join("    " + line for line in body) + "\n    return model")
     parts.append(_loss_context(plan))
+    if plan.compile_loss is not None:
+        options = ", ".join(f"{k}={v!r}" for k, v in plan.compile_loss.options)
+        parts.append(inspect.getsource(helpers.compiled_loss).rstrip())
+        parts.append(
+            "def loss_function(loss):\n"
+            f'    """The plan says `compile loss` (line {plan.compile_loss.span.line}): train with\n'
+            '    loss_function(loss)(output, inputs), compiled once."""\n'
+            f"    return compiled_loss(loss{', ' + options if options else ''})"
+        )
     return "\n\n\n".join(parts) + "\n"
 
 
@@ -279,7 +288,8 @@ def _make_pipeline(program: p.Program) -> str:
     device = f"torch.device('cuda', torch.cuda.current_device()) if mesh_device({mesh.device!r}) == 'cuda' else torch.device('cpu')"
     return (
         f"pipeline = Pipeline(stages, {len(split.blocks)}, {ir.SCHEDULES[spec.schedule][0]!r}, {spec.n_microbatches(pp)}, "
-        f"{mesh_var(spec.mesh.mesh)}[{spec.mesh.dims[0]!r}].get_group(), {device}, loss)"
+        f"{mesh_var(spec.mesh.mesh)}[{spec.mesh.dims[0]!r}].get_group(), {device}, "
+        f"{'loss_function(loss)' if plan.compile_loss is not None else 'loss'})"
     )
 
 

@@ -225,6 +225,15 @@ class Compile:
 
 
 @frozen
+class CompileLoss:
+    """`compile loss`: the model file's loss function is compiled (`torch.compile(loss, **options)`)
+    wherever shardlang calls it on the sharded model; `Plan.loss` hands it to a training loop."""
+
+    options: tuple[tuple[str, Any], ...]
+    span: Span
+
+
+@frozen
 class Init:
     mode: str  # "meta" | "rank0" | "cpu" | "auto"
     #: `init meta with METHOD`; None: the model's own way (compiler.initialisers)
@@ -307,6 +316,7 @@ class Plan:
     init: Init = Init("auto")
     syncs: tuple[Sync, ...] = ()
     loss_parallel: Span | None = None
+    compile_loss: CompileLoss | None = None
     pipeline: Pipeline | None = None
     checks: tuple[Check, ...] = ()
     #: Warnings found while checking (errors raise PlanError instead).

@@ -177,7 +177,13 @@ class _Checker:
         parallelize = [self.parallelize(p) for p in statements(s.ParallelizeStmt)]
         units = [self.units(u) for u in statements(s.UnitsStmt)]
         checkpoint = tuple(self.target(t) for c in statements(s.CheckpointStmt) for t in c.targets)
-        compiles = [self.compile(c) for c in statements(s.CompileStmt)]
+        compiles, losses = [], []
+        for statement in statements(s.CompileStmt):
+            modules, loss_targets = self.compile(statement)
+            compiles += modules
+            losses += loss_targets
+        for extra in losses[1:]:
+            self.error(SL103, "the loss is compiled twice", extra.span, f"the first is at line {losses[0].span.line}")
         self.unique(statements(s.InitStmt), "init")
         inits = [self.init(i) for i in statements(s.InitStmt)]
         syncs = [self.sync(x) for x in statements(s.SyncStmt)]
@@ -199,7 +205,8 @@ class _Checker:
             meshes=tuple(meshes),
             parallelize=tuple(parallelize),
             checkpoint=checkpoint,
-            compiles=tuple(c for targets in compiles for c in targets),
+            compiles=tuple(compiles),
+            compile_loss=losses[0] if losses else None,
             units=tuple(units),
             init=inits[0] if inits else ir.Init("auto"),
             syncs=tuple(syncs),
@@ -377,10 +384,11 @@ class _Checker:
         self.check_strategy(block, mesh, block_options, units)
         return ir.Units(block.kind, mesh, tuple(units), block_options, root, block.span)
 
-    def compile(self, statement: s.CompileStmt) -> list[ir.Compile]:
-        """One ir.Compile per target, each with the statement's options."""
+    def compile(self, statement: s.CompileStmt) -> tuple[list[ir.Compile], list[ir.CompileLoss]]:
+        """One ir.Compile per module target and an ir.CompileLoss for `loss`, each with the statement's options."""
         options = self.options(statement.options, COMPILE_OPTIONS, "compile")
-        return [ir.Compile(self.target(t), options, statement.span) for t in statement.targets]
+        modules = [ir.Compile(self.target(t), options, statement.span) for t in statement.targets if not _is_loss(t)]
+        return modules, [ir.CompileLoss(options, t.span) for t in statement.targets if _is_loss(t)]
 
     def options(
         self, options: list[s.Option] | tuple[s.Option, ...], schema: Mapping[str, Convert], where: str
@@ -557,6 +565,10 @@ class _Checker:
 
 
 _SEGMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|[0-9]+|\*\*|[A-Za-z0-9_?]*[*?][A-Za-z0-9_?]*(?:\*[A-Za-z0-9_?]*)*")
+
+
+def _is_loss(target) -> bool:
+    return isinstance(target, s.LossTarget)
 
 
 def _bad_segment(pattern: s.Pattern) -> str | None:

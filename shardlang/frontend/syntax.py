@@ -125,6 +125,16 @@ class ClassTarget:
 
 Target = Pattern | ClassTarget
 
+
+@frozen
+class LossTarget:
+    """`loss` as a `compile` target: the model file's loss function, not a module."""
+
+    span: Span
+
+    def __str__(self) -> str:
+        return "loss"
+
 # --- statements -------------------------------------------------------------------------------
 
 
@@ -259,9 +269,9 @@ class CheckpointStmt:
 
 @frozen
 class CompileStmt:
-    """`compile TARGET, ... (option=value, ...)`: torch.compile each matched module."""
+    """`compile TARGET, ... (option=value, ...)`: torch.compile each matched module (and the loss)."""
 
-    targets: tuple[Target, ...]
+    targets: tuple[Target | LossTarget, ...]
     options: tuple[Option, ...]
     span: Span
 

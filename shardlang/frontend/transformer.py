@@ -203,6 +203,9 @@ class Build(Transformer):
     def root(self, children):
         return s.Pattern((), self._cover(children))
 
+    def loss_target(self, children):
+        return s.LossTarget(self._cover(children))
+
     def class_target(self, children):
         return s.ClassTarget(".".join(c.value for c in _parts(children)), self._cover(children))
 

@@ -455,3 +455,15 @@ def move_to_device(model, device):
             for name, buffer in module._buffers.items():
                 if buffer is not None and not isinstance(buffer, DTensor) and buffer.device != torch.device(device):
                     module._buffers[name] = buffer.to(device)
+
+
+def compiled_loss(loss, **options):
+    """`loss` compiled as the plan's `compile loss (OPTIONS)` says (torch.compile's own keywords), once per
+    function and options: the same compiled function every step."""
+    import torch
+
+    key = (loss, tuple(sorted(options.items())))
+    cache = compiled_loss.__dict__.setdefault("cache", {})
+    if key not in cache:
+        cache[key] = torch.compile(loss, **options)
+    return cache[key]

@@ -165,7 +165,7 @@ def count_collectives(ctx, model, recorder: Calls | None = None) -> dict[str, in
     Modules the plan compiled run eagerly meanwhile: a dispatch mode cannot run inside compiled code
     (torch refuses: "non-infra torch dispatch mode present"). The same modules, hooks and collectives;
     the counts a plan's `comms(...)` expects are the eager ones."""
-    with torch.compiler.set_stance("force_eager") if ctx.plan.compiles else contextlib.nullcontext():
+    with lay.modules_eagerly(ctx.plan):
         return _count_collectives(ctx, model, recorder)
 
 

@@ -103,7 +103,7 @@ def run(ctx, check: ir.Check) -> Outcome:
             output = model(*inputs)
             whole = lay.full_output(ctx, where, output, args.get("output"))
             with lay.loss_context(ctx.plan):
-                sharded_loss = lay.loss(ctx, whole, batches[where.replica])
+                sharded_loss = lay.loss(ctx, whole, batches[where.replica], sharded=True)
                 sharded_loss.backward()
         try:
             losses = references.forward_backward(ctx, batches, microbatches)

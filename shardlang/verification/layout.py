@@ -121,6 +121,15 @@ def full_output(ctx, where: Layout, output: Any, output_layout: Any) -> Any:
     return DTensor.from_local(output, tp_mesh(ctx, where), [Shard(output_layout.dim)], run_check=False).full_tensor()
 
 
+def modules_eagerly(plan: ir.Plan):
+    """Where the modules the plan compiles run eagerly (`torch.compiler.set_stance("force_eager")`): the
+    same modules, hooks and collectives, for the checks that watch them with a dispatch mode or hooks,
+    which cannot run inside compiled code. A compiled loss called outside it stays compiled."""
+    if not plan.compiles:
+        return contextlib.nullcontext()
+    return torch.compiler.set_stance("force_eager")
+
+
 def loss_context(plan: ir.Plan):
     if plan.loss_parallel is None:
         return contextlib.nullcontext()
@@ -129,11 +138,16 @@ def loss_context(plan: ir.Plan):
     return loss_parallel()
 
 
-def loss(ctx, output: Any, inputs: tuple) -> torch.Tensor:
-    """The model file's loss(output, inputs), or the default: the sum of the whole output."""
+def loss(ctx, output: Any, inputs: tuple, sharded: bool = False) -> torch.Tensor:
+    """The model file's loss(output, inputs), or the default: the sum of the whole output. On the sharded
+    model's output (`sharded`), compiled where the plan says `compile loss`."""
     given = ctx.model_file.loss
     if given is None:
         return output.float().sum()
+    if sharded and ctx.plan.compile_loss is not None:
+        from ..runtime.helpers import compiled_loss
+
+        given = compiled_loss(given, **dict(ctx.plan.compile_loss.options))
     what = f"loss(output, inputs) from {ctx.model_file.origin}"
     with user_code(what):
         value = given(output, inputs if len(inputs) > 1 else inputs[0])

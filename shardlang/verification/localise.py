@@ -87,7 +87,13 @@ def localise(ctx, references, inputs: tuple, where, args: dict, failing_params: 
                 # A gradient given wrong, that no module sent back wrong: the loss's (where it is the first
                 # to arrive), to the innermost module whose output the outer ones passed on unchanged.
                 call = sharded.innermost(call)
-                what += ", as the loss sent it back" if key == records[0][0] else ""
+                from_loss = key == records[0][0]
+                what += ", as the loss sent it back" if from_loss else ""
+                if from_loss and ctx.plan.compile_loss is not None:
+                    found = _found(ctx, call, what, ratio)
+                    sent = _statement(ctx.plan, ctx.plan.compile_loss.span, "the compiled loss that sent it")
+                    found["statements"].insert(0, sent)
+                    return found
             return _found(ctx, call, what, ratio)
     return _by_parameter(
         ctx,
@@ -271,11 +277,16 @@ def _made(recording: _Recording):
 
 
 def _sharded_step(ctx, model, inputs, where, args, stop) -> None:
-    output = model(*lay.local_inputs(inputs, where, args.get("input")))
+    # Compiled modules run eagerly (their hooks could not run inside compiled code); the loss is the
+    # check's, compiled where the plan compiles it.
+    with lay.modules_eagerly(ctx.plan):
+        output = model(*lay.local_inputs(inputs, where, args.get("input")))
     stop()
     whole = lay.full_output(ctx, where, output, args.get("output"))
     with lay.loss_context(ctx.plan):
-        lay.loss(ctx, whole, inputs).backward()
+        loss = lay.loss(ctx, whole, inputs, sharded=True)
+    with lay.loss_context(ctx.plan), lay.modules_eagerly(ctx.plan):
+        loss.backward()
 
 
 def _reference_step(ctx, model, inputs, stop) -> None:
@@ -405,6 +416,19 @@ def _found(ctx, key: str, what: str, ratio: float | None) -> dict[str, Any]:
     }
 
 
+def _statement(plan, span, what: str) -> dict[str, Any]:
+    """A plan statement as a finding names it: where it is, its line, and what it has to do with it."""
+    return {
+        "file": span.file,
+        "line": span.line,
+        "col": span.col,
+        "end_line": span.end_line,
+        "end_col": span.end_col,
+        "text": plan.source.line_text(span.line).strip(),
+        "what": what,
+    }
+
+
 def governing(ctx, fqn: str, inside: bool = False, finished: dict[str, int] | None = None) -> list[dict[str, Any]]:
     """The plan statements that govern module `fqn`: parallelize rules on it, with `inside` those on its
     submodules (whose outputs its own code reads: a forward that raised), the one whose module finished
@@ -418,17 +442,7 @@ def governing(ctx, fqn: str, inside: bool = False, finished: dict[str, int] | No
 
     def add(span, what: str) -> None:
         if span is not None and all((s["line"], s["col"]) != (span.line, span.col) for s in found):
-            found.append(
-                {
-                    "file": span.file,
-                    "line": span.line,
-                    "col": span.col,
-                    "end_line": span.end_line,
-                    "end_col": span.end_col,
-                    "text": plan.source.line_text(span.line).strip(),
-                    "what": what,
-                }
-            )
+            found.append(_statement(plan, span, what))
 
     rules = [m for m in resolution.rules if m.fqn == fqn or fqn.startswith(m.fqn + ".") or not m.fqn]
     below = [m for m in resolution.rules if inside and m.fqn.startswith(fqn + "." if fqn else "")]
