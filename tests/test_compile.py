@@ -153,6 +153,8 @@ def test_compile_loss_is_the_model_files_loss_function():
     assert plan.parallelize[0].rules[0].target.segments == ("loss",)  # elsewhere `loss` is a module name
     assert _codes("compile loss\ncompile net1, loss (fullgraph=true)") == [("SL103", 2, 15)]
     assert shardlang.loads("compile net1").loss(abs) is abs
+    braced = shardlang.loads("compile {loss}")  # a module called `loss` at the root
+    assert braced.compile_loss is None and braced.compiles[0].target.segments == (("loss",),)
     compiled = plan.loss(abs)
     assert compiled is not abs and compiled is plan.loss(abs)  # compiled once
     assert compiled(torch.tensor(-2.0)) == 2.0

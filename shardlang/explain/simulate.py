@@ -156,7 +156,7 @@ def _explain_here(plan: ir.Plan, model: nn.Module | None, options: ExplainOption
                 notes = (_failed(e),)
         else:
             notes = ("no collectives: the model file defines no example_input",)
-    notes += _compile_note(plan, peak) + _routing_note(plan, peak)
+    notes += _routing_note(plan, peak)
     return Explanation(
         plan.source.name, world_size, rank, meshes, tensors, ranks, collectives, notes, peak, timed, fitted
     )
@@ -208,10 +208,10 @@ def _explain_pipelined(
 
 
 def _compile_note(plan: ir.Plan, peak) -> tuple[str, ...]:
-    """What explain leaves out of a plan that compiles modules: it steps them eager."""
-    if not plan.compiles or peak is None:
+    """What explain leaves out of a pipelined plan that compiles: it steps its stages eager."""
+    if not (plan.compiles or plan.compile_loss) or peak is None:
         return ()
-    return ("compile is not modelled: the peak and the time are those of the modules run eager",)
+    return ("compile is not modelled for a pipeline: the peak and the time are those of the stages run eager",)
 
 
 def _routing_note(plan: ir.Plan, peak) -> tuple[str, ...]:

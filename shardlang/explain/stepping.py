@@ -44,6 +44,8 @@ class _Measure:
     replicas: int
     host: int = 0  # bytes in host memory at its most (offloading units), and by category
     host_categories: dict = attrs.Factory(dict)
+    #: Compiled modules (and the loss) the step ran eager instead of as compiled, and why.
+    eager: dict = attrs.Factory(dict)
 
 
 class Stepper:
@@ -106,8 +108,11 @@ class Stepper:
         return self._step(self.applied, batch), None
 
     def run(self, batch: int | None):
+        from .compiled import notes as compile_notes
+
         measured, note = self.measure(batch)
-        return _collectives(measured.calls), (note,) if note else (), _peak(measured), _tally(measured.tally)
+        notes = ((note,) if note else ()) + compile_notes(self.plan, measured.eager)
+        return _collectives(measured.calls), notes, _peak(measured), _tally(measured.tally)
 
     def fit(self, limit: int, first: Peak) -> Fit:
         """The largest batch whose peak is at most `limit`, found by a bracketed search on the simulated
@@ -202,8 +207,9 @@ def _extrapolate(steps: dict[int, _Measure], k: int, path: str, keys: list[str])
         return None
     peak = first.peak + more * (second.peak - first.peak)
     host = first.host + more * (second.host - first.host)
+    eager = {k: v for step in (first, second, third) for k, v in step.eager.items()}
     return _Measure(
-        calls, peak, categories, modules, tally, first.batch, first.tokens, first.replicas, host, host_categories
+        calls, peak, categories, modules, tally, first.batch, first.tokens, first.replicas, host, host_categories, eager
     )
 
 
@@ -337,6 +343,7 @@ def _training_step(
     from ..verification import Context
     from ..verification import layout as lay
     from ..verification.comms import Calls
+    from . import compiled
     from .memory import cuda_like_rms_norm, tracker
 
     recorder = Calls()
@@ -356,12 +363,17 @@ def _training_step(
         memory = tracker(model, optimizer)
         memory.track_inputs(inputs)
         recorder.calls.clear()
-        with memory, cuda_like_rms_norm():
+        modelled = compiled.Modelled(memory, plan)
+        resolution = applied.linted.resolution
+        modules = compiled.compiled_modules(
+            model, resolution.compiled, lambda fqn: _checkpointed(fqn, resolution), modelled
+        )
+        with memory, cuda_like_rms_norm(), modules:
             output = model(*inputs)
             with recorder.paused():
                 whole = lay.full_output(ctx, where, output, output_layout)
             with lay.loss_context(plan):
-                lay.loss(ctx, whole, full).backward()
+                lay.loss(ctx, whole, full, sharded=True, compile_with=modelled.loss).backward()
             del output, whole
             with recorder.paused():
                 optimizer.step()
@@ -382,4 +394,10 @@ def _training_step(
         where.replicas,
         host,
         host_categories,
+        dict(modelled.eager),
     )
+
+
+def _checkpointed(fqn: str, resolution) -> bool:
+    """Whether activation checkpointing covers module `fqn` (on it or on a module around it)."""
+    return any(fqn == c or fqn.startswith(c + ".") or not c for c in resolution.checkpoint)

@@ -83,7 +83,9 @@ class Context:
             from ..runtime.apply import build_pipeline
             from .layout import loss
 
-            self._pipeline = build_pipeline(self.applied, lambda output, inputs: loss(self, output, _tuple(inputs), sharded=True))
+            self._pipeline = build_pipeline(
+                self.applied, lambda output, inputs: loss(self, output, _tuple(inputs), sharded=True)
+            )
         return self._pipeline
 
     @property

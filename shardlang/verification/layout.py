@@ -138,16 +138,17 @@ def loss_context(plan: ir.Plan):
     return loss_parallel()
 
 
-def loss(ctx, output: Any, inputs: tuple, sharded: bool = False) -> torch.Tensor:
+def loss(ctx, output: Any, inputs: tuple, sharded: bool = False, compile_with=None) -> torch.Tensor:
     """The model file's loss(output, inputs), or the default: the sum of the whole output. On the sharded
-    model's output (`sharded`), compiled where the plan says `compile loss`."""
+    model's output (`sharded`), compiled where the plan says `compile loss`: by
+    `compile_with(loss, **options)` (explain's model of it), by default torch.compile."""
     given = ctx.model_file.loss
     if given is None:
         return output.float().sum()
     if sharded and ctx.plan.compile_loss is not None:
         from ..runtime.helpers import compiled_loss
 
-        given = compiled_loss(given, **dict(ctx.plan.compile_loss.options))
+        given = (compile_with or compiled_loss)(given, **dict(ctx.plan.compile_loss.options))
     what = f"loss(output, inputs) from {ctx.model_file.origin}"
     with user_code(what):
         value = given(output, inputs if len(inputs) > 1 else inputs[0])
