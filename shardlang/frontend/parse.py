@@ -8,6 +8,7 @@ import threading
 from importlib import resources
 from pathlib import Path
 
+import attrs
 from lark import Lark, Token
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
 from lark.lexer import PatternStr
@@ -131,6 +132,20 @@ def parse_value(text: str, origin: str) -> syntax.Value | None:
         return _run(text, origin, "param_value")
     except (UnexpectedInput, NumberTooLong):
         return None
+
+
+def parse_literal(value, span: Span) -> syntax.Value:
+    """A Python value given for a param (library `params=` or CLI `-D`) as a syntax value at `span`."""
+    if isinstance(value, bool):
+        return syntax.Name("true" if value else "false", span)
+    if isinstance(value, int):
+        return syntax.Int(value, span)
+    if isinstance(value, float):
+        return syntax.Float(value, span)
+    if isinstance(value, str):
+        parsed = parse_value(value, span.file)
+        return attrs.evolve(parsed, span=span) if parsed is not None else syntax.Str(value, span)
+    return syntax.Str(str(value), span)
 
 
 def _token_span(source: Source, token: Token) -> Span:

@@ -29,7 +29,7 @@ from .diagnostics import (
     Diagnostic,
     did_you_mean,
 )
-from .parse import parse_value
+from .parse import parse_literal
 from .schema import (
     BLOCK_OPTIONS,
     CHECKS,
@@ -177,13 +177,9 @@ class _Checker:
         parallelize = [self.parallelize(p) for p in statements(s.ParallelizeStmt)]
         units = [self.units(u) for u in statements(s.UnitsStmt)]
         checkpoint = tuple(self.target(t) for c in statements(s.CheckpointStmt) for t in c.targets)
-        compiles, losses = [], []
-        for statement in statements(s.CompileStmt):
-            modules, loss_targets = self.compile(statement)
-            compiles += modules
-            losses += loss_targets
-        for extra in losses[1:]:
-            self.error(SL103, "the loss is compiled twice", extra.span, f"the first is at line {losses[0].span.line}")
+        compiled = [c for statement in statements(s.CompileStmt) for c in self.compile(statement)]
+        losses = [c for c in compiled if isinstance(c, ir.CompileLoss)]
+        self.unique(losses, "compile loss")
         self.unique(statements(s.InitStmt), "init")
         inits = [self.init(i) for i in statements(s.InitStmt)]
         syncs = [self.sync(x) for x in statements(s.SyncStmt)]
@@ -200,12 +196,12 @@ class _Checker:
             return None
         return ir.Plan(
             source=self.source,
-            params=tuple((k, _plain(v)) for k, v in self.params.items()),
+            params=tuple((k, s.plain(v)) for k, v in self.params.items()),
             uses=tuple(uses),
             meshes=tuple(meshes),
             parallelize=tuple(parallelize),
             checkpoint=checkpoint,
-            compiles=tuple(compiles),
+            compiles=tuple(c for c in compiled if isinstance(c, ir.Compile)),
             compile_loss=losses[0] if losses else None,
             units=tuple(units),
             init=inits[0] if inits else ir.Init("auto"),
@@ -236,7 +232,7 @@ class _Checker:
                 hint = did_you_mean(name, self.params) or (f"params of this plan: {', '.join(self.params) or 'none'}",)
                 self.error(SL104, f"no param named '{name}' to override", None, *hint)
                 continue
-            self.params[name] = _literal(value, self.params[name].span)
+            self.params[name] = parse_literal(value, self.params[name].span)
 
     def use(self, use: s.UseStmt) -> ir.Use:
         alias = use.alias.text
@@ -384,11 +380,15 @@ class _Checker:
         self.check_strategy(block, mesh, block_options, units)
         return ir.Units(block.kind, mesh, tuple(units), block_options, root, block.span)
 
-    def compile(self, statement: s.CompileStmt) -> tuple[list[ir.Compile], list[ir.CompileLoss]]:
-        """One ir.Compile per module target and an ir.CompileLoss for `loss`, each with the statement's options."""
+    def compile(self, statement: s.CompileStmt) -> list[ir.Compile | ir.CompileLoss]:
+        """An ir.Compile per module target, an ir.CompileLoss for `loss`, each with the statement's options."""
         options = self.options(statement.options, COMPILE_OPTIONS, "compile")
-        modules = [ir.Compile(self.target(t), options, statement.span) for t in statement.targets if not _is_loss(t)]
-        return modules, [ir.CompileLoss(options, t.span) for t in statement.targets if _is_loss(t)]
+        return [
+            ir.CompileLoss(options, t.span)
+            if isinstance(t, s.LossTarget)
+            else ir.Compile(self.target(t), options, statement.span)
+            for t in statement.targets
+        ]
 
     def options(
         self, options: list[s.Option] | tuple[s.Option, ...], schema: Mapping[str, Convert], where: str
@@ -567,10 +567,6 @@ class _Checker:
 _SEGMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|[0-9]+|\*\*|[A-Za-z0-9_?]*[*?][A-Za-z0-9_?]*(?:\*[A-Za-z0-9_?]*)*")
 
 
-def _is_loss(target) -> bool:
-    return isinstance(target, s.LossTarget)
-
-
 def _bad_segment(pattern: s.Pattern) -> str | None:
     """The first segment that is not a name, an integer, a glob, `**` or an alternation of those."""
     for segment in pattern.segments:
@@ -591,22 +587,3 @@ def _merge(base: tuple, own: tuple) -> tuple:
 
 def _respan(value: s.Value, span: Span) -> s.Value:
     return attrs.evolve(value, span=span)
-
-
-def _literal(value: Any, span: Span) -> s.Value:
-    """A Python value given for a param (library `params=` or CLI `-D`) as a syntax value."""
-    if isinstance(value, bool):
-        return s.Name("true" if value else "false", span)
-    if isinstance(value, int):
-        return s.Int(value, span)
-    if isinstance(value, float):
-        return s.Float(value, span)
-    if isinstance(value, str):
-        parsed = parse_value(value, span.file)
-        return _respan(parsed, span) if parsed is not None else s.Str(value, span)
-    return s.Str(str(value), span)
-
-
-def _plain(value: s.Value) -> Any:
-    """A param's value as plain data for the IR dump."""
-    return value.text if isinstance(value, s.Name) else value.value if hasattr(value, "value") else str(value)

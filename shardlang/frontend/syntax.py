@@ -323,3 +323,8 @@ class Module:
     """A whole plan file as written: its statements in order."""
 
     statements: tuple[Statement, ...]
+
+
+def plain(value: Value) -> object:
+    """A param's value as plain data (the IR keeps params so)."""
+    return value.text if isinstance(value, Name) else value.value if hasattr(value, "value") else str(value)
