@@ -11,10 +11,11 @@ plans/hf/mixtral_ep.sl, which shardlang applies (`benchmarks/plans/mixtral_ep.sl
 routes its contiguous slice of the tokens, every (token, choice) pair goes to the rank holding its expert by
 an all-to-all, the experts module's own forward (transformers' grouped matmul) runs the local experts, a
 second all-to-all brings the results back, the routing weights are applied on the sending rank and the
-slices are gathered back whole. The hand-written side does exactly that with plain tensors and torch's
-collectives (`hand_written_ep` below: local expert weights as ordinary parameters, an autograd function
-for the slice and the gather); shardlang's keeps the experts as Shard(0) DTensors and slices and gathers
-through DTensor. The router, attention, norms and embeddings are whole on both. bf16 parameters, AdamW
+slices are gathered back whole. The hand-written side does exactly that with torch's collectives
+(`hand_written_ep` below: an autograd function for the slice and the gather), in two versions: `hand`
+keeps each rank's experts as ordinary parameters; `hand_dtensor` keeps them as Shard(0) DTensors, as
+shardlang and torchtitan do (the parameters' global view, for checkpoints and the optimizer), and takes
+`to_local()` of them in each forward. The router, attention, norms and embeddings are whole on all. bf16 parameters, AdamW
 (lr 1e-4), no gradient reduction (every rank computes the same gradients for what is whole).
 
 Measurement: `--warmup` steps of each, then `--steps` steps alternating (even steps shardlang first), each
@@ -33,7 +34,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SIDES = ("shardlang", "hand")
+#: hand: the experts as plain local parameters; hand_dtensor: the same code with the experts kept as Shard(0)
+#: DTensors (a global view for checkpoints and optimizers, as torchtitan keeps them), taken `to_local()` in
+#: each forward, as shardlang does.
+SIDES = ("shardlang", "hand", "hand_dtensor")
 
 
 def arguments(argv=None) -> argparse.Namespace:
@@ -43,6 +47,9 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--dry-run", action="store_true", help="CPU workers (gloo) and a tiny model")
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="N", help="after the timing, profile N steps of each side"
+    )
     return parser.parse_args(argv)
 
 
@@ -100,53 +107,65 @@ class _Slice:
         return Slice, Gather
 
 
-def hand_written_ep(model) -> None:
+def hand_written_ep(model, dtensor: bool = False) -> None:
     """Expert parallelism over the default group by hand: each experts module keeps its rank's experts as
-    plain parameters and runs this forward."""
+    plain parameters (or, `dtensor`, as Shard(0) DTensors over a 1-D mesh of every rank) and runs this
+    forward."""
+    import functools
     import types
 
     import torch
     import torch.distributed as dist
     import torch.nn as nn
     from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
 
     Slice, Gather = _Slice.make()
     n, r = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh(next(model.parameters()).device.type, (n,)) if dtensor else None
+
+    def routed(self, hidden, index, weights, local_forward, per):
+        hidden, index, weights = (Slice.apply(t, None) for t in (hidden, index, weights))
+        tokens, k = index.shape
+        chosen = index.reshape(-1)
+        owner = chosen // per
+        order = torch.argsort(owner, stable=True)
+        token_of = torch.arange(tokens, device=chosen.device).repeat_interleave(k)[order]
+        send = torch.bincount(owner, minlength=n)
+        receive = torch.empty_like(send)
+        dist.all_to_all_single(receive, send)
+        send_sizes, receive_sizes = send.tolist(), receive.tolist()
+        local = chosen[order] % per
+        received = local.new_empty(sum(receive_sizes))
+        dist.all_to_all_single(received, local, receive_sizes, send_sizes)
+        rows = wait_tensor(all_to_all_single_autograd(hidden[token_of], receive_sizes, send_sizes, dist.group.WORLD))
+        ones = torch.ones(received.shape[0], 1, dtype=weights.dtype, device=rows.device)
+        out = local_forward(rows, received[:, None], ones)
+        back = wait_tensor(all_to_all_single_autograd(out, send_sizes, receive_sizes, dist.group.WORLD))
+        weighted = back * weights.reshape(-1)[order, None].to(back.dtype)
+        combined = torch.zeros_like(hidden, dtype=back.dtype).index_add(0, token_of, weighted)
+        return Gather.apply(combined.to(hidden.dtype), None)
+
+    def local_views(self, hidden, index, weights, local_forward, per):
+        shared = {k: p for k, p in self._parameters.items() if isinstance(p, DTensor)}
+        self._parameters.update({k: p.to_local() for k, p in shared.items()})
+        try:
+            return routed(self, hidden, index, weights, local_forward, per)
+        finally:
+            self._parameters.update(shared)
+
     for layer in model.model.layers:
         experts = layer.mlp.experts
-        total = experts.num_experts
-        per = total // n
+        per = experts.num_experts // n
         for name in ("gate_up_proj", "down_proj"):
-            whole = getattr(experts, name)
-            setattr(experts, name, nn.Parameter(whole.detach()[r * per : (r + 1) * per].clone()))
+            mine = getattr(experts, name).detach()[r * per : (r + 1) * per].clone()
+            if dtensor:
+                mine = DTensor.from_local(mine, mesh, [Shard(0)], run_check=False)
+            setattr(experts, name, nn.Parameter(mine))
         experts.num_experts = per
-        local_forward = experts.forward
-
-        def forward(self, hidden, index, weights, local_forward=local_forward, per=per):
-            hidden, index, weights = (Slice.apply(t, None) for t in (hidden, index, weights))
-            tokens, k = index.shape
-            chosen = index.reshape(-1)
-            owner = chosen // per
-            order = torch.argsort(owner, stable=True)
-            token_of = torch.arange(tokens, device=chosen.device).repeat_interleave(k)[order]
-            send = torch.bincount(owner, minlength=n)
-            receive = torch.empty_like(send)
-            dist.all_to_all_single(receive, send)
-            send_sizes, receive_sizes = send.tolist(), receive.tolist()
-            local = chosen[order] % per
-            received = local.new_empty(sum(receive_sizes))
-            dist.all_to_all_single(received, local, receive_sizes, send_sizes)
-            rows = wait_tensor(
-                all_to_all_single_autograd(hidden[token_of], receive_sizes, send_sizes, dist.group.WORLD)
-            )
-            ones = torch.ones(received.shape[0], 1, dtype=weights.dtype, device=rows.device)
-            out = local_forward(rows, received[:, None], ones)
-            back = wait_tensor(all_to_all_single_autograd(out, send_sizes, receive_sizes, dist.group.WORLD))
-            weighted = back * weights.reshape(-1)[order, None].to(back.dtype)
-            combined = torch.zeros_like(hidden, dtype=back.dtype).index_add(0, token_of, weighted)
-            return Gather.apply(combined.to(hidden.dtype), None)
-
-        experts.forward = types.MethodType(forward, experts)
+        run = functools.partial(local_views if dtensor else routed, local_forward=experts.forward, per=per)
+        experts.forward = types.MethodType(lambda self, h, i, w, run=run: run(self, h, i, w), experts)
 
 
 def main(argv=None) -> None:
@@ -157,7 +176,7 @@ def main(argv=None) -> None:
     from transformers import MixtralForCausalLM
 
     import shardlang
-    from benchmarks.gpu_throughput import NoMemory, alternate, join
+    from benchmarks.gpu_throughput import NoMemory, alternate, join, print_profiles, profile
     from shardlang.runtime.apply import apply_plan
     from shardlang.verification.comms import Recorder
 
@@ -177,12 +196,12 @@ def main(argv=None) -> None:
     def build_shardlang():
         return apply_plan(plan, build()).model
 
-    def build_hand():
+    def build_hand(dtensor: bool):
         model = build()
-        hand_written_ep(model)
+        hand_written_ep(model, dtensor)
         return model
 
-    built = {"shardlang": build_shardlang(), "hand": build_hand()}
+    built = {"shardlang": build_shardlang(), "hand": build_hand(False), "hand_dtensor": build_hand(True)}
 
     def groups(model):
         # fused AdamW takes no mix of DTensors (the experts on shardlang's side) and plain tensors in one group
@@ -232,6 +251,7 @@ def main(argv=None) -> None:
         optims[side].zero_grad(set_to_none=True)
         counts[side] = recorder.counts()
     times, peaks = alternate(SIDES, args.steps, timed)
+    profiles = {side: profile(lambda side=side: timed(side), args.profile) for side in SIDES} if args.profile else {}
     everyone = [None] * world
     dist.all_gather_object(everyone, (times, peaks, counts))
     if rank == 0:
@@ -254,9 +274,11 @@ def main(argv=None) -> None:
                 "counts": everyone[0][2][side],
             }
         result["ratio"] = result["hand"]["median_s"] / result["shardlang"]["median_s"]  # > 1: shardlang faster
+        result["ratio_dtensor"] = result["hand_dtensor"]["median_s"] / result["shardlang"]["median_s"]
         result["memory_ratio"] = result["shardlang"]["peak_bytes"] / max(1, result["hand"]["peak_bytes"])
         print("RESULT " + json.dumps(result), flush=True)
         report(result)
+        print_profiles(profiles)
     # gloo's threads at interpreter exit can abort the process ("terminate called without an active
     # exception", torch 2.13): collect what refers to the groups, destroy them, and leave without exit hooks
     import gc
@@ -281,15 +303,16 @@ def report(result: dict) -> None:
     print(
         f"Mixtral {result['parameters'] / 1e9:.2f}B, EP {result['world']} on {result['card']}, torch {result['torch']}"
     )
-    print(f"{'side':<10} {'median step':>12} {'tokens/s':>10} {'peak memory':>12}  collectives")
+    print(f"{'side':<13} {'median step':>12} {'tokens/s':>10} {'peak memory':>12}  collectives")
     for side in SIDES:
         r = result[side]
         print(
-            f"{side:<10} {r['median_s'] * 1e3:>10.1f} ms {r['tokens_per_s']:>10.0f} "
+            f"{side:<13} {r['median_s'] * 1e3:>10.1f} ms {r['tokens_per_s']:>10.0f} "
             f"{r['peak_bytes'] / 2**30:>10.2f} GiB  {r['counts']}"
         )
     print(
-        f"hand / shardlang step time: {result['ratio']:.4f}; peak memory shardlang / hand: {result['memory_ratio']:.4f}"
+        f"hand / shardlang step time: {result['ratio']:.4f}; hand_dtensor / shardlang: {result['ratio_dtensor']:.4f}; "
+        f"peak memory shardlang / hand: {result['memory_ratio']:.4f}"
     )
 
 

@@ -73,6 +73,69 @@ def alternate(sides: tuple[str, ...], steps: int, timed) -> tuple[dict[str, list
     return times, peaks
 
 
+#: Kernel kinds for --profile, by the first pattern a kernel's name matches (lower case).
+KERNEL_KINDS = (
+    ("nccl", r"nccl"),
+    ("attention", r"flash|fmha|cudnn|attention|sdpa"),
+    ("matmul", r"gemm|cutlass|nvjet|sm90_|sm80_|cublas|xmma"),
+    ("optimizer", r"adam|multi_tensor"),
+    ("fused (triton)", r"^triton_"),
+    ("cross-entropy", r"softmax|nll|log_softmax|cross_entropy"),
+    ("copy / cast", r"copy|cast|convert|cat|fill|memset"),
+    ("other", r""),
+)
+
+
+def profile(step, steps: int) -> dict:
+    """`steps` steps under torch.profiler: the GPU time per step by kernel kind, and the 12 longest
+    kernels (ms per step). NCCL kernels run beside the compute: their time overlaps the rest; the GPU's
+    busy time is the rest's sum, against the step's wall time (a step much longer is bound by the host)."""
+    import re
+
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    # Every rank steps (the collectives need them all); on the CPU (a dry run) no kernel has a GPU time.
+    activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
+    start = time.perf_counter()
+    with torch_profile(activities=[activity]) as prof:
+        for _ in range(steps):
+            step()
+    wall = (time.perf_counter() - start) * 1e3 / steps
+    kinds: dict[str, float] = {}
+    kernels: dict[str, float] = {}
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
+        if not us or event.key.startswith(("ProfilerStep", "cudaDeviceSynchronize")):
+            continue
+        name = event.key.lower()
+        kind = next(k for k, pattern in KERNEL_KINDS if re.search(pattern, name))
+        kinds[kind] = kinds.get(kind, 0.0) + us / 1e3 / steps
+        kernels[event.key[:90]] = us / 1e3 / steps
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
+    busy = sum(ms for kind, ms in kinds.items() if kind != "nccl")
+    return {
+        "by_kind_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+        "top_ms": top,
+        "busy_ms": busy,
+        "wall_ms": wall,
+    }
+
+
+def print_profiles(profiles: dict) -> None:
+    """--profile's tables, one per side."""
+    for side, seen in profiles.items():
+        print(
+            f"{side}: GPU ms per step by kernel kind (NCCL overlaps the rest); GPU busy {seen['busy_ms']:.1f} ms "
+            f"of a {seen['wall_ms']:.1f} ms step (profiled)"
+        )
+        for kind, ms in seen["by_kind_ms"].items():
+            print(f"  {kind:16}{ms:>9.2f}")
+        for name, ms in seen["top_ms"]:
+            print(f"    {ms:>8.2f}  {name}")
+
+
 class Tiny:
     """The tiny example model in llama_1b's place, for a dry run."""
 

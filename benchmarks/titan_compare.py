@@ -146,7 +146,7 @@ def main(argv=None) -> None:
     from torchtitan.distributed import utils as titan_utils
 
     import shardlang
-    from benchmarks.gpu_throughput import PEAK_BF16, NoMemory, alternate, join
+    from benchmarks.gpu_throughput import PEAK_BF16, NoMemory, alternate, join, profile
     from shardlang.runtime.apply import apply_plan
     from shardlang.verification.comms import Recorder
 
@@ -336,48 +336,9 @@ def titan(config, args, world: int, tp: int, backend: str, device, compiled: boo
     return model
 
 
-#: Kernel kinds for --profile, by the first pattern a kernel's name matches (lower case).
-KERNEL_KINDS = (
-    ("nccl", r"nccl"),
-    ("attention", r"flash|fmha|cudnn|attention|sdpa"),
-    ("matmul", r"gemm|cutlass|nvjet|sm90_|sm80_|cublas|xmma"),
-    ("optimizer", r"adam|multi_tensor"),
-    ("fused (triton)", r"^triton_"),
-    ("cross-entropy", r"softmax|nll|log_softmax|cross_entropy"),
-    ("copy / cast", r"copy|cast|convert|cat|fill|memset"),
-    ("other", r""),
-)
-
-
-def profile(step, steps: int) -> dict:
-    """`steps` steps under torch.profiler: the GPU time per step by kernel kind, and the 12 longest
-    kernels (ms per step). NCCL kernels run beside the compute: their time overlaps the rest."""
-    import re
-
-    import torch
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    # Every rank steps (the collectives need them all); on the CPU (a dry run) no kernel has a GPU time.
-    activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
-    with torch_profile(activities=[activity]) as prof:
-        for _ in range(steps):
-            step()
-    kinds: dict[str, float] = {}
-    kernels: dict[str, float] = {}
-    for event in prof.key_averages():
-        us = getattr(event, "device_time_total", 0) or getattr(event, "cuda_time_total", 0)
-        if not us or event.key.startswith(("ProfilerStep", "cudaDeviceSynchronize")):
-            continue
-        name = event.key.lower()
-        kind = next(k for k, pattern in KERNEL_KINDS if re.search(pattern, name))
-        kinds[kind] = kinds.get(kind, 0.0) + us / 1e3 / steps
-        kernels[event.key[:90]] = us / 1e3 / steps
-    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:12]
-    return {"by_kind_ms": dict(sorted(kinds.items(), key=lambda kv: -kv[1])), "top_ms": top}
-
-
 def report(result: dict) -> None:
+    from benchmarks.gpu_throughput import print_profiles
+
     compiled = f"compiled per block ({result['compile']})" if result["compile"] else "eager"
     compiled += ", loss compiled" if result.get("compile_loss") else ""
     compiled += " (torchtitan's side eager)" if result.get("titan_eager") else ""
@@ -405,12 +366,7 @@ def report(result: dict) -> None:
         for rank, seen in enumerate(result["counts_per_rank"]):
             print(f"  rank {rank}: shardlang {seen['shardlang']}")
             print(f"  rank {rank}: torchtitan {seen['torchtitan']}")
-    for side, seen in result.get("profile", {}).items():
-        print(f"{side}: GPU ms per step by kernel kind (NCCL overlaps the rest)")
-        for kind, ms in seen["by_kind_ms"].items():
-            print(f"  {kind:16}{ms:>9.2f}")
-        for name, ms in seen["top_ms"]:
-            print(f"    {ms:>8.2f}  {name}")
+    print_profiles(result.get("profile", {}))
     print("RESULT " + json.dumps(result))
 
 

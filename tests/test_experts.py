@@ -155,10 +155,11 @@ def test_the_benchmark_runs_both_sides_to_the_same_loss_and_collectives():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))[len("RESULT ") :])
-    assert result["first_loss"]["shardlang"] == result["first_loss"]["hand"]
-    counts = {side: result[side]["counts"] for side in ("shardlang", "hand")}
+    sides = ("shardlang", "hand", "hand_dtensor")
+    assert len({result["first_loss"][side] for side in sides}) == 1, result["first_loss"]
+    counts = {side: result[side]["counts"] for side in sides}
     assert counts["shardlang"]["all_to_all_single"] == counts["hand"]["all_to_all_single"] > 0, counts
-    assert sum(counts["shardlang"].values()) == sum(counts["hand"].values()), counts
+    assert counts["shardlang"] == counts["hand"] == counts["hand_dtensor"], counts
 
 
 @pytest.mark.distributed

@@ -70,9 +70,10 @@ def _one_slice_each(forward, mesh):
     hand-written baseline of benchmarks/ep_compare.py uses, rather than DTensor redistributions: the version
     built on those ran at 0.76 of that baseline's throughput (benchmarks/RESULTS.md)."""
 
+    group, ranks = mesh.get_group(), mesh.size()
+
     def shared(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
-        group = mesh.get_group()
-        sizes = _row_sizes(hidden_states.shape[0], mesh.size())
+        sizes = _row_sizes(hidden_states.shape[0], ranks)
         mine = [RowSlice.apply(t, sizes, group) for t in (hidden_states, top_k_index, top_k_weights)]
         out = forward(self, *mine, *args, **kwargs)
         return RowGather.apply(out, sizes, group)
@@ -91,9 +92,12 @@ def _gather_rows(tensor, sizes, group):
     import torch.distributed as dist
 
     most = max(sizes)
+    everyone = tensor.new_empty((most * len(sizes), *tensor.shape[1:]))
+    if min(sizes) == most:  # even: straight into the output
+        dist.all_gather_into_tensor(everyone, tensor, group=group)
+        return everyone
     padded = tensor.new_zeros((most, *tensor.shape[1:]))
     padded[: tensor.shape[0]] = tensor
-    everyone = tensor.new_empty((most * len(sizes), *tensor.shape[1:]))
     dist.all_gather_into_tensor(everyone, padded, group=group)
     return torch.cat([part[:n] for part, n in zip(everyone.split(most), sizes)])
 
@@ -137,13 +141,14 @@ class RowGather(torch.autograd.Function):
 def _expert_parallel_forward(local_forward, experts, mesh):
     """The forward of an expert-parallel module, around the module's own (`local_forward`, bound)."""
 
+    group, ep = mesh.get_group(), mesh.size()
+    per_rank = experts // ep
+
     def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
         import torch
         import torch.distributed as dist
         from torch.distributed.tensor import DTensor
 
-        group = mesh.get_group()
-        ep, per_rank = mesh.size(), experts // mesh.size()
         tokens, k = top_k_index.shape
         chosen = top_k_index.reshape(-1)
         # (token, choice) pairs in the order of the rank holding their expert
