@@ -107,3 +107,17 @@ def ep_shared_batch_matches_whole_experts(tokens: int) -> dict[str, float]:
         error = (getattr(split, name).grad.to_local() - block).abs().max().item()
         errors["experts_grad"] = max(errors.get("experts_grad", 0.0), error)
     return errors
+
+
+def run_without_divided_expert_gradients(job):
+    """`launch.job.run(job)` with the experts' units left to average their gradients over dp alone (the
+    divide factor dp*ep not set): a planted fault."""
+    from shardlang.launch.job import run
+    from shardlang.runtime import helpers
+
+    kept = helpers.divide_gradients
+    helpers.divide_gradients = lambda unit, factor, mesh: None
+    try:
+        return run(job)
+    finally:
+        helpers.divide_gradients = kept

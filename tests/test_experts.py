@@ -51,6 +51,7 @@ def test_ranks_that_share_their_tokens_route_one_slice_each(pools, world, tokens
 
 EP_PLAN = ROOT / "plans" / "hf" / "qwen3_moe_ep.sl"
 QWEN3_MOE = str(ROOT / "examples" / "hf_qwen3_moe.py")
+OLMOE = str(ROOT / "examples" / "field" / "olmoe.py")
 
 
 @pytest.mark.distributed
@@ -170,4 +171,94 @@ def test_the_printed_program_splits_the_experts_as_apply_does(pools):
 
     assert pools(4).run(
         dist_jobs.emitted_code_matches_apply, EP_PLAN.read_text(), "examples.hf_qwen3_moe:build_model", 4
+    )[0]
+
+
+BORROWED = ROOT / "plans" / "hf" / "olmoe_ep_fsdp.sl"
+
+
+def test_a_flattened_mesh_gives_the_experts_their_own_unit_over_what_is_left():
+    """`fully_shard on world[dp*ep]` beside expert_parallel on world.ep: the experts get a unit over dp
+    with gradients divided by dp*ep, and route their own tokens (the ep ranks train on different data)."""
+    import shardlang
+
+    plan = shardlang.load(BORROWED)
+    experts, blocks = plan.units
+    assert str(experts.mesh) == "world.dp" and str(experts.divide_by) == "world[dp*ep]" and not experts.root
+    assert [str(u.target) for u in experts.units] == ["model.layers.*.mlp.experts"]
+    assert experts.options == blocks.options and str(blocks.mesh) == "world[dp*ep]" and blocks.mesh.flat
+    assert plan.parallelize[0].rules[0].style.get("shared_batch") is False
+    # without the flattened block nothing is added
+    alone = shardlang.loads(BORROWED.read_text().replace("world[dp*ep]", "world.dp"))
+    assert len(alone.units) == 1 and alone.parallelize[0].rules[0].style.get("shared_batch") is None
+
+
+def test_flattened_mesh_refs_are_checked():
+    import shardlang
+
+    def error(text: str) -> str:
+        with pytest.raises(shardlang.PlanError) as raised:
+            shardlang.loads("mesh world = cpu[dp=2, ep=2]\n" + text)
+        (found,) = raised.value.diagnostics
+        return f"{found.code} {found.span.line}:{found.span.col} {found.message}"
+
+    assert error("fully_shard on world[ep*dp] { each a }") == (
+        "SL102 2:16 world[ep*dp] flattens dims out of the mesh's order"
+    )
+    assert error("fully_shard on world[dp*dp] { each a }") == "SL102 2:16 world[dp*dp] names a dim twice"
+    assert error("parallelize on world[dp*ep] { a : colwise }").startswith(
+        "SL102 2:16 a flattened mesh (world[dp*ep]) is for fully_shard and replicate blocks"
+    )
+    # experts under a class scope: no pattern names them for their own unit
+    assert error(
+        "parallelize class Block on world.ep { experts : expert_parallel }\nfully_shard on world[dp*ep] { each a }"
+    ).startswith("SL102 2:39 the experts of `experts` need their own fully_shard unit over world.dp")
+    # a class target is a unit target itself
+    plan = shardlang.loads(
+        "mesh world = cpu[dp=2, ep=2]\nparallelize on world.ep { class Experts : expert_parallel }\n"
+        "fully_shard on world[dp*ep] { each a }"
+    )
+    assert str(plan.units[0].units[0].target) == "class Experts"
+
+
+def test_an_ep_dim_a_non_expert_rule_also_splits_cannot_be_borrowed(tmp_path):
+    """SL218 stays for a flattened mesh over a dim that a tensor-parallel rule splits as well."""
+    text = BORROWED.read_text().replace(
+        "model.layers.*.mlp.experts : expert_parallel",
+        "model.layers.*.mlp.experts : expert_parallel\n    lm_head : colwise",
+    )
+    found = {}
+    for name, plan in (("both", text), ("clean", BORROWED.read_text())):
+        path = tmp_path / f"{name}.sl"
+        path.write_text(plan)
+        found[name] = shardlang_cli("lint", path, OLMOE, "--no-step", "--world", "4", workers=False)
+    assert found["both"].returncode == 1, found["both"].stdout + found["both"].stderr
+    assert "error[SL218] fully_shard on world[dp*ep] spreads over world.ep" in found["both"].stdout
+    assert found["clean"].returncode == 0 and "SL218" not in found["clean"].stdout, found["clean"].stdout
+
+
+@pytest.mark.distributed
+def test_experts_gradients_not_divided_by_dp_times_ep_fail_the_gradients_check(pools):
+    """The plan passes (every check, 4 replicas: dp 2 x ep 2); with the experts' gradients averaged over
+    dp alone (each summed over the ep ranks' tokens by the all-to-all's backward), the check fails at them."""
+    import shardlang
+    from shardlang.launch.job import Job, run
+
+    from . import expert_jobs
+
+    job = Job(str(BORROWED), {}, OLMOE, None, shardlang.load(BORROWED).checks)
+    right = pools(4).run(run, job)[0]
+    assert right.ok, [(c.check, c.status, c.message) for c in right.checks]
+    assert "on 4 replicas" in next(c.message for c in right.checks if c.check == "gradients")
+    wrong = pools(4).run(expert_jobs.run_without_divided_expert_gradients, job)[0]
+    gradients = next(c for c in wrong.checks if c.check == "gradients")
+    assert gradients.status == "fail" and "mlp.experts" in gradients.message, gradients.message
+
+
+@pytest.mark.distributed
+def test_the_printed_program_borrows_the_ranks_as_apply_does(pools):
+    from . import dist_jobs
+
+    assert pools(4).run(
+        dist_jobs.emitted_code_matches_apply, BORROWED.read_text(), "examples.field.olmoe:build_model", 4
     )[0]

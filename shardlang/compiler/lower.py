@@ -149,7 +149,7 @@ def _unit(
         return p.Replicate(module, block.mesh, (), origin)
     kwargs = _fsdp_kwargs(plan, block, lambda name: match.option(block, name))
     together = unit is not None and unit.together and (bool(also) or isinstance(module, p.Matching))
-    return p.FullyShard(module, block.mesh, kwargs, origin, also, together)
+    return p.FullyShard(module, block.mesh, kwargs, origin, also, together, block.divide_by)
 
 
 def _fsdp_kwargs(plan: ir.Plan, block: ir.Units, get) -> tuple:

@@ -277,6 +277,10 @@ def _fsdp(
     """FSDP2 over `tp`: dp shard dim -> Shard(0) (or _StridedShard when a later TP dim also shards dim 0;
     Shard(1) for a weight packed_colwise splits part by part, as runtime.tpstyles.fsdp_shard_placement
     has FSDP do), HSDP's replicate dim -> Replicate, TP dims unchanged; dims in the mesh's own order."""
+    if dp.flat:  # world[dp*ep]: one dim, named as DeviceMesh._flatten names it
+        if tp.mesh is not None:
+            return unknown(f"fully_shard on the flattened {dp} over a tensor a parallelize rule placed")
+        return Placed(dp.mesh, (dp.flat_name,), (ir.Shard(0),))
     mesh = plan.mesh(dp.mesh)
     sizes = dict(zip(mesh.dim_names, mesh_sizes[dp.mesh]))
     tp_dims = dict(zip(tp.dims, tp.placements)) if tp.mesh == dp.mesh else {}

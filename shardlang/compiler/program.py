@@ -118,6 +118,8 @@ class FullyShard:
     origin: Span | None = None
     also: tuple[Module, ...] = ()
     together: bool = False
+    #: Gradients divided by this mesh's size instead of the unit's own (set_gradient_divide_factor).
+    divide_by: ir.MeshRef | None = None
 
 
 @frozen

@@ -94,7 +94,7 @@ def constructor(style: ir.Style) -> Constructor:
     if style.name == "replicated_with_grad_allreduce":
         return Constructor(f"{OURS}.ReplicatedWithGradAllReduce")
     if style.name == "expert_parallel":
-        return Constructor("shardlang.runtime.experts.ExpertParallel")
+        return Constructor("shardlang.runtime.experts.ExpertParallel", _given({"shared_batch": get("shared_batch")}))
     if style.name == "sequence_parallel":
         return Constructor(
             f"{TP}.SequenceParallel", _given({"sequence_dim": get("dim"), "use_local_output": get("local_output")})

@@ -137,9 +137,23 @@ class MeshRef:
     mesh: str
     dims: tuple[str, ...]
     span: Span
+    #: `world[dp*ep]`: the dims flattened into one (DeviceMesh._flatten), named `flat_name`.
+    flat: bool = False
 
     def __str__(self) -> str:
+        if self.flat:
+            return f"{self.mesh}[{'*'.join(self.dims)}]"
         return f"{self.mesh}.{self.dims[0]}" if len(self.dims) == 1 else f"{self.mesh}[{', '.join(self.dims)}]"
+
+    @property
+    def flat_name(self) -> str:
+        """The flattened dim's name, as its DeviceMesh calls it: the dims joined by `_`."""
+        return "_".join(self.dims)
+
+    @property
+    def ndim(self) -> int:
+        """How many dims the mesh this names has: one when flattened."""
+        return 1 if self.flat else len(self.dims)
 
 
 # --- statements ---------------------------------------------------------------------------------
@@ -213,6 +227,9 @@ class Units:
     options: tuple[tuple[str, Any], ...]
     root: bool
     span: Span
+    #: The mesh whose size divides the units' gradients instead of their own mesh's (FSDP2's
+    #: set_gradient_divide_factor): set on the experts' units that desugar.expert_units adds.
+    divide_by: MeshRef | None = None
 
 
 @frozen

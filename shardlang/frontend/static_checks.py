@@ -29,6 +29,7 @@ from .diagnostics import (
     Diagnostic,
     did_you_mean,
 )
+from .desugar import expert_units
 from .parse import parse_literal
 from .schema import (
     BLOCK_OPTIONS,
@@ -59,6 +60,9 @@ def check(
     """Check a parsed plan; return the typed plan (None if there were errors) and every diagnostic."""
     checker = _Checker(source)
     plan = checker.run(module, params or {})
+    if plan is not None:
+        plan, found = expert_units(plan)
+        checker.diagnostics += found
     if plan is not None and world_size is not None:
         checker.diagnostics += check_world(plan, world_size)
     if any(d.is_error for d in checker.diagnostics):
@@ -321,8 +325,13 @@ class _Checker:
                 hint = did_you_mean(d.text, names) or (f"mesh '{name}' has dims {', '.join(names)}",)
                 self.error(SL104, f"mesh '{name}' has no dim '{d.text}'", d.span, *hint)
         if len(set(dims)) != len(dims):
-            self.error(SL102, f"{ref.mesh.text}[{', '.join(dims)}] names a dim twice", ref.span)
-        elif ndims and len(dims) not in ndims:
+            self.error(SL102, f"{ref} names a dim twice", ref.span)
+        elif ref.flat and what not in ("fully_shard", "replicate"):
+            self.error(SL102, f"a flattened mesh ({ref}) is for fully_shard and replicate blocks", ref.span)
+        elif ref.flat and [d for d in names if d in dims] != list(dims):
+            order = "*".join(d for d in names if d in dims)
+            self.error(SL102, f"{ref} flattens dims out of the mesh's order", ref.span, f"write {name}[{order}]")
+        elif ndims and (1 if ref.flat else len(dims)) not in ndims:
             wanted = " or ".join(f"{n}-D" for n in ndims)
             self.error(
                 code,
@@ -330,7 +339,7 @@ class _Checker:
                 ref.span,
                 f"name the dims to use, e.g. {name}.{names[-1]}" if len(names) > 1 else "",
             )
-        return ir.MeshRef(name, dims, ref.span)
+        return ir.MeshRef(name, dims, ref.span, flat=ref.flat)
 
     def target(self, target: s.Target) -> s.Target:
         bad = _bad_segment(target) if isinstance(target, s.Pattern) else None
@@ -446,7 +455,7 @@ class _Checker:
         return ir.Init(mode, init.method.text if init.method else None, init.span)
 
     def sync(self, sync: s.SyncStmt) -> ir.Sync:
-        return ir.Sync(self.mesh_ref(sync.mesh), sync.span)
+        return ir.Sync(self.mesh_ref(sync.mesh, what="sync"), sync.span)
 
     def pipeline(self, block: s.PipelineStmt) -> ir.Pipeline | None:
         mesh = self.mesh_ref(block.mesh, (1,), SL216, "pipeline")

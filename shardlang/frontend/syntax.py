@@ -141,15 +141,18 @@ class LossTarget:
 
 @frozen
 class MeshRef:
-    """`world` (dims None), `world.tp` or `world[dp, tp]`."""
+    """`world` (dims None), `world.tp`, `world[dp, tp]`, or `world[dp*ep]` (`flat`: the dims as one)."""
 
     mesh: Name
     dims: tuple[Name, ...] | None
     span: Span
+    flat: bool = False
 
     def __str__(self) -> str:
         if self.dims is None:
             return self.mesh.text
+        if self.flat:
+            return f"{self.mesh}[{'*'.join(d.text for d in self.dims)}]"
         if len(self.dims) == 1:
             return f"{self.mesh}.{self.dims[0]}"
         return f"{self.mesh}[{', '.join(d.text for d in self.dims)}]"

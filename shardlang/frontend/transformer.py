@@ -110,6 +110,10 @@ class Build(Transformer):
         name, *dims = _parts(children)
         return s.MeshRef(self._name(name), tuple(map(self._name, dims)), self._cover(children))
 
+    def mesh_flat(self, children):
+        name, *dims = _parts(children)
+        return s.MeshRef(self._name(name), tuple(map(self._name, dims)), self._cover(children), flat=True)
+
     def parallelize(self, children):
         parts = _parts(children)
         scope = parts[0] if isinstance(parts[0], (s.Pattern, s.ClassTarget)) else None

@@ -55,7 +55,7 @@ class Applied:
         return self.linted.predictions
 
     def mesh(self, ref: ir.MeshRef):
-        return helpers.submesh(self.meshes[ref.mesh], ref.dims)
+        return helpers.mesh_of(self.meshes[ref.mesh], ref.dims, ref.flat)
 
 
 @frozen

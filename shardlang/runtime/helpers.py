@@ -99,6 +99,23 @@ def submesh(mesh, dims):
     return mesh[dims[0]] if len(dims) == 1 else mesh[tuple(dims)]
 
 
+def divide_gradients(unit, factor: int, mesh) -> None:
+    """An FSDP unit over `mesh` whose gradients are reduced as a sum divided by `factor` instead of the mesh's
+    size (experts that borrow data-parallel ranks: frontend.desugar). gloo has no PreMulSum: there the sum
+    is reduced and divided after."""
+    import torch.distributed as dist
+
+    unit.set_gradient_divide_factor(float(factor))
+    if dist.get_backend(mesh.get_group()) == "gloo":
+        unit.set_force_sum_reduction_for_comms(True)
+
+
+def mesh_of(mesh, dims, flat: bool = False):
+    """The mesh a plan's mesh ref names: some dims of `mesh`, or (`flat`, `world[dp*ep]`) those dims flattened
+    into one, named by joining theirs with `_`."""
+    return flat_mesh(mesh, dims) if flat else submesh(mesh, dims)
+
+
 def flat_mesh(mesh, dims):
     """A 1-D mesh over the given dims (DDP-style replicate takes only 1-D meshes)."""
     sub = submesh(mesh, dims)

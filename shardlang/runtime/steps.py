@@ -41,7 +41,7 @@ class Running:
     pp_rank: int | None = None
 
     def mesh(self, ref: ir.MeshRef):
-        return helpers.submesh(self.meshes[ref.mesh], ref.dims)
+        return helpers.mesh_of(self.meshes[ref.mesh], ref.dims, ref.flat)
 
     def module(self, fqn: str) -> nn.Module:
         return self.model.get_submodule(fqn) if fqn else self.model
@@ -72,6 +72,8 @@ class StepType:
 def mesh_expr(ref: ir.MeshRef, program: p.Program) -> str:
     mesh = next(m for m in program.meshes if m.name == ref.mesh)
     var = mesh_var(ref.mesh)
+    if ref.flat:
+        return f"{var}[{tuple(ref.dims)!r}]._flatten({ref.flat_name!r})"
     if ref.dims == mesh.dims:
         return var
     return f"{var}[{', '.join(repr(d) for d in ref.dims)}]"
@@ -240,14 +242,20 @@ def run_fully_shard(step: p.FullyShard, ctx: Running) -> None:
 
     modules = [ctx.module(fqn) for fqn in (step.module, *step.also)]
     kwargs = {k: to_torch(v) for k, v in step.kwargs}
-    fully_shard(modules if step.together else modules[0], mesh=ctx.mesh(step.mesh), **kwargs)
+    unit = fully_shard(modules if step.together else modules[0], mesh=ctx.mesh(step.mesh), **kwargs)
+    if step.divide_by is not None:
+        helpers.divide_gradients(unit, ctx.mesh(step.divide_by).size(), ctx.mesh(step.mesh))
 
 
 def write_fully_shard(step: p.FullyShard, program: p.Program, module: str) -> list[str]:
     """`module` is the first module's expression, or (for targets matched at run time) the list of them all."""
     if step.also and all(isinstance(fqn, str) for fqn in step.also):
         module = f"[{', '.join([module, *map(module_source, step.also)])}]"
-    return [f"fully_shard({module}, mesh={mesh_expr(step.mesh, program)}{_kwargs(step.kwargs)})"]
+    call = f"fully_shard({module}, mesh={mesh_expr(step.mesh, program)}{_kwargs(step.kwargs)})"
+    if step.divide_by is not None:
+        mesh = mesh_expr(step.mesh, program)
+        return [f"divide_gradients({call}, {mesh_expr(step.divide_by, program)}.size(), {mesh})"]
+    return [call]
 
 
 def run_replicate(step: p.Replicate, ctx: Running) -> None:
@@ -349,6 +357,7 @@ STEPS: dict[type, StepType] = {
     p.FullyShard: StepType(
         run_fully_shard,
         write_fully_shard,
+        helpers=(helpers.divide_gradients,),
         names=lambda step: {"torch.distributed.fsdp.fully_shard"} | _value_names(step),
     ),
     p.Replicate: StepType(

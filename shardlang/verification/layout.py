@@ -17,6 +17,7 @@ from attrs import frozen
 from torch.distributed.tensor import DTensor, Shard
 
 from ..frontend import ir
+from ..frontend.desugar import borrowed_dims
 from ..runtime.modelfile import ModelFileError, describe, user_code
 
 
@@ -49,7 +50,12 @@ def layout(ctx) -> Layout:
         return Layout(None, (), 0, 1, 0, 1)
     mesh = ctx.applied.meshes[name]
     dims = tuple(mesh.mesh_dim_names)
-    tp_dims = tuple(d for d in dims if any(b.mesh.mesh == name and d in b.mesh.dims for b in plan.parallelize))
+    # A dim a parallelize block splits holds one replica's shards, except an ep dim whose experts borrow
+    # data-parallel ranks (`fully_shard on world[dp*ep]`): its ranks train on different data.
+    borrowed = borrowed_dims(plan).get(name, set())
+    tp_dims = tuple(
+        d for d in dims if d not in borrowed and any(b.mesh.mesh == name and d in b.mesh.dims for b in plan.parallelize)
+    )
     coordinate = mesh.get_coordinate()
     sizes = dict(zip(dims, mesh.shape))
     at = dict(zip(dims, coordinate))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Protocol, TypeAlias
 
@@ -32,8 +33,12 @@ class Rule(Protocol):
 
 
 def dim_sizes(plan: ir.Plan, shapes: Shapes) -> dict[tuple[str, str], int]:
-    """(mesh, dim) -> size at this world size."""
-    return {(m.name, d): n for m in plan.meshes for d, n in zip(m.dim_names, shapes[m.name])}
+    """(mesh, dim) -> size at this world size; a flattened dim (`world[dp*ep]`) by its name (`dp_ep`)."""
+    sizes = {(m.name, d): n for m in plan.meshes for d, n in zip(m.dim_names, shapes[m.name])}
+    for ref in (block.mesh for block in plan.units):
+        if ref.flat:
+            sizes[(ref.mesh, ref.flat_name)] = math.prod(sizes[(ref.mesh, d)] for d in ref.dims)
+    return sizes
 
 
 def unit_span(plan: ir.Plan, unit: UnitMatch) -> Span:

@@ -60,11 +60,27 @@ def tensor_and_data_dims(
     """SL218: a dim that a `parallelize` block splits tensors over (tensor or expert parallelism: its ranks
     share their batch) and a `fully_shard` or `replicate` block also names (its ranks train on different
     data). FSDP2 and DDP cannot spread over a dim the tensors are already split on; torch fails at the first
-    `fully_shard` ("Cannot concatenate overlapping meshes"). One diagnostic per data-parallel block."""
+    `fully_shard` ("Cannot concatenate overlapping meshes"). One diagnostic per data-parallel block.
+    The exception: a flattened mesh (`world[dp*ep]`) over a dim that only `expert_parallel` rules split,
+    whose experts get their own unit over the other dims (frontend.desugar)."""
     split = {(b.mesh.mesh, dim): b for b in plan.parallelize for dim in b.mesh.dims}
+    experts_only = {
+        key
+        for key in split
+        if all(
+            r.style.name == "expert_parallel"
+            for b in plan.parallelize
+            if (b.mesh.mesh, *b.mesh.dims[:1]) == key
+            for r in b.rules
+        )
+    }
     found = []
     for unit in plan.units:
-        both = [dim for dim in unit.mesh.dims if (unit.mesh.mesh, dim) in split]
+        both = [
+            dim
+            for dim in unit.mesh.dims
+            if (unit.mesh.mesh, dim) in split and not (unit.mesh.flat and (unit.mesh.mesh, dim) in experts_only)
+        ]
         if not both:
             continue
         block = split[(unit.mesh.mesh, both[0])]
@@ -78,7 +94,8 @@ def tensor_and_data_dims(
                 (
                     f"the parallelize block: {block.mesh.span.file}:{block.mesh.span.line}:{block.mesh.span.col}",
                     "give data parallelism its own dim (`mesh world = auto[dp=auto, tp=2]`: parallelize on world.tp, "
-                    "fully_shard on world.dp)",
+                    "fully_shard on world.dp); for experts that borrow data-parallel ranks, flatten the dims "
+                    "(`fully_shard on world[dp*ep]`)",
                 ),
             )
         )
