@@ -278,3 +278,36 @@ def test_moe_with_transformers_default_experts_passes_and_a_dropped_reduction_fa
     assert reports["fixed"].data["truth"] == "float64 (torch._grouped_mm by float64 matmuls)"
     assert reports["dropped"].status == "fail", reports["dropped"].message
     assert "self_attn.q_norm.weight" in reports["dropped"].message
+
+
+def test_init_writes_expert_parallelism_from_the_models_ep_plan():
+    """--ep: transformers' ep_plan (`ep_dispatch_experts` on the experts module) becomes expert_parallel on an
+    ep dim that borrows data-parallel ranks; the tp rules inside the experts stay comments."""
+    from examples.hf_qwen3_moe import build_model
+
+    with torch.device("meta"):
+        model = build_model()
+    text = init_plan(model, tp=2, ep=2)
+    assert "mesh world = auto[dp=auto, ep=2, tp=2]" in text
+    assert re.search(r"\n    model\.layers\.\*\.mlp\.experts +: expert_parallel\n", text), text
+    assert re.search(r"# model\.layers\.\*\.mlp\.experts +: moe_tp_experts: the experts are split over ep", text)
+    assert "fully_shard on world[dp*ep] {" in text
+    plain = init_plan(model, ep=2)
+    assert "mesh world = auto[dp=auto, ep=2]" in plain and "parallelize on world.tp" not in plain
+    # a model without an ep_plan keeps no ep dim, and says why
+    from examples.hf_qwen3 import build_model as dense
+
+    with torch.device("meta"):
+        text = init_plan(dense(), ep=2)
+    assert "mesh world = auto[dp=auto]" in text and "--ep 2 asked for, but the model carries no ep_plan" in text
+
+
+@pytest.mark.distributed
+def test_init_applies_the_expert_parallel_plan_it_writes(tmp_path, capsys, monkeypatch):
+    from shardlang.cli.main import main
+
+    monkeypatch.chdir(ROOT)
+    plan = tmp_path / "moe.sl"
+    assert main(["init", "examples/hf_qwen3_moe.py", "--ep", "2", "-o", str(plan)]) == 0
+    out = capsys.readouterr().out
+    assert "linted clean and applied at world 4 on CPU: 5 passed, 1 reported" in out, out

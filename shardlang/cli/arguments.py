@@ -161,6 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument(
         "--dp", type=_positive, metavar="N", help="data-parallel size (default: auto, what the world leaves)"
     )
+    init.add_argument(
+        "--ep",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="expert-parallel size, from a transformers MoE's own ep_plan; the ep ranks borrow data-parallel ones "
+        "(default 1: none)",
+    )
     init.add_argument("-o", "--output", metavar="PLAN", help="write the plan to PLAN instead of stdout")
     init.add_argument(
         "--no-check",

@@ -56,8 +56,8 @@ WHY_NOT = {
     "moe_identity_expert": "goes with moe_tp_experts: no built-in style",
     "mla_kv_a_proj": "MLA's rotary slice with its gradient summed over tp: no built-in style",
     "local_params": "a module run on its local shards: no built-in style",
-    "ep_dispatch_experts": "expert parallelism (experts spread over ranks): no built-in style",
-    "grouped_gemm": "expert parallelism (experts spread over ranks): no built-in style",
+    "ep_dispatch_experts": "expert parallelism: `shardlang init --ep N` writes expert_parallel",
+    "grouped_gemm": "expert parallelism: `shardlang init --ep N` writes expert_parallel",
     "ep_router": "expert parallelism (experts spread over ranks): no built-in style",
     "isolated": "expert parallelism (experts spread over ranks): no built-in style",
     # older transformers: shards kept as plain tensors, their partial sums reduced by a `gather` above
@@ -111,17 +111,18 @@ def _nested(inner: str, outer: str) -> bool:
     return not outer or inner.startswith(outer + ".")
 
 
-def hf_tp_plan(model: nn.Module) -> dict[str, str]:
+def hf_tp_plan(model: nn.Module, kind: str = "tp") -> dict[str, str]:
     """A transformers model's TP plan with keys relative to `model`: the config's `base_model_tp_plan`
-    (relative to the base model, e.g. `model.`) and the model class's own `_tp_plan` (e.g. lm_head)."""
+    (relative to the base model, e.g. `model.`) and the model class's own `_tp_plan` (e.g. lm_head).
+    `kind="ep"`: its expert-parallel plan (`base_model_ep_plan`, `_ep_plan`) instead."""
     config = getattr(model, "config", None)
     plan: dict[str, str] = {}
-    base = getattr(config, "base_model_tp_plan", None) or {}
+    base = getattr(config, f"base_model_{kind}_plan", None) or {}
     prefix = getattr(model, "base_model_prefix", "")
     prefix = f"{prefix}." if prefix and hasattr(model, prefix) else ""
     for key, style in base.items():
         plan[prefix + key] = style
-    for key, style in (getattr(model, "_tp_plan", None) or {}).items():
+    for key, style in (getattr(model, f"_{kind}_plan", None) or {}).items():
         if not key.startswith(prefix) or key not in plan:
             plan[key] = style
     return plan
@@ -139,18 +140,53 @@ def translate(model: nn.Module, key: str, style: str) -> tuple[str | None, str]:
     return ours, ""
 
 
+#: transformers' expert-parallel styles (its `base_model_ep_plan`) and shardlang's: the experts module is
+#: split by `expert_parallel`; its stacked tensors (`grouped_gemm`) go with it.
+HF_EP_STYLES: Mapping[str, str | None] = {"ep_dispatch_experts": "expert_parallel", "grouped_gemm": None}
+
+
+def _ep_rules(model: nn.Module) -> list[tuple[str, str, str | None, str]]:
+    """The model's ep_plan as (key, style, shardlang style or None, why not)."""
+    rules = []
+    for key, style in hf_tp_plan(model, "ep").items():
+        if not modules_matching(model, key):  # a parameter (grouped_gemm), or a module this model lacks
+            rules.append((key, style, None, translate(model, key, style)[1]))
+            continue
+        ours = HF_EP_STYLES.get(style)
+        rules.append((key, style, ours, "" if ours else "no shardlang style does this"))
+    return rules
+
+
 def init_plan(
-    model: nn.Module, *, tp: int = 1, dp: int | None = None, name: str = "the model", order: Order | None = None
+    model: nn.Module,
+    *,
+    tp: int = 1,
+    dp: int | None = None,
+    ep: int = 1,
+    name: str = "the model",
+    order: Order | None = None,
 ) -> str:
     """A commented starter plan for `model` (built on any device, meta included) at `tp`-way tensor
-    parallelism (1: none) and `dp`-way data parallelism (None: whatever the world leaves). Every mesh dim
-    it writes is used by a statement: without a rule to shard over tp (no TP plan, or none of its
-    styles has an equivalent), there is no tp dim, and a comment says why (SL217). `order`: the order the
-    model's modules run in (compiler.trace), to keep FSDP units off stacks whose blocks never run."""
+    parallelism (1: none), `dp`-way data parallelism (None: whatever the world leaves) and `ep`-way expert
+    parallelism (1: none; the ep ranks borrow data-parallel ones, FSDP over `world[dp*ep]`). Every mesh
+    dim it writes is used by a statement: without a rule to shard over tp (no TP plan, or none of its
+    styles has an equivalent), there is no tp dim, and a comment says why (SL217); likewise ep. `order`:
+    the order the model's modules run in (compiler.trace), to keep FSDP units off stacks whose blocks
+    never run."""
     stacks = block_stacks(model, order)
+    experts = _ep_rules(model) if ep > 1 else []
+    keeps_ep = any(ours is not None for _, _, ours, _ in experts)
+    split = [key for key, _, ours, _ in experts if ours is not None]
     rules = [(key, style, *translate(model, key, style)) for key, style in hf_tp_plan(model).items()] if tp > 1 else []
+    # Tensor parallelism inside the experts expert parallelism splits: not both (no expert TP yet).
+    rules = [
+        (key, style, None, "the experts are split over ep instead")
+        if any(key == e or key.startswith(e + ".") for e in split)
+        else (key, style, ours, why)
+        for key, style, ours, why in rules
+    ]
     keeps_tp = any(ours is not None for _, _, ours, _ in rules)
-    dims = [f"dp={dp if dp else 'auto'}"] + ([f"tp={tp}"] if keeps_tp else [])
+    dims = [f"dp={dp if dp else 'auto'}"] + ([f"ep={ep}"] if keeps_ep else []) + ([f"tp={tp}"] if keeps_tp else [])
     lines = [
         f"# Starter plan for {name}, written by `shardlang init`: read it, then edit it.",
         "shardlang 1",
@@ -179,10 +215,28 @@ def init_plan(
         )
         lines += ["", *(f"# {line}" for line in textwrap.wrap(said, 98))]
         lines += [f"#     {key} : {style}: {reason}" for key, style, _, reason in rules]
+    if keeps_ep:
+        lines += [
+            "",
+            "# Expert parallelism, from the model's own ep_plan (transformers): each layer's experts split over",
+            "# ep, each rank's tokens sent to their experts' ranks and back. The ep ranks train on their own data:",
+            "# fully_shard below spreads over dp*ep, and the experts get their own unit over dp.",
+            "parallelize on world.ep {",
+        ]
+        width = max(len(key) for key, *_ in experts)
+        for key, style, ours, why in experts:
+            lines.append(f"    # {key:<{width}} : {style}: {why}" if ours is None else f"    {key:<{width}} : {ours}")
+        lines.append("}")
+    elif ep > 1:
+        said = (
+            f"--ep {ep} asked for, but the model carries no ep_plan with an experts module: no expert "
+            "parallelism, and so no ep dim (SL217)."
+        )
+        lines += ["", *(f"# {line}" for line in textwrap.wrap(said, 98))]
     lines += ["", "# FSDP2: one unit per repeated block, and the root (the rest)."]
     if not stacks:
         lines.append("# No stack of repeated blocks with parameters was found: the root is the only unit.")
-    lines.append("fully_shard on world.dp {")
+    lines.append(f"fully_shard on world{'[dp*ep]' if keeps_ep else '.dp'} {{")
     lines += [f"    each {stack}.*" for stack in stacks]
     lines += ["    mixed_precision(param=bf16, reduce=fp32)", "}"]
     lines += [

@@ -170,7 +170,8 @@ def _helpers(program: p.Program) -> list[str]:
     for step_type, kind in STEPS.items():
         if step_type not in present:
             continue
-        for helper in kind.helpers:
+        needed = [h for s in program.steps if type(s) is step_type for h in kind.needs(s)]
+        for helper in (*kind.helpers, *needed):
             if helper not in seen:
                 seen.add(helper)
                 blocks.append(inspect.getsource(helper).rstrip())

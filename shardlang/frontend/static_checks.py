@@ -14,6 +14,7 @@ import attrs
 
 from . import ir
 from . import syntax as s
+from .desugar import expert_units
 from .diagnostics import (
     SL100,
     SL101,
@@ -29,7 +30,6 @@ from .diagnostics import (
     Diagnostic,
     did_you_mean,
 )
-from .desugar import expert_units
 from .parse import parse_literal
 from .schema import (
     BLOCK_OPTIONS,

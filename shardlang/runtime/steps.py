@@ -56,6 +56,8 @@ class StepType:
     write: Callable[[Any, p.Program, str], list[str]]
     #: Helpers (runtime.helpers) the printed lines call: the printed program pastes their source.
     helpers: tuple[Callable, ...] = ()
+    #: Helpers only some steps of the kind call, by step.
+    needs: Callable[[Any], tuple[Callable, ...]] = lambda step: ()
     #: Public torch names (import paths) the printed lines need, from the step's values.
     names: Callable[[Any], set[str]] = lambda step: set()
     #: An import line for a torch API with no public path.
@@ -357,7 +359,7 @@ STEPS: dict[type, StepType] = {
     p.FullyShard: StepType(
         run_fully_shard,
         write_fully_shard,
-        helpers=(helpers.divide_gradients,),
+        needs=lambda step: (helpers.divide_gradients,) if step.divide_by is not None else (),
         names=lambda step: {"torch.distributed.fsdp.fully_shard"} | _value_names(step),
     ),
     p.Replicate: StepType(
