@@ -64,7 +64,7 @@ def test_the_bed_covers_what_issue_23_asks_for():
     families = {c.family for c in found}
     assert "titan_llama3" in families and len(families - {"titan_llama3"}) >= 8
     assert {c.family for c in found if c.module is None} == {c.family for c in found if c.module is not None}
-    models = {p.stem for p in (ROOT / "examples" / "field").glob("*.py")} - {"common", "mla"}
+    models = {p.stem for p in (ROOT / "examples" / "field").glob("*.py")} - {"common"}
     assert models == families
 
 

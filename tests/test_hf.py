@@ -76,7 +76,8 @@ def test_every_transformers_style_has_a_shardlang_style_or_a_reason():
         if ours is None:
             assert hf in WHY_NOT, f"{hf}: no style and no reason"
         else:
-            shardlang.loads(f"mesh world = cpu[tp=2]\nparallelize on world.tp {{ a : {ours} }}\n")
+            style = ours.format(rope=8)  # a template filled from the model's config
+            shardlang.loads(f"mesh world = cpu[tp=2]\nparallelize on world.tp {{ a : {style} }}\n")
 
 
 REVIEWED = re.compile(r"^(\s*\S+\s*:\s*)\S+(\s*)# reviewed: was (\S+)$")
@@ -311,3 +312,21 @@ def test_init_applies_the_expert_parallel_plan_it_writes(tmp_path, capsys, monke
     assert main(["init", "examples/hf_qwen3_moe.py", "--ep", "2", "-o", str(plan)]) == 0
     out = capsys.readouterr().out
     assert "linted clean and applied at world 4 on CPU: 5 passed, 1 reported" in out, out
+
+
+def test_init_writes_mla_with_the_models_rotary_width():
+    """DeepSeek-V2's tp_plan says `mla_kv_a_proj` on kv_a_proj_with_mqa: init writes the built-in style with
+    rope= the config's qk_rope_head_dim, and lint checks it against the module."""
+    import shardlang
+    from examples.field.deepseek_v2 import build_model
+
+    with torch.device("meta"):
+        model = build_model()
+    text = init_plan(model, tp=2)
+    assert re.search(r"\n    model\.layers\.\*\.self_attn\.kv_a_proj_with_mqa +: mla_kv_a_proj\(rope=8\)\n", text), text
+    assert not [d for d in shardlang.loads(text).lint(model, world_size=4) if d.is_error]
+    bad = text.replace("mla_kv_a_proj(rope=8)", "mla_kv_a_proj(rope=40)")
+    found = [d for d in shardlang.loads(bad).lint(model, world_size=4) if d.code == "SL202"]
+    assert found and "rope=40 leaves no latent of its 40 outputs" in found[0].help[0] + found[0].message
+    with pytest.raises(shardlang.PlanError, match="mla_kv_a_proj needs rope=N"):
+        shardlang.loads(text.replace("mla_kv_a_proj(rope=8)", "mla_kv_a_proj"))

@@ -37,7 +37,7 @@ HF_STYLES: Mapping[str, str | None] = {
     "packed_rowwise": None,
     "moe_tp_experts": None,
     "moe_identity_expert": None,
-    "mla_kv_a_proj": None,
+    "mla_kv_a_proj": "mla_kv_a_proj(rope={rope})",  # rope: the config's qk_rope_head_dim (translate)
     "local_params": None,
     "local_colwise": None,
     "local_rowwise": None,
@@ -54,7 +54,6 @@ WHY_NOT = {
     "packed_rowwise": "3-D expert tensors stored [experts, hidden, 2 x width]: no built-in style",
     "moe_tp_experts": "no built-in style: the experts stay whole on each tp rank; fully_shard shards them over dp",
     "moe_identity_expert": "goes with moe_tp_experts: no built-in style",
-    "mla_kv_a_proj": "MLA's rotary slice with its gradient summed over tp: no built-in style",
     "local_params": "a module run on its local shards: no built-in style",
     "ep_dispatch_experts": "expert parallelism: `shardlang init --ep N` writes expert_parallel",
     "grouped_gemm": "expert parallelism: `shardlang init --ep N` writes expert_parallel",
@@ -137,6 +136,13 @@ def translate(model: nn.Module, key: str, style: str) -> tuple[str | None, str]:
     ours = HF_STYLES.get(style)
     if ours is None:
         return None, WHY_NOT.get(style, "no shardlang style does this")
+    if "{rope}" in ours:
+        config = getattr(model, "config", None)
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        rope = getattr(config, "qk_rope_head_dim", None)
+        if rope is None:
+            return None, "mla_kv_a_proj needs the rotary width, and the model's config has no qk_rope_head_dim"
+        return ours.format(rope=rope), ""
     return ours, ""
 
 

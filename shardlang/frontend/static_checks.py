@@ -361,7 +361,10 @@ class _Checker:
     def style(self, call: s.Call) -> ir.Style:
         name = call.name.text
         if name in STYLES:
-            return ir.Style(name, self.kwargs(call.args, STYLES[name], "style", name), call.span)
+            style = ir.Style(name, self.kwargs(call.args, STYLES[name], "style", name), call.span)
+            if name == "mla_kv_a_proj" and style.get("rope") is None:
+                self.error(SL102, "mla_kv_a_proj needs rope=N", call.span, "N: the model config's qk_rope_head_dim")
+            return style
         if name in self.uses:
             return ir.Style(name, self.kwargs(call.args, None, "style", name), call.span, self.uses[name])
         hint = did_you_mean(name, [*STYLES, *self.uses]) or (

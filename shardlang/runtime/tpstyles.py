@@ -212,6 +212,30 @@ class ReplicatedWithGradAllReduce(ParallelStyle):
         return module
 
 
+class MlaKvAProjParallel(ParallelStyle):
+    """DeepSeek's multi-head latent attention under tensor parallelism over heads: `kv_a_proj_with_mqa`
+    stays whole on every rank (its parameters plain) and outputs [latent | rotary key]. The latent goes on
+    to a colwise `kv_b_proj`, whose backward sums its input gradient over tp; the `rope` rotary features
+    are shared by every head, and each rank uses them for its own heads only, so the gradient of that slice
+    of the output is summed over the mesh here. transformers' `mla_kv_a_proj`."""
+
+    def __init__(self, rope: int):
+        super().__init__()
+        self.rope = rope
+
+    def _apply(self, module, device_mesh):
+        import torch
+
+        group, rope = device_mesh.get_group(), self.rope
+
+        def summed_rope(module, args, output):
+            latent, key = output.split([output.shape[-1] - rope, rope], dim=-1)
+            return torch.cat([latent, SumGradOver.apply(key, group)], dim=-1)
+
+        module.register_forward_hook(summed_rope)
+        return module
+
+
 def fsdp_shard_placement(param):
     """FSDP2's shard placement for `param` (its `shard_placement_fn`): Shard(1) for a weight that
     packed_colwise split part by part over TP, whose rows FSDP's Shard(0) would cut in a way DTensor

@@ -211,7 +211,7 @@ def _after(style: ir.Style) -> str | None:
     (unchanged: its children's styles decide)."""
     style = _as_torch(style)
     name = style.name
-    if name == "replicated_with_grad_allreduce":  # runs on each rank's part: activations unchanged
+    if name in ("replicated_with_grad_allreduce", "mla_kv_a_proj"):  # activations unchanged
         return None
     if name == "expert_parallel":  # tokens gathered back whole on every rank
         return REPLICATED

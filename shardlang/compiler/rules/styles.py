@@ -68,6 +68,12 @@ def _misfit(style: ir.Style, module: nn.Module, tp: int) -> str | None:
                 f"its {rows} output rows do not split into {parts} equal parts that each divide by tp={tp}: "
                 "packed_colwise needs out_features divisible by parts x tp"
             )
+    if kind == "mla_kv_a_proj":
+        rope = style.get("rope")
+        if not isinstance(module, nn.Linear):
+            return f"mla_kv_a_proj is for MLA's kv_a_proj_with_mqa, an nn.Linear; {fitting_style(module)}"
+        if rope >= module.out_features:
+            return f"rope={rope} leaves no latent of its {module.out_features} outputs (rope: the rotary key's width)"
     if kind == "expert_parallel":
         experts = stacked_experts(module)
         if experts is None:
