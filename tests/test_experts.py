@@ -262,3 +262,22 @@ def test_the_printed_program_borrows_the_ranks_as_apply_does(pools):
     assert pools(4).run(
         dist_jobs.emitted_code_matches_apply, BORROWED.read_text(), "examples.field.olmoe:build_model", 4
     )[0]
+
+
+@pytest.mark.distributed
+def test_explain_counts_the_borrowed_ranks_and_fits_a_batch():
+    """explain of the borrowed layout at world 8 (dp 4 x ep 2): 8 replicas, FSDP's collectives over all the
+    ranks and the experts' over dp, the all-to-alls over ep (uniform routing, said so), and --fit."""
+    import shardlang
+    from examples.field.olmoe import build_model, example_input, loss
+
+    with torch.device("meta"):
+        model = build_model()
+    e = shardlang.load(BORROWED).explain(model, world_size=8, example_input=example_input, loss=loss, fit=64 * 2**20)
+    assert e.peak.replicas == 8
+    dims = {d.mesh_dim: d for d in e.time.dims}
+    assert dims["world"].group == 8 and dims["world.dp"].group == 4 and dims["world.ep"].group == 2, dims
+    assert not dims["world.ep"].overlapped and dims["world.ep"].bytes > 0
+    assert {c.op for c in e.collectives if c.mesh_dim == "world.ep"} >= {"all_to_all_single"}, e.collectives
+    assert any("routing taken as uniform" in n for n in e.notes)
+    assert e.fit.batch > 1 and e.fit.peak <= 64 * 2**20

@@ -124,4 +124,7 @@ def group_names(applied) -> dict[str, str]:
     for mesh_name, mesh in applied.meshes.items():
         for dim in mesh.mesh_dim_names or ():
             names[mesh.get_group(dim).group_name] = f"{mesh_name}.{dim}"
+    for block in applied.program.plan.units:  # flattened dims (`world[dp*ep]`): a group of their own
+        if block.mesh.flat:
+            names.setdefault(applied.mesh(block.mesh).get_group().group_name, str(block.mesh))
     return names

@@ -149,7 +149,10 @@ def _explain_here(plan: ir.Plan, model: nn.Module | None, options: ExplainOption
             stepper = Stepper(simulated, model, applied, model_file, options.full_step)
             try:
                 collectives, notes, peak, tally = stepper.run(options.batch)
-                timed = step_time(tally, collectives, meshes, world_size, options.hardware, peak.tokens, peak.replicas)
+                flat = tuple(b.mesh for b in plan.units if b.mesh.flat)
+                timed = step_time(
+                    tally, collectives, meshes, world_size, options.hardware, peak.tokens, peak.replicas, flat
+                )
                 if options.fit is not None:
                     fitted = stepper.fit(options.fit, peak)
             except Exception as e:  # noqa: BLE001 - the layouts stand; the step is what fails

@@ -261,14 +261,21 @@ def _ring(op: str, n: int) -> float:
     return 1.0
 
 
-def dim_layout(meshes, world_size: int, gpus_per_node: int) -> dict[str, tuple[int, bool]]:
-    """`mesh.dim` (and `world`) -> (group size, inside one node)."""
+def dim_layout(meshes, world_size: int, gpus_per_node: int, flat=()) -> dict[str, tuple[int, bool]]:
+    """`mesh.dim` (and `world`, and each flattened ref of `flat`, `world[dp*ep]`) -> (group size, inside
+    one node). A group's ranks span from its first to its last: the sum of (size - 1) x stride over its
+    dims, plus one."""
     layout = {"world": (world_size, world_size <= gpus_per_node)}
+    strides = {}
     for mesh, dims in meshes:
         sizes = [n for _, n in dims]
         for i, (dim, n) in enumerate(dims):
-            span = n * math.prod(sizes[i + 1 :])
-            layout[f"{mesh}.{dim}"] = (n, span <= gpus_per_node)
+            strides[(mesh, dim)] = (n, math.prod(sizes[i + 1 :]))
+            layout[f"{mesh}.{dim}"] = (n, n * strides[(mesh, dim)][1] <= gpus_per_node)
+    for ref in flat:
+        parts = [strides[(ref.mesh, d)] for d in ref.dims]
+        span = 1 + sum((n - 1) * stride for n, stride in parts)
+        layout[str(ref)] = (math.prod(n for n, _ in parts), span <= gpus_per_node)
     return layout
 
 
@@ -285,7 +292,9 @@ def link_of(mesh_dim: str, layout: dict, world_size: int, hw: Hardware) -> tuple
     return (hw.intra, "nvlink", n) if inside else (hw.inter, "infiniband", n)
 
 
-def step_time(tally: Tally, collectives, meshes, world_size: int, hw: Hardware, tokens: int, replicas: int) -> StepTime:
+def step_time(
+    tally: Tally, collectives, meshes, world_size: int, hw: Hardware, tokens: int, replicas: int, flat=()
+) -> StepTime:
     compute = recompute = 0.0
     flops = model_flops = 0
     kernels = dtensor_ops = 0
@@ -314,7 +323,7 @@ def step_time(tally: Tally, collectives, meshes, world_size: int, hw: Hardware, 
             recompute += seconds
         else:
             model_flops += op_flops * count
-    layout = dim_layout(meshes, world_size, hw.gpus_per_node)
+    layout = dim_layout(meshes, world_size, hw.gpus_per_node, flat)
     per_dim: dict[tuple[str, bool], list] = {}
     for c in collectives:
         link, kind, n = link_of(c.mesh_dim, layout, world_size, hw)
