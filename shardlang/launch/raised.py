@@ -30,6 +30,10 @@ def watching(model: torch.nn.Module, finished: dict[str, int]):
     ticks = itertools.count()
 
     def hook(module, args, output) -> None:
+        # Inside a compiled module (a plan's `compile`) dynamo traces this hook: it does nothing there
+        # (dynamo folds is_compiling() to True), leaving those modules' order unknown, not the graph broken.
+        if torch.compiler.is_compiling():
+            return
         name = names.get(id(module))
         if name is not None:
             finished[name] = next(ticks)
