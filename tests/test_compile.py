@@ -188,3 +188,17 @@ def test_the_gradients_check_steps_the_compiled_loss(tmp_path, compiled):
         (finding,) = [d for d in report["diagnostics"] if "first disagreement" in d["message"]]
         assert "as the loss sent it back" in finding["message"]
         assert (finding["line"], finding["col"]) == (6, 9), finding
+
+
+def test_the_finishing_order_hook_stays_out_of_compiled_code():
+    """launch.raised.watching's global forward hook runs inside a compiled module's graph too, where
+    torch 2.11's dynamo cannot trace it (every check of a fullgraph plan raised on the GPUs): it notes
+    nothing there, and everything outside."""
+    from shardlang.launch.raised import watching
+
+    model = MLP()
+    model.net1.compile(backend="eager", fullgraph=True)
+    finished: dict[str, int] = {}
+    with watching(model, finished):
+        model(torch.ones(2, 16))
+    assert "net1" not in finished and {"net2", "relu", ""} <= set(finished), finished
