@@ -1,0 +1,55 @@
+"""Jobs for the context-parallel tests: run on every rank of a worker pool (gloo)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shardlang.runtime.context import ContextParallelAttention, join_sequence, split_sequence
+
+
+def attention_matches_whole(causal: bool, balanced: bool, gqa: bool = False) -> dict[str, float]:
+    """Each rank's shard of q, k and v (batch 2, heads 4, sequence 16, head dim 8) through SDPA under
+    ContextParallelAttention; the output and the gradients of q, k and v, joined back in sequence order,
+    against SDPA on the whole sequence: the largest difference of each."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(0)
+    kv_heads = 2 if gqa else 4
+    q = torch.randn(2, 4, 16, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, kv_heads, 16, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    upstream = torch.randn(2, 4, 16, 8, generator=g, dtype=torch.float64)
+    kwargs = {"is_causal": causal, **({"enable_gqa": True} if gqa else {})}
+
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*whole, **kwargs)
+    (out * upstream).sum().backward()
+
+    mine = [split_sequence(t, 2, world, rank, balanced).requires_grad_() for t in (q, k, v)]
+    with ContextParallelAttention(dist.group.WORLD, balanced):
+        local = F.scaled_dot_product_attention(*mine, **kwargs)
+    (local * split_sequence(upstream, 2, world, rank, balanced)).sum().backward()
+
+    def joined(t: torch.Tensor) -> torch.Tensor:
+        shards = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(shards, t.contiguous())
+        return join_sequence(shards, 2, balanced)
+
+    return {
+        "output": float((joined(local.detach()) - out.detach()).abs().max()),
+        **{f"{name}_grad": float((joined(m.grad) - w.grad).abs().max()) for name, m, w in zip("qkv", mine, whole)},
+    }
+
+
+def mask_of_the_other_layout() -> dict[str, float]:
+    """Shards cut plainly, attention told they are head-tail: the output differs from the whole's."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    mine = [split_sequence(t, 2, world, rank, balanced=False) for t in (q, k, v)]
+    with ContextParallelAttention(dist.group.WORLD, balanced=True):
+        local = F.scaled_dot_product_attention(*mine, is_causal=True)
+    shards = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(shards, local.contiguous())
+    return {"output": float((join_sequence(shards, 2, balanced=False) - out).abs().max())}
