@@ -7,6 +7,8 @@ the standard library and the other functions here.
 
 from __future__ import annotations
 
+import re
+
 
 def split_pattern(pattern):
     """`attention.{wq, wk}.weight` -> ["attention", ["wq", "wk"], "weight"]: dotted segments, an
@@ -78,3 +80,21 @@ def named_units_win(matches):
     other = {"fully_shard": "replicate", "replicate": "fully_shard"}
     named = {(fqn, kind) for fqn, kind, by_class, _ in matches if not by_class}
     return [m for m in matches if not (m[2] and (m[0], other[m[1]]) in named)]
+
+
+#: A pattern segment: a name, an integer, `**`, or a glob.
+SEGMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|[0-9]+|\*\*|[A-Za-z0-9_?]*[*?][A-Za-z0-9_?]*(?:\*[A-Za-z0-9_?]*)*")
+
+
+def bad_segment(segments) -> str | None:
+    """The first of a pattern's segments that is not a name, an integer, a glob, `**` or an alternation of
+    those (the static checks' SL102)."""
+    for segment in segments:
+        for part in (segment,) if isinstance(segment, str) else segment:
+            if (
+                not SEGMENT.fullmatch(part)
+                or (part != "**" and "**" in part)
+                or (part == "**" and not isinstance(segment, str))
+            ):
+                return part or "{}" if isinstance(segment, str) else "{" + ",".join(segment) + "}"
+    return None

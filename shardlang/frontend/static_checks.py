@@ -6,7 +6,6 @@ their types (layouts, dtypes, booleans...) by the schema of the place they stand
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +30,7 @@ from .diagnostics import (
     did_you_mean,
 )
 from .parse import parse_literal
+from .patterns import bad_segment
 from .schema import (
     BLOCK_OPTIONS,
     CHECKS,
@@ -342,7 +342,7 @@ class _Checker:
         return ir.MeshRef(name, dims, ref.span, flat=ref.flat)
 
     def target(self, target: s.Target) -> s.Target:
-        bad = _bad_segment(target) if isinstance(target, s.Pattern) else None
+        bad = bad_segment(target.segments) if isinstance(target, s.Pattern) else None
         if bad is not None:
             self.error(
                 SL100,
@@ -574,22 +574,6 @@ class _Checker:
                     f"the first is at line {first[check.name].span.line}",
                 )
             first.setdefault(check.name, check)
-
-
-_SEGMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*|[0-9]+|\*\*|[A-Za-z0-9_?]*[*?][A-Za-z0-9_?]*(?:\*[A-Za-z0-9_?]*)*")
-
-
-def _bad_segment(pattern: s.Pattern) -> str | None:
-    """The first segment that is not a name, an integer, a glob, `**` or an alternation of those."""
-    for segment in pattern.segments:
-        for part in (segment,) if isinstance(segment, str) else segment:
-            if (
-                not _SEGMENT.fullmatch(part)
-                or (part != "**" and "**" in part)
-                or (part == "**" and not isinstance(segment, str))
-            ):
-                return part or "{}" if isinstance(segment, str) else "{" + ",".join(segment) + "}"
-    return None
 
 
 def _merge(base: tuple, own: tuple) -> tuple:
