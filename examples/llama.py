@@ -85,10 +85,13 @@ class Transformer(nn.Module):
         """Recompute the rotary table (a model built on the meta device has none)."""
         self.rope = rotary_table(self.head_dim, self.seq).to(self.rope.device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """`position_ids` (batch, seq), the same for every sequence: where the tokens stand in their
+        sequence, when they are not 0, 1, 2, ... (a context-parallel rank's shard of it)."""
         h = self.tok_embeddings(tokens)
+        rope = self.rope if position_ids is None else self.rope[position_ids[0]]
         for layer in self.layers:
-            h = layer(h, self.rope)
+            h = layer(h, rope)
         return self.output(self.norm(h))
 
 

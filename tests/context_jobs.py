@@ -53,3 +53,24 @@ def mask_of_the_other_layout() -> dict[str, float]:
     shards = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(shards, local.contiguous())
     return {"output": float((join_sequence(shards, 2, balanced=False) - out).abs().max())}
+
+
+def printed_program_runs_like_apply(plan_text: str) -> float:
+    """plans/llama_cp.sl's printed program, on its own: the loss of one forward on whole sequences equals
+    the unsharded model's (the program splits, attends over cp and gathers as apply does)."""
+    import copy
+
+    import shardlang
+    from examples.llama import build_model, causal_lm_loss, example_input
+
+    text = plan_text.replace("init meta", "").replace("mixed_precision(param=bf16, reduce=fp32)", "")
+    plan = shardlang.loads(text, world_size=dist.get_world_size())
+    torch.manual_seed(0)
+    model = build_model()
+    whole = copy.deepcopy(model)
+    namespace: dict = {}
+    exec(compile(plan.to_python(model, dist.get_world_size()), "printed.py", "exec", dont_inherit=True), namespace)
+    sharded = namespace["apply_plan"](model)
+    tokens = example_input(2, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        return float((causal_lm_loss(sharded(tokens), tokens) - causal_lm_loss(whole(tokens), tokens)).abs())

@@ -42,3 +42,93 @@ def test_unbalanced_shards_under_a_head_tail_mask_are_wrong(pools):
     """The planted fault the checks must catch: shards cut plainly while the mask assumes head-tail."""
     errors = pools(2).run(context_jobs.mask_of_the_other_layout)
     assert min(e["output"] for e in errors) > 1e-3, errors
+
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parent.parent
+PLAN = ROOT / "plans" / "llama_cp.sl"
+
+
+def _error(text: str) -> str:
+    import shardlang
+
+    with pytest.raises(shardlang.PlanError) as raised:
+        shardlang.loads("mesh world = cpu[dp=2, cp=2]\n" + text)
+    found = raised.value.diagnostics[0]
+    return f"{found.code} {found.span.line}:{found.span.col} {found.message}"
+
+
+def test_the_statement():
+    import shardlang
+
+    plan = shardlang.load(PLAN)
+    cp = plan.context_parallel
+    assert str(cp.mesh) == "world.cp" and [str(t) for t in cp.targets] == ["layers.*.attention"] and cp.balanced
+    plain = shardlang.loads(PLAN.read_text().replace("load_balance = headtail", "load_balance = none"))
+    assert not plain.context_parallel.balanced
+    assert _error("context_parallel on world.cp { each a }\ncontext_parallel on world.cp { each a }").startswith(
+        "SL103 3:1 context_parallel is given twice"
+    )
+    assert _error("context_parallel on world.cp { }").startswith("SL102 2:1 context_parallel names no attention")
+    assert _error("context_parallel on world[dp, cp] { each a }").startswith("SL107 2:21")
+    assert _error("context_parallel on world.cp { each a; load_balance = zigzag }").startswith(
+        "SL101 2:55 unknown load"
+    )
+    assert _error("context_parallel on world.cp { each a (x=1) }").startswith("SL101")
+
+
+def test_a_cp_dim_nothing_reduces_or_tp_also_splits_is_sl219():
+    import shardlang
+    from examples.llama import Transformer
+
+    with torch.device("meta"):
+        model = Transformer()
+
+    def codes(text: str) -> list[tuple[str, int]]:
+        return [(d.code, d.span.line) for d in shardlang.loads(text).lint(model, world_size=4) if d.is_error]
+
+    base = "mesh world = cpu[dp=2, cp=2]\ncontext_parallel on world.cp { each layers.*.attention }\n"
+    assert codes(base + "fully_shard on world.dp { each layers.* }") == [("SL219", 2)]
+    # (the fully_shard block over a dim a parallelize block splits is SL218 besides)
+    assert ("SL219", 3) in codes(
+        base + "parallelize on world.cp { output : colwise }\nfully_shard on world[dp*cp] { each layers.* }"
+    )
+    assert codes(base + "fully_shard on world[dp*cp] { each layers.* }") == []
+
+
+@pytest.mark.distributed
+def test_positions_left_unshifted_fail_the_gradients_check(tmp_path, pools):
+    """The plan passes; the same model computing each shard's rotary angles from 0 (it takes no
+    position_ids, so nothing can give it the shard's positions) fails the gradients check."""
+    import shardlang
+    from shardlang.launch.job import Job, run
+
+    unshifted = tmp_path / "unshifted.py"
+    unshifted.write_text(
+        "from examples.llama import Transformer, example_input, loss  # noqa: F401\n\n\n"
+        "class FromZero(Transformer):\n    def forward(self, tokens):\n        return super().forward(tokens)\n\n\n"
+        "def build_model():\n    return FromZero()\n"
+    )
+    checks = shardlang.load(PLAN).checks
+    right = pools(4).run(run, Job(str(PLAN), {}, str(ROOT / "examples" / "llama.py"), None, checks))[0]
+    assert right.ok, [(c.check, c.status, c.message) for c in right.checks]
+    wrong = pools(4).run(run, Job(str(PLAN), {}, str(unshifted), None, checks))[0]
+    gradients = next(c for c in wrong.checks if c.check == "gradients")
+    assert gradients.status == "fail", gradients.message
+
+
+@pytest.mark.distributed
+def test_a_module_that_calls_no_sdpa_is_named_at_the_statement(tmp_path):
+    from .conftest import shardlang_cli
+
+    path = tmp_path / "plan.sl"
+    path.write_text(PLAN.read_text().replace("each layers.*.attention", "each layers.*.feed_forward"))
+    done = shardlang_cli("apply", path, ROOT / "examples" / "llama.py", "--nproc", "4")
+    assert done.returncode == 1
+    assert "called no scaled_dot_product_attention" in done.stdout + done.stderr
+    assert f"{path}:11:1: error[SL400] raised in module 'layers.0.feed_forward'" in done.stdout + done.stderr
+
+
+@pytest.mark.distributed
+def test_the_printed_program_splits_attends_and_gathers_as_apply_does(pools):
+    for difference in pools(4).run(context_jobs.printed_program_runs_like_apply, PLAN.read_text()):
+        assert difference < 1e-5, difference

@@ -38,6 +38,9 @@ def lower(plan: ir.Plan, resolution: Resolution | None, world_size: int | None) 
         ties = _ties(resolution) if resolution is not None else None
         if ties is None or ties:
             steps.append(p.Retie(ties))
+    cp = plan.context_parallel
+    if cp is not None:
+        steps.append(p.ContextParallel(tuple(str(t) for t in cp.targets), cp.mesh, cp.balanced, cp.span))
     origin = plan.checkpoint[0].span if plan.checkpoint else None
     if resolution is not None:
         steps += [p.Checkpoint(fqn, origin) for fqn in resolution.checkpoint]

@@ -108,6 +108,17 @@ class Compile:
 
 
 @frozen
+class ContextParallel:
+    """`context_parallel(model, patterns, mesh, balanced)` (runtime.context): the modules the patterns
+    match attend over the whole sequence; the model's inputs are split and its outputs gathered."""
+
+    patterns: tuple[str, ...]
+    mesh: ir.MeshRef
+    balanced: bool
+    origin: Span | None = None
+
+
+@frozen
 class FullyShard:
     """`fully_shard(module, mesh=..., **kwargs)`. With `together` (a `unit` item), one unit over `module`
     and the modules of `also`, or, for targets, over every module they match: `fully_shard([a, b], ...)`."""
@@ -182,6 +193,7 @@ Step = (
     | Distribute
     | UserStyle
     | Retie
+    | ContextParallel
     | Checkpoint
     | Compile
     | FullyShard

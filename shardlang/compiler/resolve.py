@@ -132,6 +132,9 @@ def resolve(plan: ir.Plan, model: nn.Module, pp: int = 1) -> tuple[Resolution, l
 
     compiled, problems = _compiled(plan, modules)
     found += problems
+    for target in plan.context_parallel.targets if plan.context_parallel is not None else ():
+        if not _matches(target, modules, ""):
+            found.append(_no_match(target, modules, ""))
 
     stages = None
     if plan.pipeline is not None:

@@ -66,6 +66,10 @@ class Code(enum.Enum):
         Severity.ERROR,
         "a mesh dim that both splits tensors (parallelize) and shards or replicates units (fully_shard, replicate)",
     )
+    SL219 = (
+        Severity.ERROR,
+        "context_parallel's dim also split by a parallelize block, or reduced by no fully_shard or replicate block",
+    )
     SL220 = (
         Severity.ERROR,
         "lint's simulated training step raises in a module: what it received against what its rule expects",
@@ -132,6 +136,7 @@ class Code(enum.Enum):
     SL216,
     SL217,
     SL218,
+    SL219,
     SL220,
     SL221,
     SL222,

@@ -251,6 +251,18 @@ class CompileLoss:
 
 
 @frozen
+class ContextParallel:
+    """`context_parallel on world.cp { each TARGET }`: every input's sequence split over the dim
+    (`balanced`: head-tail), the matched modules' scaled_dot_product_attention run over the whole sequence
+    (runtime.context), the output gathered back whole."""
+
+    mesh: MeshRef
+    targets: tuple[Target, ...]
+    balanced: bool
+    span: Span
+
+
+@frozen
 class Init:
     mode: str  # "meta" | "rank0" | "cpu" | "auto"
     #: `init meta with METHOD`; None: the model's own way (compiler.initialisers)
@@ -334,6 +346,7 @@ class Plan:
     syncs: tuple[Sync, ...] = ()
     loss_parallel: Span | None = None
     compile_loss: CompileLoss | None = None
+    context_parallel: ContextParallel | None = None
     pipeline: Pipeline | None = None
     checks: tuple[Check, ...] = ()
     #: Warnings found while checking (errors raise PlanError instead).

@@ -210,6 +210,8 @@ UNIT_OPTIONS: dict[str, dict[str, Convert]] = {
     },
 }
 BLOCK_OPTIONS: dict[str, Convert] = {"root": boolean}
+#: Options of a `context_parallel` block.
+CONTEXT_OPTIONS: dict[str, Convert] = {"load_balance": choice("headtail", "none", what="load balancing")}
 
 
 def compile_mode(value: s.Value) -> str:

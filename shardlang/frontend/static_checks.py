@@ -35,6 +35,7 @@ from .schema import (
     BLOCK_OPTIONS,
     CHECKS,
     COMPILE_OPTIONS,
+    CONTEXT_OPTIONS,
     DEVICES,
     INIT_MODES,
     MIXED_PRECISION,
@@ -191,6 +192,8 @@ class _Checker:
         loss = statements(s.LossParallelStmt)
         checks = [c for v in statements(s.VerifyStmt) for c in self.verify(v)]
         self.unique_checks(checks)
+        self.unique(statements(s.ContextParallelStmt), "context_parallel")
+        contexts = [self.context_parallel(x) for x in statements(s.ContextParallelStmt)]
         self.unique(statements(s.PipelineStmt), "pipeline")
         pipelines = [self.pipeline(x) for x in statements(s.PipelineStmt)]
         if pipelines and pipelines[0] is not None:
@@ -207,6 +210,7 @@ class _Checker:
             checkpoint=checkpoint,
             compiles=tuple(c for c in compiled if isinstance(c, ir.Compile)),
             compile_loss=losses[0] if losses else None,
+            context_parallel=contexts[0] if contexts else None,
             units=tuple(units),
             init=inits[0] if inits else ir.Init("auto"),
             syncs=tuple(syncs),
@@ -452,6 +456,17 @@ class _Checker:
                 mesh.span,
                 f"write fully_shard on {mesh.mesh}[<replicate dim>, <shard dim>]",
             )
+
+    def context_parallel(self, block: s.ContextParallelStmt) -> ir.ContextParallel:
+        mesh = self.mesh_ref(block.mesh, (1,), SL107, "context_parallel")
+        targets = tuple(self.target(i.target) for i in block.items if isinstance(i, s.Each))
+        for item in block.items:
+            if isinstance(item, s.Each) and item.options:
+                self.error(SL101, "context_parallel's `each` takes no options", item.options[0].span)
+        options = dict(self.options([i for i in block.items if isinstance(i, s.Option)], CONTEXT_OPTIONS, "context_parallel"))
+        if not targets:
+            self.error(SL102, "context_parallel names no attention module", block.span, "add `each PATTERN`")
+        return ir.ContextParallel(mesh, targets, options.get("load_balance", "headtail") == "headtail", block.span)
 
     def init(self, init: s.InitStmt) -> ir.Init:
         mode = self.convert(choice(*INIT_MODES, what="init mode"), init.mode) or "auto"

@@ -299,6 +299,15 @@ class LossParallelStmt:
 
 
 @frozen
+class ContextParallelStmt:
+    """`context_parallel on MESHREF { each TARGET; load_balance = ... }`."""
+
+    mesh: MeshRef
+    items: tuple[Each | Option, ...]
+    span: Span
+
+
+@frozen
 class VerifyStmt:
     checks: tuple[Call, ...]
     span: Span

@@ -181,6 +181,10 @@ class Build(Transformer):
         (mesh,) = _parts(children)
         return s.SyncStmt(mesh, self._cover(children))
 
+    def context_parallel(self, children):
+        mesh, *items = _parts(children)
+        return s.ContextParallelStmt(mesh, tuple(items), self._cover(children))
+
     def loss_parallel(self, children):
         return s.LossParallelStmt(self._cover(children))
 

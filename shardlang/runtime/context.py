@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..frontend.patterns import modules_matching
+
 
 def sequence_positions(length: int, ranks: int, rank: int, balanced: bool, device=None) -> torch.Tensor:
     """The global positions (in order) that `rank` of `ranks` holds of a sequence of `length`: head-tail
@@ -57,7 +59,9 @@ def _gathered(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
     part summed over the ranks (reduce-scatter)."""
     from torch.distributed import _functional_collectives as funcol
 
-    return funcol.wait_tensor(funcol.all_gather_tensor_autograd(tensor.contiguous(), dim, group))
+    # torch 2.13 renames it (the old name warns); torch 2.11 has only the old one
+    gather = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
+    return funcol.wait_tensor(gather(tensor.contiguous(), dim, group))
 
 
 def context_attention(
@@ -94,10 +98,105 @@ class ContextParallelAttention(TorchFunctionMode):
     def __init__(self, group, balanced: bool):
         super().__init__()
         self.group, self.balanced = group, balanced
+        self.calls = 0  # how many attention calls it took over
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         import torch.nn.functional as F
 
         if func is F.scaled_dot_product_attention:
+            self.calls += 1
             return context_attention(*args, **(kwargs or {}), group=self.group, balanced=self.balanced)
         return func(*args, **(kwargs or {}))
+
+
+class GatherSequence(torch.autograd.Function):
+    """Every cp rank's shard of a sequence (dim 1), whole and in order on every rank. Every rank computes
+    the same loss from it, so the gradient arrives whole: each rank takes its own positions' rows, times
+    the number of ranks, since the gradient reduction averages the cp ranks' gradients (each of which
+    holds only its own tokens' part)."""
+
+    @staticmethod
+    def forward(ctx, tensor, group, balanced):
+        import torch.distributed as dist
+
+        ctx.group, ctx.balanced = group, balanced
+        shards = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(shards, tensor.contiguous(), group=group)
+        return join_sequence(shards, 1, balanced)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        ranks, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return split_sequence(grad, 1, ranks, rank, ctx.balanced) * ranks, None, None
+
+
+def context_parallel(model, patterns, mesh, balanced):
+    """Context parallelism over the 1-D `mesh`: the modules `patterns` match run their SDPA over the whole
+    sequence (ContextParallelAttention); the model takes whole sequences and gives whole outputs as before:
+    a hook on it cuts every sequence-shaped input (dim 1 as long as the first tensor's) to this rank's
+    shard and gives transformers' models the shard's global `position_ids`, another gathers every
+    sequence-shaped output back (GatherSequence)."""
+    import functools
+    import inspect
+
+    group, ranks, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    for pattern in patterns:
+        for name in modules_matching(model, pattern):
+            module = model.get_submodule(name)
+            forward = module.forward
+
+            def attending(*args, forward=forward, name=name, **kwargs):
+                with ContextParallelAttention(group, balanced) as mode:
+                    out = forward(*args, **kwargs)
+                if not mode.calls:
+                    raise RuntimeError(
+                        f"context_parallel: '{name}' called no scaled_dot_product_attention, which is what runs "
+                        "over the whole sequence: match the attention modules that call it (transformers' with "
+                        "attn_implementation='sdpa')"
+                    )
+                return out
+
+            module.forward = functools.wraps(forward)(attending)
+    takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+
+    def split(module, args, kwargs):
+        first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.ndim >= 2), None)
+        if first is None:
+            return args, kwargs
+        length = first.shape[1]
+
+        def cut(x):
+            if isinstance(x, torch.Tensor) and x.ndim >= 2 and x.shape[1] == length:
+                return split_sequence(x, 1, ranks, rank, balanced)
+            return x
+
+        args, kwargs = tuple(cut(x) for x in args), {k: cut(v) for k, v in kwargs.items()}
+        if takes_positions and kwargs.get("position_ids") is None:
+            positions = sequence_positions(length, ranks, rank, balanced, first.device)
+            kwargs["position_ids"] = positions.expand(first.shape[0], -1)
+        module._context_length = length // ranks
+        return args, kwargs
+
+    def gather(module, args, output):
+        local = module.__dict__.pop("_context_length", None)
+
+        def whole(x):
+            if isinstance(x, torch.Tensor) and x.ndim >= 2 and x.shape[1] == local:
+                return GatherSequence.apply(x, group, balanced)
+            return x
+
+        if isinstance(output, torch.Tensor):
+            return whole(output)
+        if isinstance(output, dict):  # a transformers ModelOutput: its tensors in place
+            for key in list(output.keys()):
+                output[key] = whole(output[key])
+            return output
+        if isinstance(output, tuple):
+            return type(output)(whole(x) for x in output)
+        return output
+
+    model.register_forward_pre_hook(split, with_kwargs=True)
+    model.register_forward_hook(gather)
+    return model

@@ -19,8 +19,8 @@ from attrs import define, field, frozen
 from ..compiler import initialisers
 from ..compiler import program as p
 from ..compiler.devices import mesh_device
-from ..frontend import ir
-from . import helpers, pipeline
+from ..frontend import ir, patterns
+from . import context, helpers, pipeline
 from .torchcompat import composable_checkpoint, composable_replicate
 from .values import build, names_used, source, to_torch, value_source
 
@@ -260,6 +260,15 @@ def write_fully_shard(step: p.FullyShard, program: p.Program, module: str) -> li
     return [call]
 
 
+def run_context_parallel(step: p.ContextParallel, ctx: Running) -> None:
+    context.context_parallel(ctx.model, step.patterns, ctx.mesh(step.mesh), step.balanced)
+
+
+def write_context_parallel(step: p.ContextParallel, program: p.Program, module: str) -> list[str]:
+    mesh = mesh_expr(step.mesh, program)
+    return [f"context_parallel({module}, {step.patterns!r}, {mesh}, balanced={step.balanced})"]
+
+
 def run_replicate(step: p.Replicate, ctx: Running) -> None:
     mesh = helpers.flat_mesh(ctx.meshes[step.mesh.mesh], step.mesh.dims)
     composable_replicate()(ctx.module(step.module), device_mesh=mesh, **{k: to_torch(v) for k, v in step.kwargs})
@@ -356,6 +365,25 @@ STEPS: dict[type, StepType] = {
         private_import="from torch.distributed._composable import checkpoint  # composable, non-reentrant, keeps FQNs",
     ),
     p.Compile: StepType(run_compile, write_compile, compiles=True),
+    p.ContextParallel: StepType(
+        run_context_parallel,
+        write_context_parallel,
+        helpers=(
+            patterns.split_pattern,
+            patterns.pattern_regex,
+            patterns.class_matches,
+            patterns.modules_matching,
+            context.sequence_positions,
+            context.split_sequence,
+            context.join_sequence,
+            context._gathered,
+            context.context_attention,
+            context.ContextParallelAttention,
+            context.GatherSequence,
+            context.context_parallel,
+        ),
+        private_import="from torch.overrides import TorchFunctionMode",
+    ),
     p.FullyShard: StepType(
         run_fully_shard,
         write_fully_shard,

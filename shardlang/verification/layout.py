@@ -53,9 +53,9 @@ def layout(ctx) -> Layout:
     # A dim a parallelize block splits holds one replica's shards, except an ep dim whose experts borrow
     # data-parallel ranks (`fully_shard on world[dp*ep]`): its ranks train on different data.
     borrowed = borrowed_dims(plan).get(name, set())
-    tp_dims = tuple(
-        d for d in dims if d not in borrowed and any(b.mesh.mesh == name and d in b.mesh.dims for b in plan.parallelize)
-    )
+    # Context parallelism's ranks share their batch too: the model splits each sequence itself.
+    shares = [b.mesh for b in plan.parallelize] + ([plan.context_parallel.mesh] if plan.context_parallel else [])
+    tp_dims = tuple(d for d in dims if d not in borrowed and any(m.mesh == name and d in m.dims for m in shares))
     coordinate = mesh.get_coordinate()
     sizes = dict(zip(dims, mesh.shape))
     at = dict(zip(dims, coordinate))

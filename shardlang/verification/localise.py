@@ -58,6 +58,9 @@ def localise(ctx, references, inputs: tuple, where, args: dict, failing_params: 
     paired with the unsharded model's: each rank names the module of its first failing parameter."""
     if ctx.pipeline is not None:
         return _by_parameter(ctx, failing_params)
+    if ctx.plan.context_parallel is not None:
+        # each rank's modules see its shard of the sequence, the reference's the whole: not comparable
+        return _by_parameter(ctx, failing_params, "(context parallelism: module outputs hold shards of the sequence)")
     try:
         sharded = _record(ctx.model, lambda m, stop: _sharded_step(ctx, m, inputs, where, args, stop))
         truth = _record(references.truth, lambda m, stop: _reference_step(ctx, m, inputs, stop))
@@ -435,6 +438,7 @@ def governing(ctx, fqn: str, inside: bool = False, finished: dict[str, int] | No
     last first (`finished`: when each module's forward last finished), then rules on its ancestors
     (nearest first), the fully_shard or replicate unit holding it, and activation checkpointing."""
     from ..compiler.predict import enclosing, units_by_module
+    from ..frontend.patterns import modules_matching
 
     resolution = ctx.applied.linted.resolution
     plan = ctx.plan
@@ -444,6 +448,9 @@ def governing(ctx, fqn: str, inside: bool = False, finished: dict[str, int] | No
         if span is not None and all((s["line"], s["col"]) != (span.line, span.col) for s in found):
             found.append(_statement(plan, span, what))
 
+    cp = plan.context_parallel
+    if cp is not None and any(fqn in modules_matching(ctx.model, str(t)) for t in cp.targets):
+        add(cp.span, "context_parallel over it")
     rules = [m for m in resolution.rules if m.fqn == fqn or fqn.startswith(m.fqn + ".") or not m.fqn]
     below = [m for m in resolution.rules if inside and m.fqn.startswith(fqn + "." if fqn else "")]
     below.sort(key=lambda m: -(finished or {}).get(m.fqn, -1))

@@ -7,7 +7,7 @@ from .compiles import fullgraph_over_checkpoint
 from .coverage import unsynchronised_gradients
 from .devices import mixed_device_meshes, uninitialised_on_meta
 from .matches import duplicate_matches, unit_conflicts
-from .meshes import tensor_and_data_dims, unused_dims
+from .meshes import context_dims, tensor_and_data_dims, unused_dims
 from .pipelines import stage_count, v_schedule_over_gloo, zero_bubble_with_data_parallelism
 from .shards import tied_parameters, uneven_shards, unrunnable_shards
 from .styles import loss_parallel_output, style_module_types
@@ -16,6 +16,7 @@ from .styles import loss_parallel_output, style_module_types
 RULES: tuple[Rule, ...] = (
     unused_dims,
     tensor_and_data_dims,
+    context_dims,
     duplicate_matches,
     unit_conflicts,
     style_module_types,

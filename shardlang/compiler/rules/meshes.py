@@ -11,7 +11,7 @@ step. `shardlang init --tp N` wrote such a dim for models without a TP plan of t
 from __future__ import annotations
 
 from ...frontend import ir
-from ...frontend.diagnostics import SL217, SL218, Diagnostic
+from ...frontend.diagnostics import SL217, SL218, SL219, Diagnostic
 from ..resolve import Resolution
 from .common import Predictions, Shapes, dim_sizes
 
@@ -21,6 +21,8 @@ def used_dims(plan: ir.Plan) -> set[tuple[str, str]]:
     refs = [b.mesh for b in plan.parallelize] + [u.mesh for u in plan.units] + [s.mesh for s in plan.syncs]
     if plan.pipeline is not None:
         refs.append(plan.pipeline.mesh)
+    if plan.context_parallel is not None:
+        refs.append(plan.context_parallel.mesh)
     return {(ref.mesh, dim) for ref in refs for dim in ref.dims}
 
 
@@ -100,3 +102,34 @@ def tensor_and_data_dims(
             )
         )
     return found
+
+
+def context_dims(plan: ir.Plan, resolution: Resolution, predictions: Predictions, shapes: Shapes) -> list[Diagnostic]:
+    """SL219: context parallelism's dim split by a parallelize block too (its ranks hold shards of one
+    sequence, not of the tensors), or named by no fully_shard or replicate block: each cp rank's gradients
+    hold only its own tokens' part, and nothing would sum them (`fully_shard on world[dp*cp]`)."""
+    cp = plan.context_parallel
+    if cp is None:
+        return []
+    dim = cp.mesh.dims[0]
+    split = next((b for b in plan.parallelize if b.mesh.mesh == cp.mesh.mesh and dim in b.mesh.dims), None)
+    if split is not None:
+        return [
+            Diagnostic(
+                SL219,
+                f"{cp.mesh} splits the sequence for context_parallel, and a parallelize block splits tensors over it",
+                split.mesh.span,
+                ("give context parallelism a dim of its own (`mesh world = auto[dp=auto, cp=2, tp=2]`)",),
+            )
+        ]
+    if not any(u.mesh.mesh == cp.mesh.mesh and dim in u.mesh.dims for u in plan.units):
+        return [
+            Diagnostic(
+                SL219,
+                f"no fully_shard or replicate block reduces over {cp.mesh}: each of its ranks computes the gradients "
+                "of its own shard of the sequence, and nothing would sum them",
+                cp.mesh.span,
+                (f"shard over it with data parallelism: `fully_shard on {cp.mesh.mesh}[dp*{dim}] {{ ... }}`",),
+            )
+        ]
+    return []
