@@ -463,7 +463,9 @@ class _Checker:
         for item in block.items:
             if isinstance(item, s.Each) and item.options:
                 self.error(SL101, "context_parallel's `each` takes no options", item.options[0].span)
-        options = dict(self.options([i for i in block.items if isinstance(i, s.Option)], CONTEXT_OPTIONS, "context_parallel"))
+        options = dict(
+            self.options([i for i in block.items if isinstance(i, s.Option)], CONTEXT_OPTIONS, "context_parallel")
+        )
         if not targets:
             self.error(SL102, "context_parallel names no attention module", block.span, "add `each PATTERN`")
         return ir.ContextParallel(mesh, targets, options.get("load_balance", "headtail") == "headtail", block.span)
