@@ -132,3 +132,16 @@ def test_a_module_that_calls_no_sdpa_is_named_at_the_statement(tmp_path):
 def test_the_printed_program_splits_attends_and_gathers_as_apply_does(pools):
     for difference in pools(4).run(context_jobs.printed_program_runs_like_apply, PLAN.read_text()):
         assert difference < 1e-5, difference
+
+
+@pytest.mark.distributed
+def test_a_sequence_that_does_not_split_is_found_by_lint_at_the_statement(tmp_path):
+    """lint's simulated step runs the hooks: 8 tokens do not split into 2 x 3 head-tail chunks."""
+    from .conftest import shardlang_cli
+
+    path = tmp_path / "cp3.sl"
+    path.write_text(PLAN.read_text().replace("cp=2", "cp=3"))
+    done = shardlang_cli("lint", path, ROOT / "examples" / "llama.py", "--world", "6")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"{path}:11:1: error[SL220]" in done.stdout, done.stdout
+    assert "a sequence of 8 does not split into 6 equal chunks (2 x 3 ranks, head-tail)" in done.stdout

@@ -34,7 +34,8 @@ def sequence_positions(length: int, ranks: int, rank: int, balanced: bool, devic
     by 2 x ranks (balanced) or by ranks."""
     parts = 2 * ranks if balanced else ranks
     if length % parts:
-        raise ValueError(f"a sequence of {length} does not split into {parts} equal chunks")
+        how = f"2 x {ranks} ranks, head-tail" if balanced else f"{ranks} ranks"
+        raise ValueError(f"a sequence of {length} does not split into {parts} equal chunks ({how})")
     chunk = length // parts
     chunks = (rank, parts - 1 - rank) if balanced else (rank,)
     return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in chunks])

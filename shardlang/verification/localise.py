@@ -449,8 +449,9 @@ def governing(ctx, fqn: str, inside: bool = False, finished: dict[str, int] | No
             found.append(_statement(plan, span, what))
 
     cp = plan.context_parallel
-    if cp is not None and any(fqn in modules_matching(ctx.model, str(t)) for t in cp.targets):
-        add(cp.span, "context_parallel over it")
+    if cp is not None and (not fqn or any(fqn in modules_matching(ctx.model, str(t)) for t in cp.targets)):
+        # its modules, and the root, whose hooks split the inputs and gather the outputs
+        add(cp.span, "context_parallel over it" if fqn else "context_parallel, whose hooks split the sequence")
     rules = [m for m in resolution.rules if m.fqn == fqn or fqn.startswith(m.fqn + ".") or not m.fqn]
     below = [m for m in resolution.rules if inside and m.fqn.startswith(fqn + "." if fqn else "")]
     below.sort(key=lambda m: -(finished or {}).get(m.fqn, -1))
