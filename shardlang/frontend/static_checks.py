@@ -118,7 +118,7 @@ class _Checker:
                 return None
             found = self.params[value.name]
             # Keep the use site's span, so that a bad value is reported where it is used.
-            return _respan(found, value.span)
+            return attrs.evolve(found, span=value.span)
         if isinstance(value, s.Call):
             args = tuple(self.resolve(a) for a in value.args)
             return None if None in args else s.Call(value.name, args, value.span)
@@ -460,9 +460,8 @@ class _Checker:
     def context_parallel(self, block: s.ContextParallelStmt) -> ir.ContextParallel:
         mesh = self.mesh_ref(block.mesh, (1,), SL107, "context_parallel")
         targets = tuple(self.target(i.target) for i in block.items if isinstance(i, s.Each))
-        for item in block.items:
-            if isinstance(item, s.Each) and item.options:
-                self.error(SL101, "context_parallel's `each` takes no options", item.options[0].span)
+        for options in (i.options for i in block.items if isinstance(i, s.Each) and i.options):
+            self.error(SL101, "context_parallel's `each` takes no options", options[0].span)
         options = dict(
             self.options([i for i in block.items if isinstance(i, s.Option)], CONTEXT_OPTIONS, "context_parallel")
         )
@@ -596,7 +595,3 @@ class _Checker:
 def _merge(base: tuple, own: tuple) -> tuple:
     """Block options overridden by a unit's own, in the block's order then the unit's new ones."""
     return tuple({**dict(base), **dict(own)}.items())
-
-
-def _respan(value: s.Value, span: Span) -> s.Value:
-    return attrs.evolve(value, span=span)

@@ -55,7 +55,7 @@ def join_sequence(shards: list[torch.Tensor], dim: int, balanced: bool) -> torch
     return whole.index_select(dim, torch.argsort(order))
 
 
-def _gathered(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+def gathered(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Every rank's `tensor` concatenated along `dim` in rank order; the gradient goes back to each rank's
     part summed over the ranks (reduce-scatter)."""
     from torch.distributed import _functional_collectives as funcol
@@ -81,7 +81,7 @@ def context_attention(
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     local = query.shape[-2]
     length = local * ranks
-    keys, values = (_gathered(t, t.ndim - 2, group) for t in (key, value))
+    keys, values = (gathered(t, t.ndim - 2, group) for t in (key, value))
     mask = None
     if is_causal:
         mine = sequence_positions(length, ranks, rank, balanced, query.device)

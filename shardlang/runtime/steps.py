@@ -376,7 +376,7 @@ STEPS: dict[type, StepType] = {
             context.sequence_positions,
             context.split_sequence,
             context.join_sequence,
-            context._gathered,
+            context.gathered,
             context.context_attention,
             context.ContextParallelAttention,
             context.GatherSequence,
