@@ -108,9 +108,8 @@ def test_positions_left_unshifted_fail_the_gradients_check(tmp_path, pools):
         "class FromZero(Transformer):\n    def forward(self, tokens):\n        return super().forward(tokens)\n\n\n"
         "def build_model():\n    return FromZero()\n"
     )
+    # (the plan itself passes with examples/llama.py: test_apply_cli runs every plan)
     checks = shardlang.load(PLAN).checks
-    right = pools(4).run(run, Job(str(PLAN), {}, str(ROOT / "examples" / "llama.py"), None, checks))[0]
-    assert right.ok, [(c.check, c.status, c.message) for c in right.checks]
     wrong = pools(4).run(run, Job(str(PLAN), {}, str(unshifted), None, checks))[0]
     gradients = next(c for c in wrong.checks if c.check == "gradients")
     assert gradients.status == "fail", gradients.message

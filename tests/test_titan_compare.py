@@ -67,7 +67,7 @@ def test_fsdp_dry_run_prints_the_table_and_identical_collectives():
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     ("name", "world"),
-    [("fsdp", 2), ("tp_sp", 2), ("tp_fsdp", 4), ("fsdp_compile_loss", 2), ("tp_sp_compile_loss", 2)],
+    [("fsdp", 2), ("tp_sp", 2), ("tp_fsdp", 4), ("fsdp_compile_loss", 2)],
     ids=lambda x: str(x),
 )
 def test_the_benchmarks_plans_pass_their_checks_on_the_same_model_class(pools, name, world):
