@@ -156,7 +156,8 @@ def _run(job: Job) -> Report:
     warnings = tuple(d for d in applied.linted.diagnostics if not d.is_error) + plan.diagnostics
     where = layout(ctx)
     shape = f"{where.replicas} replica{'s' if where.replicas > 1 else ''}"
-    shape += f" x tp {where.tp_size}" if where.tp_dims else ""
+    # the dims whose ranks share a replica's batch, by name (tp, an ep that shares its tokens, cp)
+    shape += f" x {'*'.join(where.tp_dims)} {where.tp_size}" if where.tp_dims else ""
     shape += f" x pp {where.pp_size}" if where.pp_dim else ""
     checks_s = time.perf_counter() - checked
     notes: tuple[str, ...] = ()
