@@ -144,3 +144,19 @@ def test_a_sequence_that_does_not_split_is_found_by_lint_at_the_statement(tmp_pa
     assert done.returncode == 1, done.stdout + done.stderr
     assert f"{path}:11:1: error[SL220]" in done.stdout, done.stdout
     assert "a sequence of 8 does not split into 6 equal chunks (2 x 3 ranks, head-tail)" in done.stdout
+
+
+def test_fullgraph_compile_around_context_parallel_attention_is_sl301():
+    """dynamo cannot trace the attention's mode and collectives in one graph: said at the compile line;
+    without fullgraph the plan lints clean (the step then runs: test_apply_cli's plans and this file's)."""
+    import shardlang
+    from examples.llama import Transformer
+
+    with torch.device("meta"):
+        model = Transformer()
+    text = PLAN.read_text() + "compile layers.* (fullgraph=true)\n"
+    found = [d for d in shardlang.loads(text).lint(model, world_size=4) if d.is_error]
+    assert {(d.code, d.span.line) for d in found} == {("SL301", 22)}, found
+    assert "inside which context_parallel runs attention (layers.0.attention)" in found[0].message
+    relaxed = shardlang.loads(text.replace(" (fullgraph=true)", "")).lint(model, world_size=4)
+    assert not [d for d in relaxed if d.is_error]

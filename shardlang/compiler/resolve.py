@@ -83,6 +83,8 @@ class Resolution:
     order: Order = Order(None, "no example input was given")
     #: The modules `compile` statements match, each with its statement, in model order.
     compiled: tuple[tuple[str, ir.Compile], ...] = ()
+    #: The modules context_parallel runs attention in, in model order.
+    context: tuple[str, ...] = ()
 
 
 def resolve(plan: ir.Plan, model: nn.Module, pp: int = 1) -> tuple[Resolution, list[Diagnostic]]:
@@ -132,9 +134,12 @@ def resolve(plan: ir.Plan, model: nn.Module, pp: int = 1) -> tuple[Resolution, l
 
     compiled, problems = _compiled(plan, modules)
     found += problems
+    context = []
     for target in plan.context_parallel.targets if plan.context_parallel is not None else ():
-        if not _matches(target, modules, ""):
+        fqns = _matches(target, modules, "")
+        if not fqns:
             found.append(_no_match(target, modules, ""))
+        context += [f for f in fqns if f not in context]
 
     stages = None
     if plan.pipeline is not None:
@@ -144,7 +149,9 @@ def resolve(plan: ir.Plan, model: nn.Module, pp: int = 1) -> tuple[Resolution, l
     order = {fqn: i for i, (fqn, _) in enumerate(modules)}
     # Children first: a unit after every unit inside any of its modules (its shallowest module's depth)
     units.sort(key=lambda u: (-min(map(patterns.depth, u.fqns)), order.get(u.fqn, 0)))
-    resolution = Resolution(dict(modules), tuple(rules), tuple(units), tuple(checkpoint), stages, compiled=compiled)
+    resolution = Resolution(
+        dict(modules), tuple(rules), tuple(units), tuple(checkpoint), stages, compiled=compiled, context=tuple(context)
+    )
     return resolution, found
 
 

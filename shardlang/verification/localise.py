@@ -438,7 +438,6 @@ def governing(ctx, fqn: str, inside: bool = False, finished: dict[str, int] | No
     last first (`finished`: when each module's forward last finished), then rules on its ancestors
     (nearest first), the fully_shard or replicate unit holding it, and activation checkpointing."""
     from ..compiler.predict import enclosing, units_by_module
-    from ..frontend.patterns import modules_matching
 
     resolution = ctx.applied.linted.resolution
     plan = ctx.plan
@@ -449,7 +448,7 @@ def governing(ctx, fqn: str, inside: bool = False, finished: dict[str, int] | No
             found.append(_statement(plan, span, what))
 
     cp = plan.context_parallel
-    if cp is not None and (not fqn or any(fqn in modules_matching(ctx.model, str(t)) for t in cp.targets)):
+    if cp is not None and (not fqn or fqn in resolution.context):
         # its modules, and the root, whose hooks split the inputs and gather the outputs
         add(cp.span, "context_parallel over it" if fqn else "context_parallel, whose hooks split the sequence")
     rules = [m for m in resolution.rules if m.fqn == fqn or fqn.startswith(m.fqn + ".") or not m.fqn]

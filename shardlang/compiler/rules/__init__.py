@@ -3,7 +3,7 @@ predictions, mesh shapes) -> diagnostics; `RULES` is every one, in the order `li
 
 from .activations import partial_gradients
 from .common import Predictions, Rule, Shapes
-from .compiles import fullgraph_over_checkpoint
+from .compiles import fullgraph_over_checkpoint, fullgraph_over_context_parallel
 from .coverage import unsynchronised_gradients
 from .devices import mixed_device_meshes, uninitialised_on_meta
 from .matches import duplicate_matches, unit_conflicts
@@ -32,6 +32,7 @@ RULES: tuple[Rule, ...] = (
     zero_bubble_with_data_parallelism,
     v_schedule_over_gloo,
     fullgraph_over_checkpoint,
+    fullgraph_over_context_parallel,
 )
 
 __all__ = ["RULES", "Predictions", "Rule", "Shapes"]

@@ -32,3 +32,25 @@ def fullgraph_over_checkpoint(
                 )
             )
     return found
+
+
+def fullgraph_over_context_parallel(
+    plan: ir.Plan, resolution: Resolution, predictions: Predictions, shapes: Shapes
+) -> list[Diagnostic]:
+    """SL301: `compile (fullgraph=true)` of a module inside which context parallelism runs its attention:
+    dynamo cannot trace its attention (a TorchFunctionMode around the module's forward, and collectives)
+    in one graph (torch 2.11 and 2.13)."""
+    found = []
+    for fqn, statement in resolution.compiled:
+        inside = [a for a in resolution.context if patterns.within(a, fqn)]
+        if dict(statement.options).get("fullgraph", False) and inside:
+            found.append(
+                Diagnostic(
+                    SL301,
+                    f"compile (fullgraph=true) of '{fqn or 'root'}', inside which context_parallel runs attention "
+                    f"({few(inside)}): dynamo cannot trace that in one graph",
+                    statement.span,
+                    help=("drop fullgraph=true: the attention then breaks the graph and the step runs",),
+                )
+            )
+    return found
