@@ -10,9 +10,10 @@ rank holds; `split_sequence` cuts a tensor's sequence dim so, `join_sequence` pu
 Attention. Inside a module the plan runs under context parallelism, every call of
 `torch.nn.functional.scaled_dot_product_attention` (transformers' SDPA attention, torchtitan's) becomes
 `context_attention`: the keys and values are gathered over the cp group (an all-gather whose backward is
-a reduce-scatter, so every rank's queries send their gradients back to the keys' owners), put in
-sequence order, and the rank's own queries attend to all of them, with the causal mask taken between
-their global positions. This is torch's `allgather` rotate method of ring attention, on any device:
+a reduce-scatter, so every rank's queries send their gradients back to the keys' owners) and put in
+sequence order; each chunk of the rank's own queries attends to the keys up to its own last position,
+causal aligned to the lower right (torch's `causal_lower_right`, which CUDA's flash kernel runs without
+a mask in memory; elsewhere the mask is made). This is torch's `allgather` rotate method of ring attention, on any device:
 torch's own context parallelism (`torch.distributed.tensor.experimental.context_parallel`) handles only
 CUDA's SDPA kernels (flash, efficient, cuDNN), not the CPU's, so the checks could not run it on gloo.
 What differs from the ring: each rank holds the whole sequence's keys and values for the length of
@@ -78,19 +79,40 @@ def context_attention(
             "context parallelism takes attention without an explicit mask (is_causal or none): the mask "
             "was built for this rank's shard of the sequence, not the whole"
         )
+    from torch.nn.attention.bias import causal_lower_right
+    from torch.utils._python_dispatch import _disable_current_modes
+
     ranks, rank = dist.get_world_size(group), dist.get_rank(group)
     local = query.shape[-2]
     length = local * ranks
     keys, values = (gathered(t, t.ndim - 2, group) for t in (key, value))
-    mask = None
-    if is_causal:
-        mine = sequence_positions(length, ranks, rank, balanced, query.device)
-        theirs = torch.cat([sequence_positions(length, ranks, r, balanced, query.device) for r in range(ranks)])
-        mask = mine[:, None] >= theirs[None, :]  # the gathered keys stay in rank order: the mask follows them
     kwargs = {"enable_gqa": True} if enable_gqa else {}
-    return F.scaled_dot_product_attention(
-        query, keys, values, attn_mask=mask, dropout_p=dropout_p, is_causal=False, scale=scale, **kwargs
-    )
+    if not is_causal:
+        return F.scaled_dot_product_attention(query, keys, values, dropout_p=dropout_p, scale=scale, **kwargs)
+    # The gathered keys in sequence order; then each chunk of this rank's queries attends to the keys up to
+    # its own last position, causal aligned to the lower right (torch's CausalBias: CUDA's flash kernel,
+    # no mask held), the chunk's first query seeing every earlier chunk whole.
+    order = torch.cat([sequence_positions(length, ranks, r, balanced, query.device) for r in range(ranks)])
+    keys, values = (t.index_select(-2, torch.argsort(order)) for t in (keys, values))
+    parts = 2 * ranks if balanced else ranks
+    chunk = length // parts
+    outputs = []
+    for n, c in enumerate((rank, parts - 1 - rank) if balanced else (rank,)):
+        end = (c + 1) * chunk
+        with _disable_current_modes():  # a tensor subclass: made outside any dispatch mode (the comms check's)
+            bias = causal_lower_right(chunk, end)
+        outputs.append(
+            F.scaled_dot_product_attention(
+                query[..., n * chunk : (n + 1) * chunk, :],
+                keys[..., :end, :],
+                values[..., :end, :],
+                attn_mask=bias,
+                dropout_p=dropout_p,
+                scale=scale,
+                **kwargs,
+            )
+        )
+    return torch.cat(outputs, dim=-2)
 
 
 class ContextParallelAttention(TorchFunctionMode):
