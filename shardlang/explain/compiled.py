@@ -313,7 +313,17 @@ def module_forward(module: nn.Module, modelled_: Modelled, what: str):
     def state() -> dict[str, torch.Tensor]:
         return {**dict(module.named_parameters()), **dict(module.named_buffers())}
 
-    return modelled(module.forward, modelled_, what, state, key=(type(module), str(module)))
+    return modelled(module.forward, modelled_, what, state, key=_structure(module))
+
+
+def _structure(module: nn.Module) -> tuple:
+    """What makes two modules trace the same graph: their classes, shapes (str) and the plain attributes of
+    each submodule (a layer index that picks sliding-window attention, say)."""
+    plain = (bool, int, float, str, type(None))
+    return tuple(
+        (name, type(m), tuple(sorted((k, v) for k, v in vars(m).items() if isinstance(v, plain))))
+        for name, m in module.named_modules()
+    ) + (str(module),)
 
 
 @contextlib.contextmanager
