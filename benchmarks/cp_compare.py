@@ -5,14 +5,15 @@ both built in one run and trained alternately after warm-up; median step time, t
     torchrun --nproc-per-node 2 benchmarks/cp_compare.py --seq 32768     # GPUs only: torch's CP is CUDA's
 
 shardlang's side: benchmarks/plans/llama_1b_cp.sl, the model given each whole sequence; its hooks split it
-(head-tail), its attention gathers keys and values over cp (SDPA with the causal mask between global
-positions), its output is gathered back and the loss (examples/llama.py's causal_lm_loss) taken on the
-whole logits. The hand-written side: torch.distributed.tensor.experimental.context_parallel over the same
-mesh dim with the tokens, the shifted labels and the rotary table as its buffers (head-tail, torch's
-default load balancer), its ring attention on CUDA's flash kernel, the loss taken on each rank's shard of
-the logits and labels (torchtitan's way; FSDP averages the cp ranks' gradients). bf16 compute, fp32
-reduction, fused AdamW on both. What differs is what is measured: the attention's kernel and memory
-(the gathered keys and values and an explicit mask, against the ring), and the gathered logits.
+(head-tail), its attention gathers keys and values over cp (each chunk of queries through torch's
+causal_lower_right: flash), its output stays local (`output = local`) and the loss is taken on the rank's
+shard of the logits against `plan.context_shard(model, labels)`, as on torch's side. The hand-written
+side: torch.distributed.tensor.experimental.context_parallel over the same mesh dim with the tokens, the
+shifted labels and the rotary table as its buffers (head-tail, torch's default load balancer), its ring
+attention on CUDA's flash kernel, the loss taken on each rank's shard of the logits and labels
+(torchtitan's way; FSDP averages the cp ranks' gradients). bf16 compute, fp32 reduction, fused AdamW on
+both. What differs is what is measured: the attention (keys and values gathered whole and kept for the
+backward, against the ring's chunks).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def main(argv=None) -> None:
     import shardlang
     from benchmarks import llama_1b
     from benchmarks.gpu_throughput import alternate, join
-    from examples.llama import Transformer, causal_lm_loss
+    from examples.llama import Transformer
     from shardlang.runtime.apply import apply_plan
 
     device = join(False)
@@ -78,7 +79,10 @@ def main(argv=None) -> None:
 
     def step(side):
         if side == "shardlang":
-            loss = causal_lm_loss(ours(tokens), tokens)
+            # `output = local`: this rank's shard of the logits, against its shard of the shifted labels
+            logits = ours(tokens)
+            mine = plan.context_shard(ours, labels)
+            loss = F.cross_entropy(logits.float().flatten(0, 1), mine.flatten(), ignore_index=-100)
             loss.backward()
         else:
             # torch shards its buffers in place for the length of the context: fresh copies each step

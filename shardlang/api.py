@@ -97,6 +97,13 @@ class Plan(ir.Plan):
 
         return compiled_loss(loss, **dict(self.compile_loss.options))
 
+    def context_shard(self, model: Any, tensor: Any, dim: int = 1) -> Any:
+        """Under `context_parallel (output = local)`: this rank's shard of `tensor` along its sequence dim,
+        as the sharded `model` splits its inputs (the labels to take the loss against)."""
+        from .runtime.context import context_shard
+
+        return context_shard(model, tensor, dim)
+
     def to_python(self, model: Any = None, world_size: int | None = None) -> str:
         """The program as plain torch code; resolved against `model` (any device, meta is enough) if given."""
         from .emit.python import compile_python

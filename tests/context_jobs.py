@@ -74,3 +74,28 @@ def printed_program_runs_like_apply(plan_text: str) -> float:
     tokens = example_input(2, torch.Generator().manual_seed(1))
     with torch.no_grad():
         return float((causal_lm_loss(sharded(tokens), tokens) - causal_lm_loss(whole(tokens), tokens)).abs())
+
+
+def local_output_and_its_labels(plan_text: str) -> dict:
+    """Under `output = local` the applied model returns this rank's shard of the logits, and
+    Plan.context_shard cuts the labels alike: the mean of the ranks' local losses (what FSDP's averaging
+    over cp makes of their gradients) is the whole sequence's loss."""
+    import shardlang
+    from examples.llama import build_model, example_input
+    from shardlang.runtime.apply import apply_plan
+
+    text = plan_text.replace("init meta", "").replace("mixed_precision(param=bf16, reduce=fp32)", "")
+    plan = shardlang.loads(text, world_size=dist.get_world_size())
+    torch.manual_seed(0)
+    whole_model = build_model()
+    torch.manual_seed(0)
+    model = apply_plan(plan, build_model()).model
+    tokens = example_input(2, torch.Generator().manual_seed(1))
+    labels = torch.cat([tokens[:, 1:], torch.full_like(tokens[:, :1], -100)], dim=1)
+    with torch.no_grad():
+        local = model(tokens)
+        mine = F.cross_entropy(local.flatten(0, 1), plan.context_shard(model, labels).flatten(), ignore_index=-100)
+        whole = F.cross_entropy(whole_model(tokens).flatten(0, 1), labels.flatten(), ignore_index=-100)
+    every = [torch.zeros(()) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine.reshape(()))
+    return {"shape": tuple(local.shape), "mean_of_local": float(torch.stack(every).mean()), "whole": float(whole)}

@@ -160,3 +160,24 @@ def test_fullgraph_compile_around_context_parallel_attention_is_sl301():
     assert "inside which context_parallel runs attention (layers.0.attention)" in found[0].message
     relaxed = shardlang.loads(text.replace(" (fullgraph=true)", "")).lint(model, world_size=4)
     assert not [d for d in relaxed if d.is_error]
+
+
+@pytest.mark.distributed
+def test_local_output_leaves_each_rank_its_shard_and_cuts_the_labels_alike(pools, tmp_path):
+    """`output = local` (the loss on each rank's shard, as torch's context_parallel users take it): every
+    check passes (they gather the shards themselves: test_apply_cli does not run it, so here), the model
+    returns the rank's shard, and the ranks' local losses average to the whole sequence's loss (the 8
+    tokens split into 4 equal chunks, one label of the last masked: nearly equal counts)."""
+    import shardlang
+    from shardlang.launch.job import Job, run
+
+    text = PLAN.read_text().replace("load_balance = headtail", "load_balance = headtail\n    output = local")
+    plan = shardlang.loads(text)
+    assert plan.context_parallel.whole_output is False
+    path = tmp_path / "local.sl"
+    path.write_text(text)
+    report = pools(4).run(run, Job(str(path), {}, str(ROOT / "examples" / "llama.py"), None, plan.checks))[0]
+    assert report.ok, [(c.check, c.status, c.message) for c in report.checks]
+    for result in pools(4).run(context_jobs.local_output_and_its_labels, text):
+        assert result["shape"] == (2, 4, 64), result
+        assert abs(result["mean_of_local"] - result["whole"]) < 0.05, result

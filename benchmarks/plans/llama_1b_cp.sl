@@ -11,6 +11,7 @@ mesh world = auto[dp=auto, cp=$cp]
 
 context_parallel on world.cp {
     each layers.*.attention
+    output = local          # the loss on each rank's shard of the logits (labels: plan.context_shard)
 }
 
 fully_shard on world[dp*cp] {

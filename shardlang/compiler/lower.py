@@ -40,7 +40,8 @@ def lower(plan: ir.Plan, resolution: Resolution | None, world_size: int | None) 
             steps.append(p.Retie(ties))
     cp = plan.context_parallel
     if cp is not None:
-        steps.append(p.ContextParallel(tuple(str(t) for t in cp.targets), cp.mesh, cp.balanced, cp.span))
+        patterns_ = tuple(str(t) for t in cp.targets)
+        steps.append(p.ContextParallel(patterns_, cp.mesh, cp.balanced, cp.span, cp.whole_output))
     origin = plan.checkpoint[0].span if plan.checkpoint else None
     if resolution is not None:
         steps += [p.Checkpoint(fqn, origin) for fqn in resolution.checkpoint]

@@ -116,6 +116,7 @@ class ContextParallel:
     mesh: ir.MeshRef
     balanced: bool
     origin: Span | None = None
+    whole_output: bool = True
 
 
 @frozen

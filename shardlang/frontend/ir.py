@@ -260,6 +260,8 @@ class ContextParallel:
     targets: tuple[Target, ...]
     balanced: bool
     span: Span
+    #: `output = whole` (default): the model's outputs gathered back whole; `local`: each rank's shard.
+    whole_output: bool = True
 
 
 @frozen

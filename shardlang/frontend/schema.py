@@ -211,7 +211,10 @@ UNIT_OPTIONS: dict[str, dict[str, Convert]] = {
 }
 BLOCK_OPTIONS: dict[str, Convert] = {"root": boolean}
 #: Options of a `context_parallel` block.
-CONTEXT_OPTIONS: dict[str, Convert] = {"load_balance": choice("headtail", "none", what="load balancing")}
+CONTEXT_OPTIONS: dict[str, Convert] = {
+    "load_balance": choice("headtail", "none", what="load balancing"),
+    "output": choice("whole", "local", what="context_parallel output"),
+}
 
 
 def compile_mode(value: s.Value) -> str:

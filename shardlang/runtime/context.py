@@ -155,12 +155,40 @@ class GatherSequence(torch.autograd.Function):
         return split_sequence(grad, 1, ranks, rank, ctx.balanced) * ranks, None, None
 
 
-def context_parallel(model, patterns, mesh, balanced):
+def whole_sequences(output, local: int, group, balanced: bool):
+    """Every sequence-shaped tensor of a model's output (dim 1 `local` long: a tensor, a tuple, or a
+    transformers ModelOutput, in place) gathered whole over `group` (GatherSequence)."""
+
+    def whole(x):
+        if isinstance(x, torch.Tensor) and x.ndim >= 2 and x.shape[1] == local:
+            return GatherSequence.apply(x, group, balanced)
+        return x
+
+    if isinstance(output, torch.Tensor):
+        return whole(output)
+    if isinstance(output, dict):
+        for key in list(output.keys()):
+            output[key] = whole(output[key])
+        return output
+    if isinstance(output, tuple):
+        return type(output)(whole(x) for x in output)
+    return output
+
+
+def context_shard(model, tensor, dim: int = 1):
+    """This rank's shard of `tensor` along its sequence dim, as the model context_parallel set up splits
+    its inputs: the labels a training loop takes the loss against under `output = local`."""
+    ranks, rank, balanced = model._shardlang_context[1:]
+    return split_sequence(tensor, dim, ranks, rank, balanced)
+
+
+def context_parallel(model, patterns, mesh, balanced, whole_output=True):
     """Context parallelism over the 1-D `mesh`: the modules `patterns` match run their SDPA over the whole
-    sequence (ContextParallelAttention); the model takes whole sequences and gives whole outputs as before:
-    a hook on it cuts every sequence-shaped input (dim 1 as long as the first tensor's) to this rank's
-    shard and gives transformers' models the shard's global `position_ids`, another gathers every
-    sequence-shaped output back (GatherSequence)."""
+    sequence (ContextParallelAttention); the model takes whole sequences as before: a hook on it cuts every
+    sequence-shaped input (dim 1 as long as the first tensor's) to this rank's shard and gives transformers'
+    models the shard's global `position_ids`; with `whole_output` another gathers every sequence-shaped
+    output back (whole_sequences), else the outputs stay this rank's shard (`context_shard` cuts the
+    labels alike)."""
     import functools
     import inspect
 
@@ -203,23 +231,10 @@ def context_parallel(model, patterns, mesh, balanced):
         return args, kwargs
 
     def gather(module, args, output):
-        local = module.__dict__.pop("_context_length", None)
+        return whole_sequences(output, module._context_length, group, balanced)
 
-        def whole(x):
-            if isinstance(x, torch.Tensor) and x.ndim >= 2 and x.shape[1] == local:
-                return GatherSequence.apply(x, group, balanced)
-            return x
-
-        if isinstance(output, torch.Tensor):
-            return whole(output)
-        if isinstance(output, dict):  # a transformers ModelOutput: its tensors in place
-            for key in list(output.keys()):
-                output[key] = whole(output[key])
-            return output
-        if isinstance(output, tuple):
-            return type(output)(whole(x) for x in output)
-        return output
-
+    model._shardlang_context = (group, ranks, rank, balanced)
     model.register_forward_pre_hook(split, with_kwargs=True)
-    model.register_forward_hook(gather)
+    if whole_output:
+        model.register_forward_hook(gather)
     return model

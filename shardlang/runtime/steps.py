@@ -261,12 +261,13 @@ def write_fully_shard(step: p.FullyShard, program: p.Program, module: str) -> li
 
 
 def run_context_parallel(step: p.ContextParallel, ctx: Running) -> None:
-    context.context_parallel(ctx.model, step.patterns, ctx.mesh(step.mesh), step.balanced)
+    context.context_parallel(ctx.model, step.patterns, ctx.mesh(step.mesh), step.balanced, step.whole_output)
 
 
 def write_context_parallel(step: p.ContextParallel, program: p.Program, module: str) -> list[str]:
     mesh = mesh_expr(step.mesh, program)
-    return [f"context_parallel({module}, {step.patterns!r}, {mesh}, balanced={step.balanced})"]
+    whole = "" if step.whole_output else ", whole_output=False"
+    return [f"context_parallel({module}, {step.patterns!r}, {mesh}, balanced={step.balanced}{whole})"]
 
 
 def run_replicate(step: p.Replicate, ctx: Running) -> None:
@@ -380,6 +381,8 @@ STEPS: dict[type, StepType] = {
             context.context_attention,
             context.ContextParallelAttention,
             context.GatherSequence,
+            context.whole_sequences,
+            context.context_shard,
             context.context_parallel,
         ),
         private_import="from torch.overrides import TorchFunctionMode",

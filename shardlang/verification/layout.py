@@ -121,7 +121,16 @@ def tp_mesh(ctx, where: Layout):
 
 def full_output(ctx, where: Layout, output: Any, output_layout: Any) -> Any:
     """The model's whole output on every TP rank: a DTensor (loss_parallel) stays one; a local slice
-    (`output=shard(D)`) is gathered, differentiably, so that each rank's gradient is its own slice."""
+    (`output=shard(D)`) is gathered, differentiably, so that each rank's gradient is its own slice; under
+    `context_parallel(output = local)` each rank's shard of the sequence is gathered as the model's own
+    hook would (runtime.context.whole_sequences)."""
+    cp = ctx.plan.context_parallel
+    if cp is not None and not cp.whole_output:
+        from ..runtime.context import whole_sequences
+
+        model = ctx.model
+        group = ctx.applied.mesh(cp.mesh).get_group()
+        return whole_sequences(output, model._context_length, group, cp.balanced)
     if isinstance(output, DTensor) or not isinstance(output_layout, ir.Shard) or where.tp_size == 1:
         return output
     return DTensor.from_local(output, tp_mesh(ctx, where), [Shard(output_layout.dim)], run_check=False).full_tensor()
