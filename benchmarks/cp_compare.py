@@ -22,7 +22,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -45,7 +44,7 @@ def main(argv=None) -> None:
 
     import shardlang
     from benchmarks import llama_1b
-    from benchmarks.gpu_throughput import alternate, join
+    from benchmarks.gpu_throughput import alternate, join, timed_step
     from examples.llama import Transformer
     from shardlang.runtime.apply import apply_plan
 
@@ -95,14 +94,7 @@ def main(argv=None) -> None:
         optims[side].zero_grad(set_to_none=True)
 
     def timed(side):
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        dist.barrier()
-        start = time.perf_counter()
-        step(side)
-        torch.cuda.synchronize()
-        return time.perf_counter() - start, torch.cuda.max_memory_allocated() - before
+        return timed_step(torch.cuda, lambda: step(side))
 
     for _ in range(args.warmup):
         for side in SIDES:

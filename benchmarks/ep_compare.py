@@ -30,7 +30,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -176,7 +175,7 @@ def main(argv=None) -> None:
     from transformers import MixtralForCausalLM
 
     import shardlang
-    from benchmarks.gpu_throughput import NoMemory, alternate, join, print_profiles, profile
+    from benchmarks.gpu_throughput import NoMemory, alternate, join, print_profiles, profile, timed_step
     from shardlang.runtime.apply import apply_plan
     from shardlang.verification.comms import Recorder
 
@@ -228,17 +227,13 @@ def main(argv=None) -> None:
     for side in SIDES:
         optims[side].zero_grad(set_to_none=True)
 
-    def timed(side) -> tuple[float, int]:
-        memory.synchronize()
-        memory.reset_peak_memory_stats()
-        before = memory.memory_allocated()
-        dist.barrier()
-        start = time.perf_counter()
+    def step(side) -> None:
         forward_backward(built[side])
         optims[side].step()
         optims[side].zero_grad(set_to_none=True)
-        memory.synchronize()
-        return time.perf_counter() - start, memory.max_memory_allocated() - before
+
+    def timed(side) -> tuple[float, int]:
+        return timed_step(memory, lambda: step(side))
 
     for _ in range(args.warmup):
         for side in SIDES:

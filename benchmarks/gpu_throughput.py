@@ -60,6 +60,19 @@ def join(dry_run: bool) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def timed_step(memory, step) -> tuple[float, int]:
+    """`step()` timed from a barrier to the GPU's synchronisation, and the most memory it allocated above
+    what was allocated before it (`memory`: torch.cuda, or NoMemory for a dry run)."""
+    memory.synchronize()
+    memory.reset_peak_memory_stats()
+    before = memory.memory_allocated()
+    dist.barrier()
+    start = time.perf_counter()
+    step()
+    memory.synchronize()
+    return time.perf_counter() - start, memory.max_memory_allocated() - before
+
+
 def alternate(sides: tuple[str, ...], steps: int, timed) -> tuple[dict[str, list[float]], dict[str, int]]:
     """`steps` timed steps of each side, alternating (even steps in the order of `sides`, odd ones reversed):
     each side's step times, and its largest peak. `timed(side)` runs one step: (seconds, peak bytes)."""

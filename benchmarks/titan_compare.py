@@ -85,7 +85,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -146,7 +145,7 @@ def main(argv=None) -> None:
     from torchtitan.distributed import utils as titan_utils
 
     import shardlang
-    from benchmarks.gpu_throughput import PEAK_BF16, NoMemory, alternate, join, profile
+    from benchmarks.gpu_throughput import PEAK_BF16, NoMemory, alternate, join, profile, timed_step
     from shardlang.runtime.apply import apply_plan
     from shardlang.verification.comms import Recorder
 
@@ -211,14 +210,7 @@ def main(argv=None) -> None:
         optims[side].zero_grad(set_to_none=True)
 
     def timed(side) -> tuple[float, int]:
-        memory.synchronize()
-        memory.reset_peak_memory_stats()
-        before = memory.memory_allocated()
-        dist.barrier()
-        start = time.perf_counter()
-        step(side)
-        memory.synchronize()
-        return time.perf_counter() - start, memory.max_memory_allocated() - before
+        return timed_step(memory, lambda: step(side))
 
     for _ in range(args.warmup):
         for side in SIDES:
