@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 import torch.nn as nn
 
-from ..frontend.patterns import modules_matching, pattern_regex
+from ..frontend.patterns import modules_matching, pattern_regex, within
 from .trace import Order
 
 #: Hugging Face TP styles (transformers' ParallelInterface names) and the shardlang style that does the
@@ -163,6 +163,16 @@ def _ep_rules(model: nn.Module) -> list[tuple[str, str, str | None, str]]:
     return rules
 
 
+def _rule_lines(rules) -> list[str]:
+    """A parallelize block's body: each (key, transformers style, ours, why not) a rule, or a comment
+    saying why there is none, the names aligned."""
+    width = max(len(key) for key, *_ in rules)
+    return [
+        f"    # {key:<{width}} : {style}: {why}" if ours is None else f"    {key:<{width}} : {ours}"
+        for key, style, ours, why in rules
+    ]
+
+
 def init_plan(
     model: nn.Module,
     *,
@@ -187,7 +197,7 @@ def init_plan(
     # Tensor parallelism inside the experts expert parallelism splits: not both (no expert TP yet).
     rules = [
         (key, style, None, "the experts are split over ep instead")
-        if any(key == e or key.startswith(e + ".") for e in split)
+        if any(within(key, e) for e in split)
         else (key, style, ours, why)
         for key, style, ours, why in rules
     ]
@@ -204,14 +214,9 @@ def init_plan(
             "",
             "# Tensor parallelism, from the model's own tp_plan (transformers).",
             "parallelize on world.tp {",
+            *_rule_lines(rules),
+            "}",
         ]
-        width = max(len(key) for key, *_ in rules)
-        for key, style, ours, why in rules:
-            if ours is None:
-                lines.append(f"    # {key:<{width}} : {style}: {why}")
-            else:
-                lines.append(f"    {key:<{width}} : {ours}")
-        lines.append("}")
     elif tp > 1:
         why = "none of its rules has a shardlang style" if rules else "the model carries no tp_plan of its own"
         said = (
@@ -228,11 +233,9 @@ def init_plan(
             "# ep, each rank's tokens sent to their experts' ranks and back. The ep ranks train on their own data:",
             "# fully_shard below spreads over dp*ep, and the experts get their own unit over dp.",
             "parallelize on world.ep {",
+            *_rule_lines(experts),
+            "}",
         ]
-        width = max(len(key) for key, *_ in experts)
-        for key, style, ours, why in experts:
-            lines.append(f"    # {key:<{width}} : {style}: {why}" if ours is None else f"    {key:<{width}} : {ours}")
-        lines.append("}")
     elif ep > 1:
         said = (
             f"--ep {ep} asked for, but the model carries no ep_plan with an experts module: no expert "
