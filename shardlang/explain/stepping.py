@@ -340,6 +340,7 @@ def _training_step(
     (`memory`): the collectives of the forward, loss and backward, each group named as `groups` names
     it (process group name -> `mesh.dim`), the peak memory, and the ops' costs. The inputs and loss
     are those of the checks (SPEC §7); `batch` per data-parallel replica (default: twice the TP size)."""
+    from ..frontend.patterns import within
     from ..verification import Context
     from ..verification import layout as lay
     from ..verification.comms import Calls
@@ -365,9 +366,11 @@ def _training_step(
         recorder.calls.clear()
         modelled = compiled.Modelled(memory, plan)
         resolution = applied.linted.resolution
-        modules = compiled.compiled_modules(
-            model, resolution.compiled, lambda fqn: _checkpointed(fqn, resolution), modelled
-        )
+
+        def checkpointed(fqn: str) -> bool:  # activation checkpointing on the module or one around it
+            return any(within(fqn, c) for c in resolution.checkpoint)
+
+        modules = compiled.compiled_modules(model, resolution.compiled, checkpointed, modelled)
         with memory, cuda_like_rms_norm(), modules:
             output = model(*inputs)
             with recorder.paused():
@@ -396,8 +399,3 @@ def _training_step(
         host_categories,
         dict(modelled.eager),
     )
-
-
-def _checkpointed(fqn: str, resolution) -> bool:
-    """Whether activation checkpointing covers module `fqn` (on it or on a module around it)."""
-    return any(fqn == c or fqn.startswith(c + ".") or not c for c in resolution.checkpoint)

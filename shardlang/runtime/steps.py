@@ -253,9 +253,9 @@ def write_fully_shard(step: p.FullyShard, program: p.Program, module: str) -> li
     """`module` is the first module's expression, or (for targets matched at run time) the list of them all."""
     if step.also and all(isinstance(fqn, str) for fqn in step.also):
         module = f"[{', '.join([module, *map(module_source, step.also)])}]"
-    call = f"fully_shard({module}, mesh={mesh_expr(step.mesh, program)}{_kwargs(step.kwargs)})"
+    mesh = mesh_expr(step.mesh, program)
+    call = f"fully_shard({module}, mesh={mesh}{_kwargs(step.kwargs)})"
     if step.divide_by is not None:
-        mesh = mesh_expr(step.mesh, program)
         return [f"divide_gradients({call}, {mesh_expr(step.divide_by, program)}.size(), {mesh})"]
     return [call]
 
