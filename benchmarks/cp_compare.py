@@ -33,6 +33,9 @@ def main(argv=None) -> None:
     parser.add_argument("--seq", type=int, default=32768)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--profile", type=int, default=0, metavar="N", help="after the timing, profile N steps of each side"
+    )
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     import torch
@@ -44,7 +47,7 @@ def main(argv=None) -> None:
 
     import shardlang
     from benchmarks import llama_1b
-    from benchmarks.gpu_throughput import alternate, join, timed_step
+    from benchmarks.gpu_throughput import alternate, join, print_profiles, profile, timed_step
     from examples.llama import Transformer
     from shardlang.runtime.apply import apply_plan
 
@@ -100,6 +103,7 @@ def main(argv=None) -> None:
         for side in SIDES:
             timed(side)
     times, peaks = alternate(SIDES, args.steps, timed)
+    profiles = {side: profile(lambda side=side: timed(side), args.profile) for side in SIDES} if args.profile else {}
     everyone = [None] * world
     dist.all_gather_object(everyone, (times, peaks))
     if rank == 0:
@@ -120,6 +124,7 @@ def main(argv=None) -> None:
                 f"{side:<10} {r['median_s'] * 1e3:>10.1f} ms {r['tokens_per_s']:>10.0f} {r['peak_bytes'] / 2**30:>10.2f} GiB"
             )
         print(f"throughput shardlang / torch: {result['ratio']:.4f}; peak memory: {result['memory_ratio']:.4f}")
+        print_profiles(profiles)
         print("RESULT " + json.dumps(result))
     dist.destroy_process_group()
 

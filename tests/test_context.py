@@ -23,6 +23,89 @@ def test_head_tail_gives_each_rank_an_early_and_a_late_chunk():
         sequence_positions(12, 4, 0, balanced=True)
 
 
+def _blocked_against_the_whole(kernel, device, dtype, ranks, causal, balanced, kv_heads=4):
+    """Every rank's blocks of `attention_blocks`, computed here with the keys every rank would gather,
+    through `kernel`: the output and the query, key and value gradients put back in sequence order (the
+    keys' summed over the ranks, as the reduce-scatter sums them), against SDPA on the whole sequence in
+    float64. Returns the largest difference of each, and that of SDPA itself in `dtype`."""
+    import torch.nn.functional as F
+
+    from shardlang.runtime.context import attend, attend_backward, attention_blocks
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 64, 64, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, kv_heads, 64, 64, generator=g, dtype=torch.float64) for _ in range(2))
+    upstream = torch.randn(2, 4, 64, 64, generator=g, dtype=torch.float64)
+    gqa = {"enable_gqa": True} if kv_heads != 4 else {}
+    exact = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = F.scaled_dot_product_attention(*exact, is_causal=causal, **gqa)
+    (out * upstream).sum().backward()
+    typed = [t.to(device, dtype).requires_grad_() for t in (q, k, v)]
+    (F.scaled_dot_product_attention(*typed, is_causal=causal, **gqa) * upstream.to(device, dtype)).sum().backward()
+    plain = {"output": out.detach(), **{f"{n}_grad": t.grad for n, t in zip("qkv", exact)}}
+    plain_error = max(float((t.grad.double().cpu() - w.grad).abs().max()) for t, w in zip(typed, exact))
+
+    from shardlang.runtime.context import local_keys
+
+    outs, grads = [], {"q_grad": [], "k_grad": [], "v_grad": []}
+    whole_grads = [torch.zeros_like(t) for t in (k, v)]
+    typed_kv = [t.to(device, dtype) for t in (k, v)]
+
+    def sink(into):
+        def add(first, end, *parts):
+            for total, part in zip(into, parts):
+                total[..., first:end, :] += part.double().to(total.device)
+
+        return add
+
+    for rank in range(ranks):
+        mine = [split_sequence(t, 2, ranks, rank, balanced).to(device, dtype) for t in (q, k, v)]
+        keys = {"local": local_keys(*mine[1:]), "whole": local_keys(*typed_kv)}
+        own = [torch.zeros_like(t, dtype=torch.float64, device="cpu") for t in mine[1:]]
+        blocks = attention_blocks(ranks, rank, mine[0].shape[-2], causal, balanced)
+        local, lse, rests = attend(kernel, mine[0], keys, blocks, 64**-0.5)
+        grad = split_sequence(upstream, 2, ranks, rank, balanced).to(device, dtype)
+        sinks = {"local": sink(own), "whole": sink(whole_grads)}
+        dq = attend_backward(kernel, grad, mine[0], keys, sinks, blocks, rests, local, lse, 64**-0.5)
+        outs.append(local.double().cpu())
+        grads["q_grad"].append(dq.double().cpu())
+        grads["k_grad"].append(own[0])
+        grads["v_grad"].append(own[1])
+    joined = {"output": join_sequence(outs, 2, balanced)}
+    joined.update({name: join_sequence(parts, 2, balanced) for name, parts in grads.items()})
+    joined["k_grad"] += whole_grads[0]
+    joined["v_grad"] += whole_grads[1]
+    errors = {name: (joined[name] - plain[name]).abs().max().item() for name in joined}
+    return errors, plain_error
+
+
+KERNELS = [("cpu", "cpu", torch.float64), ("math", "cpu", torch.float64)] + [
+    pytest.param(kernel, "cuda", torch.bfloat16, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA"))
+    for kernel in ("cudnn", "flash", "math")
+]
+
+
+@pytest.mark.parametrize(("kernel", "device", "dtype"), KERNELS)
+@pytest.mark.parametrize(
+    ("ranks", "causal", "balanced", "kv_heads"),
+    [(2, True, True, 4), (4, True, True, 2), (4, True, False, 4), (2, False, True, 4)],
+)
+def test_each_kernels_blocks_merged_equal_attention_on_the_whole(
+    kernel, device, dtype, ranks, causal, balanced, kv_heads
+):
+    """Each rank's blocks, merged by log-sum-exp, and their backward against the merged output: the whole
+    sequence's attention and gradients, to float64's precision on CPU, and on GPUs (bf16, CUDA's cuDNN and
+    flash kernels) within twice SDPA's own bf16 error."""
+    if kernel == "cudnn":
+        from shardlang.runtime.context import attention_kernel
+
+        if attention_kernel(torch.zeros(1, 1, 8, 64, device=device, dtype=dtype)) != "cudnn":
+            pytest.skip("cuDNN attention is not available here")
+    errors, plain = _blocked_against_the_whole(kernel, device, dtype, ranks, causal, balanced, kv_heads)
+    bound = 1e-12 if dtype == torch.float64 else 2 * plain + 1e-3
+    assert max(errors.values()) < bound, (errors, plain)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize(("causal", "balanced"), [(True, True), (True, False), (False, True)])
