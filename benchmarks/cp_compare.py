@@ -103,9 +103,23 @@ def main(argv=None) -> None:
         for side in SIDES:
             timed(side)
     times, peaks = alternate(SIDES, args.steps, timed)
+
+    # The peak of a step with the side's own parameters and optimizer states, as `shardlang explain`
+    # predicts it: what the GPU held at its peak less what the other side keeps resident meanwhile.
+    def resident(side):
+        tensors = [getattr(p, "_local_tensor", p) for p in models[side].parameters()]
+        tensors += [t for state in optims[side].state.values() for t in state.values() if torch.is_tensor(t)]
+        return sum(getattr(t, "_local_tensor", t).untyped_storage().nbytes() for t in tensors)
+
+    absolute = {}
+    for side, other in zip(SIDES, SIDES[::-1]):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        timed(side)
+        absolute[side] = torch.cuda.max_memory_allocated() - resident(other)
     profiles = {side: profile(lambda side=side: timed(side), args.profile) for side in SIDES} if args.profile else {}
     everyone = [None] * world
-    dist.all_gather_object(everyone, (times, peaks))
+    dist.all_gather_object(everyone, (times, peaks, absolute))
     if rank == 0:
         result = {"card": torch.cuda.get_device_name(), "torch": torch.__version__, "world": world, "seq": args.seq}
         for side in SIDES:
@@ -114,14 +128,16 @@ def main(argv=None) -> None:
                 "median_s": median,
                 "tokens_per_s": args.seq / median,
                 "peak_bytes": max(e[1][side] for e in everyone),
+                "absolute_peak_bytes": max(e[2][side] for e in everyone),
             }
         result["ratio"] = result["torch"]["median_s"] / result["shardlang"]["median_s"]
         result["memory_ratio"] = result["shardlang"]["peak_bytes"] / result["torch"]["peak_bytes"]
-        print(f"{'side':<10} {'median step':>12} {'tokens/s':>10} {'peak memory':>12}")
+        print(f"{'side':<10} {'median step':>12} {'tokens/s':>10} {'peak memory':>12} {'peak, own states':>17}")
         for side in SIDES:
             r = result[side]
             print(
                 f"{side:<10} {r['median_s'] * 1e3:>10.1f} ms {r['tokens_per_s']:>10.0f} {r['peak_bytes'] / 2**30:>10.2f} GiB"
+                f" {r['absolute_peak_bytes'] / 2**30:>13.2f} GiB"
             )
         print(f"throughput shardlang / torch: {result['ratio']:.4f}; peak memory: {result['memory_ratio']:.4f}")
         print_profiles(profiles)

@@ -471,6 +471,43 @@ def test_fit_finds_the_largest_batch_that_fits():
 
 
 @pytest.mark.distributed
+def test_fit_under_context_parallelism_finds_the_longest_sequence():
+    """With context_parallel, --fit answers the longest sequence that fits (in steps of 2 x cp tokens,
+    head-tail), at the batch given; the peak at it is simulated, and so is the one a step longer."""
+    from examples.llama import Transformer, example_input, loss
+
+    plan = shardlang.load(ROOT / "plans" / "llama_cp.sl")
+    with torch.device("meta"):
+        model = Transformer(layers=2, seq=64)
+    one = plan.explain(model, world_size=4, example_input=example_input, loss=loss, batch=1)
+    assert one.peak.tokens == 8
+    limit = one.peak.bytes + 200_000
+    e = plan.explain(model, world_size=4, example_input=example_input, loss=loss, batch=1, fit=limit)
+    tried = dict(e.fit.tried)
+    assert e.fit.batch == 1 and e.fit.sequence > 8 and e.fit.sequence % 4 == 0
+    assert tried[e.fit.sequence] <= limit < tried[e.fit.sequence + 4] and e.fit.peak == tried[e.fit.sequence]
+
+
+@pytest.mark.distributed
+def test_explain_takes_the_loss_on_each_shard_under_local_output():
+    """Under `output = local` a training loop takes the loss on the rank's shard (Plan.context_shard), and
+    explain's step does: no gather of the logits, a loss over half the tokens, a lower peak."""
+    from examples.llama import Transformer, example_input, loss
+
+    text = (ROOT / "plans" / "llama_cp.sl").read_text()
+    whole, local = (
+        shardlang.loads(text.replace("load_balance = headtail", f"load_balance = headtail; output = {o}"))
+        for o in ("whole", "local")
+    )
+    with torch.device("meta"):
+        model = Transformer(layers=2, vocab=4096, seq=64)
+    peaks = [
+        p.explain(model, world_size=2, example_input=example_input, loss=loss, batch=2).peak for p in (whole, local)
+    ]
+    assert peaks[1].bytes < peaks[0].bytes
+
+
+@pytest.mark.distributed
 def test_compare_and_json_carry_the_peak_and_the_time():
     import json
 

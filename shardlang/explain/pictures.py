@@ -284,6 +284,14 @@ def render_peak(e: Explanation, console: Console) -> None:
     if e.fit is not None:
         f = e.fit
         tried = ", ".join(f"{b}: {size(n)}" for b, n in f.tried)
+        if f.sequence is not None:
+            answer = (
+                f"{f.sequence:,} tokens per sequence, batch {f.batch} per replica (peak {size(f.peak)})"
+                if f.sequence
+                else f"nothing: the shortest sequence that splits already needs {size(f.peak)}"
+            )
+            console.print(f"\nlongest sequence that fits {size(f.limit)}: [bold]{answer}[/bold] (tried {tried})")
+            return
         answer = (
             f"batch {f.batch} per replica (peak {size(f.peak)})"
             if f.batch

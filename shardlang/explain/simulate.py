@@ -159,7 +159,7 @@ def _explain_here(plan: ir.Plan, model: nn.Module | None, options: ExplainOption
                 notes = (_failed(e),)
         else:
             notes = ("no collectives: the model file defines no example_input",)
-    notes += _routing_note(plan, peak)
+    notes += _routing_note(plan, peak) + _context_note(plan, peak, timed)
     return Explanation(
         plan.source.name, world_size, rank, meshes, tensors, ranks, collectives, notes, peak, timed, fitted
     )
@@ -224,6 +224,26 @@ def _routing_note(plan: ir.Plan, peak) -> tuple[str, ...]:
     return (
         "expert_parallel: routing taken as uniform (every rank sends and receives as many tokens); the "
         "all-to-all bytes, the experts' activations and their time are those of an even load",
+    )
+
+
+def _context_note(plan: ir.Plan, peak, timed) -> tuple[str, ...]:
+    """What context parallelism costs in the step: each rank's share of a sequence, and the attention's
+    collectives over the cp dim (the functional ones there: no parallelize block splits that dim, SL219)."""
+    cp = plan.context_parallel
+    if cp is None or peak is None or timed is None:
+        return ()
+    dim = str(cp.mesh)
+    ring = [d for d in timed.dims if d.mesh_dim == dim and not d.overlapped]
+    if not ring:
+        return ()
+    ranks, sequence = ring[0].group, peak.tokens // max(peak.batch, 1)
+    return (
+        f"context_parallel on {dim}: each rank holds {sequence // ranks:,} of every sequence's {sequence:,} "
+        f"tokens (the activations above are its shard's); its attention's all-gathers of keys and values "
+        f"(forward, and again in the backward) and reduce-scatters of their gradients move "
+        f"{sum(d.bytes for d in ring) / 2**30:.1f} GiB in {sum(d.seconds for d in ring) * 1e3:.1f} ms, counted as exposed "
+        "(the rank's own block of attention computes while the first arrives)",
     )
 
 

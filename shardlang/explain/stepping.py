@@ -69,9 +69,9 @@ class Stepper:
         self.stack = None if full_step else repeated_stack(model, applied.linted.resolution)
         self._cuts: dict[int, object] = {}
 
-    def _step(self, applied, batch: int | None) -> _Measure:
+    def _step(self, applied, batch: int | None, sequence: int | None) -> _Measure:
         self.groups.update(group_names(applied))
-        return _training_step(self.plan, applied, self.model_file, self.groups, batch)
+        return _training_step(self.plan, applied, self.model_file, self.groups, batch, sequence)
 
     def _cut(self, depth: int):
         if depth not in self._cuts:
@@ -79,19 +79,21 @@ class Stepper:
             self._cuts[depth] = apply_plan(self.plan, cut_stack(self.model, path, keys[:depth]), mode=SIMULATED)
         return self._cuts[depth]
 
-    def measure(self, batch: int | None) -> tuple[_Measure, str | None]:
+    def measure(self, batch: int | None, sequence: int | None = None) -> tuple[_Measure, str | None]:
+        """The step at `batch` per replica (default: the checks'), its inputs' sequences cut or repeated
+        to `sequence` tokens where given."""
         if self.stack is not None:
             path, keys = self.stack
             steps: dict[int, _Measure] = {}
             whole = None
             try:
                 for depth in STEP_DEPTHS:
-                    steps[depth] = self._step(self._cut(depth), batch)
+                    steps[depth] = self._step(self._cut(depth), batch, sequence)
                 whole = _extrapolate(steps, STEP_DEPTHS[0], path, keys)
                 if whole is None and len(keys) > STEP_DEPTHS[-1] + 1:
                     # The smallest cut may peak at another moment of the step than longer ones do (a
                     # unit gathered at its peak, say): one block more, and the three longest decide.
-                    steps[STEP_DEPTHS[-1] + 1] = self._step(self._cut(STEP_DEPTHS[-1] + 1), batch)
+                    steps[STEP_DEPTHS[-1] + 1] = self._step(self._cut(STEP_DEPTHS[-1] + 1), batch, sequence)
                     whole = _extrapolate(steps, STEP_DEPTHS[1], path, keys)
             except Exception:  # noqa: BLE001 - a model that cannot run cut short runs whole
                 whole = None
@@ -105,7 +107,7 @@ class Stepper:
                 )
                 return whole, note
             self.stack = None  # not linear here: no other batch will be either
-        return self._step(self.applied, batch), None
+        return self._step(self.applied, batch, sequence), None
 
     def run(self, batch: int | None):
         from .compiled import notes as compile_notes
@@ -115,47 +117,60 @@ class Stepper:
         return _collectives(measured.calls), notes, _peak(measured), _tally(measured.tally)
 
     def fit(self, limit: int, first: Peak) -> Fit:
-        """The largest batch whose peak is at most `limit`, found by a bracketed search on the simulated
-        step: the peak grows with the batch (about linearly), so each guess is where the line through the
-        two nearest known points meets the limit, and its neighbour is simulated too; a guess that does
-        not close the bracket is followed by a bisection step. It ends with batch b fitting and b + 1
-        not, both simulated."""
-        tried = {first.batch: first.bytes}
-
-        def peak(batch: int) -> int:
-            if batch not in tried:
-                tried[batch] = self.measure(batch)[0].peak
-            return tried[batch]
-
-        def result(batch: int) -> Fit:
+        """The largest batch whose peak is at most `limit` (`largest_fitting`); under context parallelism,
+        the longest sequence at the first step's batch instead, in steps of what splits over the cp ranks
+        (2 x cp chunks head-tail balanced, cp plainly), which is what context parallelism is for."""
+        cp = self.plan.context_parallel
+        if cp is None:
+            tried = {first.batch: first.bytes}
+            batch = largest_fitting(limit, tried, lambda b: self.measure(b)[0].peak)
             return Fit(limit, batch, tried[batch] if batch else tried[1], tuple(sorted(tried.items())))
+        step = (2 if cp.balanced else 1) * self.applied.mesh(cp.mesh).size()
+        length = first.tokens // first.batch
+        tried = {length // step: first.bytes}
+        chunks = largest_fitting(limit, tried, lambda n: self.measure(first.batch, n * step)[0].peak)
+        found = tuple(sorted((n * step, peak) for n, peak in tried.items()))
+        return Fit(limit, first.batch, tried[chunks] if chunks else tried[1], found, chunks * step)
 
-        if peak(1) > limit:
-            return result(0)
-        bisect = False
-        while True:
-            fits = sorted(b for b, n in tried.items() if n <= limit)
-            over = sorted(b for b, n in tried.items() if n > limit)
-            low, high = fits[-1], (over[0] if over else None)
-            if high is not None and high - low <= 1:
-                return result(low)
-            if high is not None and bisect:
-                peak((low + high) // 2)
-                bisect = False
-                continue
-            near = fits[-2] if high is None and len(fits) > 1 else high
-            if near is None or tried[near] == tried[low]:
-                guess = low * 2 if high is None else (low + high) // 2
-            else:
-                slope = (tried[near] - tried[low]) / (near - low)
-                guess = low + math.floor((limit - tried[low]) / slope) if slope > 0 else low * 2
-            guess = max(guess, low + 1) if high is None else min(max(guess, low + 1), high - 1)
-            guess = min(guess, 1 << 24)
-            peak(guess)
-            peak(guess + 1 if tried[guess] <= limit else guess - 1)
-            bisect = high is not None
-            if guess >= 1 << 24:
-                return result(max(b for b, n in tried.items() if n <= limit))
+
+def largest_fitting(limit: int, tried: dict[int, int], peak_at) -> int:
+    """The largest n >= 1 whose peak (`peak_at(n)`, noted in `tried`, which holds a first point) is at
+    most `limit`, 0 if not even 1 fits, by a bracketed search: the peak grows with n (about linearly),
+    so each guess is where the line through the two nearest known points meets the limit, and its
+    neighbour is simulated too; a guess that does not close the bracket is followed by a bisection step.
+    It ends with n fitting and n + 1 not, both simulated."""
+
+    def peak(n: int) -> int:
+        if n not in tried:
+            tried[n] = peak_at(n)
+        return tried[n]
+
+    if peak(1) > limit:
+        return 0
+    bisect = False
+    while True:
+        fits = sorted(n for n, bytes_ in tried.items() if bytes_ <= limit)
+        over = sorted(n for n, bytes_ in tried.items() if bytes_ > limit)
+        low, high = fits[-1], (over[0] if over else None)
+        if high is not None and high - low <= 1:
+            return low
+        if high is not None and bisect:
+            peak((low + high) // 2)
+            bisect = False
+            continue
+        near = fits[-2] if high is None and len(fits) > 1 else high
+        if near is None or tried[near] == tried[low]:
+            guess = low * 2 if high is None else (low + high) // 2
+        else:
+            slope = (tried[near] - tried[low]) / (near - low)
+            guess = low + math.floor((limit - tried[low]) / slope) if slope > 0 else low * 2
+        guess = max(guess, low + 1) if high is None else min(max(guess, low + 1), high - 1)
+        guess = min(guess, 1 << 24)
+        peak(guess)
+        peak(guess + 1 if tried[guess] <= limit else guess - 1)
+        bisect = high is not None
+        if guess >= 1 << 24:
+            return max(n for n, bytes_ in tried.items() if bytes_ <= limit)
 
 
 def _peak(m: _Measure) -> Peak:
@@ -333,8 +348,44 @@ def _collectives(tally: dict[tuple[str, str], tuple[int, int]]) -> tuple[Collect
     return tuple(Collective(op, dim, n, b) for (op, dim), (n, b) in sorted(tally.items()))
 
 
+def _resized(inputs: tuple, length: int) -> tuple:
+    """The inputs with every tensor whose dim 1 is as long as the first's (the sequence) cut, or repeated,
+    to `length` (the step needs their shapes, not their values)."""
+    import torch
+
+    sequence = next(x.shape[1] for x in inputs if isinstance(x, torch.Tensor) and x.ndim >= 2)
+
+    def resized(x):
+        if not (isinstance(x, torch.Tensor) and x.ndim >= 2 and x.shape[1] == sequence):
+            return x
+        return x.repeat_interleave(-(-length // sequence), dim=1)[:, :length] if length > sequence else x[:, :length]
+
+    return tuple(resized(x) for x in inputs)
+
+
+def _loss_operands(ctx, where, output, output_layout, full: tuple) -> tuple:
+    """What the step's loss takes: the whole output and inputs, as the checks take them, except under
+    `context_parallel(output = local)`, where a training loop takes it on each rank's shard of the outputs
+    against its shard of the labels (`Plan.context_shard`): the inputs are cut alike (the step needs the
+    loss's shapes and costs, not its value)."""
+    import torch
+
+    from ..runtime.context import context_shard
+    from ..verification import layout as lay
+
+    cp = ctx.plan.context_parallel
+    if cp is None or cp.whole_output:
+        return lay.full_output(ctx, where, output, output_layout), full
+    length = next(x.shape[1] for x in full if isinstance(x, torch.Tensor) and x.ndim >= 2)
+    cut = tuple(
+        context_shard(ctx.model, x) if isinstance(x, torch.Tensor) and x.ndim >= 2 and x.shape[1] == length else x
+        for x in full
+    )
+    return output, cut
+
+
 def _training_step(
-    plan: ir.Plan, applied, model_file: ModelFile, groups: dict[str, str], batch: int | None
+    plan: ir.Plan, applied, model_file: ModelFile, groups: dict[str, str], batch: int | None, sequence: int | None
 ) -> _Measure:
     """One forward, loss, backward and AdamW step on fake tensors, under torch's memory trackers
     (`memory`): the collectives of the forward, loss and backward, each group named as `groups` names
@@ -359,6 +410,7 @@ def _training_step(
         where = lay.layout(ctx)
         batch = batch if batch is not None else 2 * max(where.tp_size, 1)
         full = lay.replica_inputs(ctx, -1, where.replica, batch)
+        full = full if sequence is None else _resized(full, sequence)
         inputs = lay.local_inputs(full, where, input_layout)
         optimizer = warm_adamw(model)
         memory = tracker(model, optimizer)
@@ -374,9 +426,9 @@ def _training_step(
         with memory, cuda_like_rms_norm(), modules:
             output = model(*inputs)
             with recorder.paused():
-                whole = lay.full_output(ctx, where, output, output_layout)
+                whole, against = _loss_operands(ctx, where, output, output_layout, full)
             with lay.loss_context(plan):
-                lay.loss(ctx, whole, full, sharded=True, compile_with=modelled.loss).backward()
+                lay.loss(ctx, whole, against, sharded=True, compile_with=modelled.loss).backward()
             del output, whole
             with recorder.paused():
                 optimizer.step()

@@ -243,12 +243,14 @@ class StepTime:
 
 @frozen
 class Fit:
-    """--fit: the largest per-replica batch whose predicted peak is at most `limit` (0: not even 1)."""
+    """--fit: the largest per-replica batch whose predicted peak is at most `limit` (0: not even 1); under
+    context parallelism, the longest sequence at that batch (0: not even the shortest that splits)."""
 
     limit: int
     batch: int
-    peak: int  # at that batch
-    tried: tuple[tuple[int, int], ...]  # (batch, peak) of every step simulated
+    peak: int  # at that batch (or sequence)
+    tried: tuple[tuple[int, int], ...]  # (batch, peak) of every step simulated; (sequence, peak) for a sequence
+    sequence: int | None = None  # tokens per sequence, when the search was over the sequence length
 
 
 def _ring(op: str, n: int) -> float:

@@ -1,0 +1,27 @@
+"""The ~1B Llama of benchmarks/llama_1b.py at a long sequence: 32,768 tokens (its rotary table as long),
+for context parallelism (benchmarks/cp_compare.py, benchmarks/plans/llama_1b_cp.sl):
+
+    shardlang explain benchmarks/plans/llama_1b_cp.sl benchmarks/llama_1b_long.py --gpu h200 --batch 1
+"""
+
+import torch
+
+from benchmarks import llama_1b
+from examples.llama import Transformer, loss  # noqa: F401
+
+SEQ = 32768
+
+
+def build_model() -> torch.nn.Module:
+    return Transformer(
+        vocab=llama_1b.VOCAB,
+        dim=llama_1b.DIM,
+        heads=llama_1b.HEADS,
+        layers=llama_1b.LAYERS,
+        hidden=llama_1b.HIDDEN,
+        seq=SEQ,
+    )
+
+
+def example_input(batch_size: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, llama_1b.VOCAB, (batch_size, SEQ), generator=generator)
