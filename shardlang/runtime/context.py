@@ -182,7 +182,9 @@ class GatheredKeys:
 
         self.ranks, self.balanced, self.parts = dist.get_world_size(group), balanced, 2 if balanced else 1
         self.chunk = key.shape[-2] // self.parts
-        self.pending, self.gathered = funcol.all_gather_tensor(torch.stack([key, value]), 0, group), None
+        # torch 2.13 renames it (the old name warns); torch 2.11 has only the old one
+        gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+        self.pending, self.gathered = gather(torch.stack([key, value]), 0, group), None
 
     def range(self, first: int, end: int):
         """The keys and values of the sequence's positions first..end (whole chunks), in sequence order."""
@@ -219,7 +221,8 @@ class ScatteredGradients:
         """This rank's share: the gradients of its own keys and values summed over every rank's queries."""
         from torch.distributed import _functional_collectives as funcol
 
-        mine = funcol.reduce_scatter_tensor(self.buffer.flatten(0, 1), "sum", 0, group)
+        scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+        mine = scatter(self.buffer.flatten(0, 1), "sum", 0, group)
         return funcol.wait_tensor(mine).unbind(0)
 
 
