@@ -264,3 +264,19 @@ def test_local_output_leaves_each_rank_its_shard_and_cuts_the_labels_alike(pools
     for result in pools(4).run(context_jobs.local_output_and_its_labels, text):
         assert result["shape"] == (2, 4, 64), result
         assert abs(result["mean_of_local"] - result["whole"]) < 0.05, result
+
+
+@pytest.mark.distributed
+def test_a_pipeline_with_local_outputs_passes(tmp_path, pools):
+    """plans/llama_cp_pipeline.sl with `output = local`: the last stage returns each rank's shard of the
+    sequence, which the checks gather for the loss (the plan as it is, gathering its output itself, runs
+    with every plan in test_apply_cli)."""
+    import shardlang
+    from shardlang.launch.job import Job, run
+
+    text = (ROOT / "plans" / "llama_cp_pipeline.sl").read_text()
+    plan = tmp_path / "local.sl"
+    plan.write_text(text.replace("each layers.*.attention", "each layers.*.attention\n    output = local"))
+    checks = shardlang.load(plan).checks
+    report = pools(4).run(run, Job(str(plan), {}, str(ROOT / "examples" / "llama.py"), None, checks))[0]
+    assert {c.check: c.status for c in report.checks}["gradients"] == "pass", report.checks

@@ -458,6 +458,8 @@ def context_parallel(model, patterns, mesh, balanced, whole_output=True):
         return args, kwargs
 
     def gather(module, args, output):
+        if getattr(module, "shardlang_sends", False):  # a pipeline stage's activation for the next stage
+            return output
         return whole_sequences(output, module._context_length, group, balanced)
 
     model._shardlang_context = (group, ranks, rank, balanced)

@@ -54,6 +54,7 @@ def split_stages(model, blocks, dropped, stages):
         part.register_forward_pre_hook(stage_inputs(carry, stage > 0), with_kwargs=True, prepend=True)
         part.register_forward_hook(stage_output(carry, stage == last), prepend=True)
         part.shardlang_carry = carry
+        part.shardlang_sends = stage < last  # its output is an activation for the next stage, not the model's
         parts[stage] = part
     return parts
 

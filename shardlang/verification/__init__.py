@@ -81,11 +81,15 @@ class Context:
             return None
         if self._pipeline is None:
             from ..runtime.apply import build_pipeline
-            from .layout import loss
+            from .layout import loss, sequences_whole
 
-            self._pipeline = build_pipeline(
-                self.applied, lambda output, inputs: loss(self, output, _tuple(inputs), sharded=True)
-            )
+            last = self.applied.parts[max(self.applied.parts)]  # the loss runs on the last stage only
+
+            def stage_loss(output, inputs):
+                whole = sequences_whole(self, output, last)
+                return loss(self, whole, _tuple(inputs), sharded=True)
+
+            self._pipeline = build_pipeline(self.applied, stage_loss)
         return self._pipeline
 
     @property

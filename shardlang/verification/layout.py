@@ -126,14 +126,23 @@ def full_output(ctx, where: Layout, output: Any, output_layout: Any) -> Any:
     hook would (runtime.context.whole_sequences)."""
     cp = ctx.plan.context_parallel
     if cp is not None and not cp.whole_output:
-        from ..runtime.context import whole_sequences
-
-        model = ctx.model
-        group = ctx.applied.mesh(cp.mesh).get_group()
-        return whole_sequences(output, model._context_length, group, cp.balanced)
+        return sequences_whole(ctx, output, ctx.model)
     if isinstance(output, DTensor) or not isinstance(output_layout, ir.Shard) or where.tp_size == 1:
         return output
     return DTensor.from_local(output, tp_mesh(ctx, where), [Shard(output_layout.dim)], run_check=False).full_tensor()
+
+
+def sequences_whole(ctx, output: Any, module) -> Any:
+    """Under `context_parallel(output = local)`, the sequence shards `module` (the model, or a pipeline's
+    last stage) returned, gathered whole as the model's own hook would (runtime.context.whole_sequences);
+    any other output as it is."""
+    cp = ctx.plan.context_parallel
+    if cp is None or cp.whole_output:
+        return output
+    from ..runtime.context import whole_sequences
+
+    group = ctx.applied.mesh(cp.mesh).get_group()
+    return whole_sequences(output, module._context_length, group, cp.balanced)
 
 
 def modules_eagerly(plan: ir.Plan):
