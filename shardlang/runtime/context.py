@@ -9,16 +9,16 @@ rank holds; `split_sequence` cuts a tensor's sequence dim so, `join_sequence` pu
 
 Attention. Inside a module the plan runs under context parallelism, every call of
 `torch.nn.functional.scaled_dot_product_attention` (transformers' SDPA attention, torchtitan's) becomes
-`context_attention`: the keys and values are gathered over the cp group (an all-gather whose backward is
-a reduce-scatter, so every rank's queries send their gradients back to the keys' owners) and put in
-sequence order; each chunk of the rank's own queries attends to the keys up to its own last position,
-causal aligned to the lower right (torch's `causal_lower_right`, which CUDA's flash kernel runs without
-a mask in memory; elsewhere the mask is made). This is torch's `allgather` rotate method of ring attention, on any device:
-torch's own context parallelism (`torch.distributed.tensor.experimental.context_parallel`) handles only
-CUDA's SDPA kernels (flash, efficient, cuDNN), not the CPU's, so the checks could not run it on gloo.
-What differs from the ring: each rank holds the whole sequence's keys and values for the length of
-one attention call (2 x batch x kv heads x sequence x head dim), where the ring holds one chunk at a
-time and overlaps sending the next with computing; the arithmetic is the same.
+`ContextAttention`: the blocks of torch's ring attention (`attention_blocks`: the rank's queries against
+its own keys, causal, and against every earlier chunk of the sequence), each through the fused kernel
+SDPA would pick (`attention_kernel`: CUDA's cuDNN or flash kernel, the CPU's flash kernel, else plain
+matrix products) with its log-sum-exp, the outputs merged by it as the ring merges them. What differs
+from torch's ring (`torch.distributed.tensor.experimental.context_parallel`, CUDA's kernels only, so the
+checks could not run it on gloo): the other ranks' keys and values arrive in one all-gather
+(`GatheredKeys`, waited for after the rank's own block), not one rank's at a time, so for one attention
+call each rank holds the whole sequence's keys and values (2 x batch x kv heads x sequence x head dim);
+their gradients go back in one reduce-scatter (`ScatteredGradients`) in the keys' dtype, where the ring
+sends float32. The arithmetic is the same.
 """
 
 from __future__ import annotations
