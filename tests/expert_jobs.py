@@ -11,11 +11,11 @@ from torch.distributed.tensor.parallel import parallelize_module
 from shardlang.runtime.experts import ExpertParallel
 
 
-def _experts(implementation: str):
+def _experts(implementation: str, width: int = 8):
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    config = Qwen3MoeConfig(hidden_size=8, moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2)
+    config = Qwen3MoeConfig(hidden_size=8, moe_intermediate_size=width, num_experts=4, num_experts_per_tok=2)
     config._experts_implementation = implementation
     torch.manual_seed(0)
     experts = Qwen3MoeExperts(config)
@@ -121,3 +121,49 @@ def run_without_divided_expert_gradients(job):
         return run(job)
     finally:
         helpers.divide_gradients = kept
+
+
+def etp_matches_whole_experts(implementation: str = "eager", fault: bool = False) -> dict[str, float]:
+    """Every expert split by its intermediate width over tp = the world (ExpertTensorParallel), every rank
+    holding the same tokens: the output, the gradients of the tokens and of the routing weights, and the
+    experts' gradients (whole, from their shards) against the whole experts'. `fault`: the gradients of
+    the inputs left partial (not summed over tp), the mistake the check must catch."""
+    from shardlang.runtime import experts as runtime
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    # torch._grouped_mm takes strides of 16 bytes: 4 float32 columns of each expert per rank at least
+    whole = _experts(implementation, width=16)
+    if fault:
+        runtime.SumGradOver, kept = _Identity, runtime.SumGradOver
+    try:
+        split = parallelize_module(_experts(implementation, width=16), mesh, runtime.ExpertTensorParallel())
+        hidden, index, weights, upstream = _routing(6, 0, False)  # the same tokens on every rank
+        out = split(hidden, index, weights)
+        (out * upstream).sum().backward()
+    finally:
+        if fault:
+            runtime.SumGradOver = kept
+    h, _, w, _ = (t.detach().requires_grad_() if t.is_floating_point() else t for t in _routing(6, 0, False))
+    o = whole(h, index, w)
+    (o * upstream).sum().backward()
+    errors = {
+        "output": (out - o).abs().max().item(),
+        "hidden_grad": (hidden.grad - h.grad).abs().max().item(),
+        "weights_grad": (weights.grad - w.grad).abs().max().item(),
+    }
+    for name in ("gate_up_proj", "down_proj"):
+        param = getattr(split, name)
+        assert isinstance(param, DTensor) and param.to_local().shape[0] == 4
+        errors[f"{name}_grad"] = (param.grad.full_tensor() - getattr(whole, name).grad).abs().max().item()
+    return errors
+
+
+class _Identity(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, group):
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None

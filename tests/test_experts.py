@@ -32,6 +32,24 @@ def test_a_rank_that_receives_no_token(pools):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+def test_experts_split_by_width_equal_whole_ones(pools, world, implementation):
+    """expert_tensor_parallel (transformers' moe_tp_experts) on Qwen3-MoE's experts: the output and every
+    gradient (the tokens', the routing weights', each expert's) equal those of the whole experts."""
+    for errors in pools(world).run(expert_jobs.etp_matches_whole_experts, implementation):
+        assert max(errors.values()) < 1e-5, errors
+
+
+@pytest.mark.distributed
+def test_experts_split_by_width_with_partial_input_gradients_are_wrong(pools):
+    """The planted fault: the tokens' and routing weights' gradients left partial on each tp rank."""
+    for errors in pools(2).run(expert_jobs.etp_matches_whole_experts, "eager", True):
+        assert errors["hidden_grad"] > 1e-3 and errors["weights_grad"] > 1e-3, errors
+        assert errors["output"] < 1e-5, errors
+
+
+@pytest.mark.distributed
 def test_tokens_combined_without_their_weights_are_wrong(pools):
     """The check above can fail: dropping the routing weights changes the output."""
     assert min(pools(2).run(expert_jobs.ep_without_weights_differs)) > 1e-2
@@ -174,6 +192,15 @@ def test_the_printed_program_splits_the_experts_as_apply_does(pools):
     )[0]
 
 
+@pytest.mark.distributed
+def test_the_printed_program_splits_the_experts_by_width_as_apply_does(pools):
+    """The same for ExpertTensorParallel (plans/hf/qwen3_moe.sl: the layout table it reads is pasted too)."""
+    from . import dist_jobs
+
+    plan = (ROOT / "plans" / "hf" / "qwen3_moe.sl").read_text()
+    assert pools(4).run(dist_jobs.emitted_code_matches_apply, plan, "examples.hf_qwen3_moe:build_model", 4)[0]
+
+
 BORROWED = ROOT / "plans" / "hf" / "olmoe_ep_fsdp.sl"
 
 
@@ -281,3 +308,17 @@ def test_explain_counts_the_borrowed_ranks_and_fits_a_batch():
     assert {c.op for c in e.collectives if c.mesh_dim == "world.ep"} >= {"all_to_all_single"}, e.collectives
     assert any("routing taken as uniform" in n for n in e.notes)
     assert e.fit.batch > 1 and e.fit.peak <= 64 * 2**20
+
+
+def test_expert_tensor_parallel_on_what_it_cannot_split_is_sl202(tmp_path):
+    """On a router (no stacked experts), and on experts whose width does not divide by the mesh dim."""
+    out = _lint_without_step(
+        tmp_path,
+        "shardlang 1\nmesh world = cpu[tp=3]\nparallelize on world.tp {\n"
+        "    model.layers.*.mlp.experts : expert_tensor_parallel\n"
+        "    model.layers.*.mlp.gate : expert_tensor_parallel\n}\n",
+    )
+    assert re.search(r"plan\.sl:4:\d+: error\[SL202\] expert_tensor_parallel does not apply", out)
+    assert "intermediate width 32 does not divide by tp=3" in out
+    assert re.search(r"plan\.sl:5:\d+: error\[SL202\] expert_tensor_parallel does not apply", out)
+    assert "stacked on dim 0 as transformers stores them" in out

@@ -124,12 +124,14 @@ def test_sl202_help_names_the_style_that_fits_a_transformers_layer():
     assert "leave it without a rule" in found.help[0]
 
 
-def test_starter_plan_of_a_moe_model_says_why_the_experts_have_no_rule():
+def test_starter_plan_of_a_moe_model_splits_the_experts_by_width():
+    """transformers' moe_tp_experts is expert_tensor_parallel; the tensor-level rules of its plan, which
+    that style covers, stay comments."""
     from examples.hf_qwen3_moe import build_model
 
     with torch.device("meta"):
         text = init_plan(build_model(), tp=2)
-    assert "# model.layers.*.mlp.experts              : moe_tp_experts: no built-in style" in text
+    assert "    model.layers.*.mlp.experts              : expert_tensor_parallel\n" in text
     assert "# model.layers.*.mlp.experts.gate_up_proj : packed_colwise: a parameter, not a module" in text
     assert "# model.layers.*.mlp.gate_proj            : colwise: no such module in this model" in text
 

@@ -1,8 +1,10 @@
 # plans/hf/qwen3_moe.sl — written by `shardlang init examples/hf_qwen3_moe.py --tp 2`, reviewed unchanged:
-# transformers' Qwen3MoeForCausalLM, a mixture of experts. Attention is tensor parallel as the model's
-# tp_plan says; the experts (two 3-D tensors per layer) stay whole on every tp rank, which runs all of
-# them on the whole batch, and FSDP2 shards them over dp with the rest of each layer. The rules of the
-# model's plan that shardlang has no style for are kept as comments saying why.
+# transformers' Qwen3MoeForCausalLM, a mixture of experts, tensor parallel as the model's tp_plan says.
+# Attention splits by head; every expert splits by its intermediate width (`expert_tensor_parallel`,
+# transformers' moe_tp_experts: each tp rank holds a slice of every expert's gate, up and down
+# projections, computes every expert on every token, and the partial outputs are summed over tp); FSDP2
+# shards each layer, experts included, over dp. The rules of the model's plan that shardlang has no
+# style for are kept as comments saying why.
 # The experts run transformers' default grouped matmul (torch._grouped_mm), which has no float64 kernel:
 # the gradients check's float64 truth computes it by one float64 matmul per expert.
 # Model: examples/hf_qwen3_moe.py (needs pip install -e '.[hf]').
@@ -21,7 +23,7 @@ parallelize on world.tp {
     model.layers.*.self_attn.o_proj         : rowwise
     # model.layers.*.mlp.experts.gate_up_proj : packed_colwise: a parameter, not a module: its module's rule says how it is laid out
     # model.layers.*.mlp.experts.down_proj    : rowwise: a parameter, not a module: its module's rule says how it is laid out
-    # model.layers.*.mlp.experts              : moe_tp_experts: no built-in style: the experts stay whole on each tp rank; fully_shard shards them over dp
+    model.layers.*.mlp.experts              : expert_tensor_parallel
     # model.layers.*.mlp.gate_proj            : colwise: no such module in this model
     # model.layers.*.mlp.up_proj              : colwise: no such module in this model
     # model.layers.*.mlp.down_proj            : rowwise: no such module in this model

@@ -126,6 +126,48 @@ def stacked_experts(module: nn.Module) -> int | None:
     return count if count is not None and any(p.dim() >= 3 and p.shape[0] == count for p in own) else None
 
 
+def expert_tp_layout(module: nn.Module, tp: int) -> dict[str, tuple[int | None, int]] | str:
+    """How `expert_tensor_parallel` splits a stacked-experts module over `tp` ranks: {parameter: (dim,
+    parts)}, or why it cannot (another layout, a width that does not divide). transformers stores the
+    experts as Linear weights ([experts, out, in]): for each projection (and its bias, [experts, out]), the
+    dim holding the experts' intermediate width and how many projections it packs; down_proj's bias
+    ([experts, hidden]) is added once, so it stays whole (None). (A table here, not a module constant:
+    `compile --emit python` pastes this function.)"""
+    table = {
+        "gate_up_proj": (1, 2),
+        "gate_proj": (1, 1),
+        "up_proj": (1, 1),
+        "down_proj": (2, 1),
+        "gate_up_proj_bias": (1, 2),
+        "gate_proj_bias": (1, 1),
+        "up_proj_bias": (1, 1),
+        "down_proj_bias": (None, 1),
+    }
+    own = dict(module.named_parameters(recurse=False))
+    down = own.get("down_proj")
+    if stacked_experts(module) is None or down is None or down.dim() != 3:
+        return (
+            "expert_tensor_parallel splits a module holding every expert's weights stacked on dim 0 as transformers "
+            "stores them (gate_up_proj [experts, 2 x width, hidden], down_proj [experts, hidden, width])"
+        )
+    hidden, width = down.shape[1], down.shape[2]
+    layout = {}
+    for name, param in own.items():
+        if name not in table:
+            return f"its parameter '{name}' is none of {', '.join(table)}: no built-in layout splits it"
+        dim, parts = table[name]
+        expected = {1: width * parts, 2: width}.get(dim)
+        if dim is not None and (param.dim() <= dim or param.shape[dim] != expected):
+            return (
+                f"its {name} {list(param.shape)} is not stored as a Linear weight [experts, out, in] beside "
+                f"down_proj [experts, {hidden}, {width}] (gpt-oss stores [experts, in, out]): no built-in layout"
+            )
+        layout[name] = (dim, parts)
+    if width % tp:
+        return f"its experts' intermediate width {width} does not divide by tp={tp}"
+    return layout
+
+
 def expert_tensors(module: nn.Module) -> tuple[str, ...]:
     """The own parameters of a stacked-experts module that are split by expert: each whose dim 0 counts the
     experts (gpt-oss's 2-D biases too). None of any other module's."""
@@ -257,6 +299,13 @@ def _by_rule(plan, match: RuleMatch, resolution, probe, owner, name, is_param, o
             return unknown(f"the `use` style '{style.name}' removed or renamed it")
         return placed if placed.mesh is not None else None
     kind = style.name
+    if probe == owner and kind == "expert_tensor_parallel":
+        layout = expert_tp_layout(resolution.modules[owner], 1)
+        if isinstance(layout, str) or name not in layout:
+            return None
+        dim, parts = layout[name]
+        placement = ir.Replicate() if dim is None else ir.StridedShard(dim, parts) if parts > 1 else ir.Shard(dim)
+        return Placed(mesh.mesh, mesh.dims, (placement,))
     if probe == owner and kind == "expert_parallel":
         # the experts split on dim 0; anything else of the module stays a plain tensor
         return (
@@ -290,7 +339,8 @@ def _fsdp(
         return unknown(f"tensor parallel on mesh '{tp.mesh}' and fully_shard on mesh '{dp.mesh}'")
     if any(not isinstance(p, (ir.Shard, ir.StridedShard, ir.Replicate)) for p in tp_dims.values()):
         return unknown(f"fully_shard over {', '.join(map(placement_text, tp.placements))} a `use` style left")
-    packed = any(isinstance(p, ir.StridedShard) for p in tp_dims.values())
+    # packed_colwise's weight, strided on dim 0 (expert_tensor_parallel's are strided on dim 1: FSDP's Shard(0))
+    packed = any(isinstance(p, ir.StridedShard) and p.dim == 0 for p in tp_dims.values())
     if packed and not packs_for_fsdp(plan):
         return unknown("fully_shard over the _StridedShard a `use` style left, without packed_colwise's placement fn")
     placements = []

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 import torch.nn as nn
 
 from ..frontend.patterns import modules_matching, pattern_regex, within
+from .predict import expert_tp_layout
 from .trace import Order
 
 #: Hugging Face TP styles (transformers' ParallelInterface names) and the shardlang style that does the
@@ -35,7 +36,7 @@ HF_STYLES: Mapping[str, str | None] = {
     "all_reduce": "prepare_output(output=partial, desired=replicate)",  # sum the module's partial output
     "replicate": None,
     "packed_rowwise": None,
-    "moe_tp_experts": None,
+    "moe_tp_experts": "expert_tensor_parallel",
     "moe_identity_expert": None,
     "mla_kv_a_proj": "mla_kv_a_proj(rope={rope})",  # rope: the config's qk_rope_head_dim (translate)
     "local_params": None,
@@ -52,8 +53,7 @@ HF_STYLES: Mapping[str, str | None] = {
 WHY_NOT = {
     "replicate": "every rank keeps the whole tensor: no rule needed",
     "packed_rowwise": "3-D expert tensors stored [experts, hidden, 2 x width]: no built-in style",
-    "moe_tp_experts": "no built-in style: the experts stay whole on each tp rank; fully_shard shards them over dp",
-    "moe_identity_expert": "goes with moe_tp_experts: no built-in style",
+    "moe_identity_expert": "an identity expert beside moe_tp_experts: no built-in style",
     "local_params": "a module run on its local shards: no built-in style",
     "ep_dispatch_experts": "expert parallelism: `shardlang init --ep N` writes expert_parallel",
     "grouped_gemm": "expert parallelism: `shardlang init --ep N` writes expert_parallel",
@@ -136,6 +136,11 @@ def translate(model: nn.Module, key: str, style: str) -> tuple[str | None, str]:
     ours = HF_STYLES.get(style)
     if ours is None:
         return None, WHY_NOT.get(style, "no shardlang style does this")
+    if ours == "expert_tensor_parallel":
+        for fqn in modules_matching(model, key):
+            layout = expert_tp_layout(model.get_submodule(fqn), 1)
+            if isinstance(layout, str):
+                return None, f"{layout}; the experts stay whole on each tp rank and fully_shard shards them over dp"
     if "{rope}" in ours:
         config = getattr(model, "config", None)
         config = config.get_text_config() if hasattr(config, "get_text_config") else config

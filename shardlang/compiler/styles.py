@@ -95,6 +95,8 @@ def constructor(style: ir.Style) -> Constructor:
         return Constructor(f"{OURS}.ReplicatedWithGradAllReduce")
     if style.name == "mla_kv_a_proj":
         return Constructor(f"{OURS}.MlaKvAProjParallel", (("rope", get("rope")),))
+    if style.name == "expert_tensor_parallel":
+        return Constructor("shardlang.runtime.experts.ExpertTensorParallel")
     if style.name == "expert_parallel":
         return Constructor("shardlang.runtime.experts.ExpertParallel", _given({"shared_batch": get("shared_batch")}))
     if style.name == "sequence_parallel":

@@ -188,6 +188,8 @@ STYLES: dict[str, dict[str, Convert]] = {
     "rowwise_conv1d": {"input": layout, "output": layout, "local_output": boolean},
     # a mixture of experts' stacked experts, split by expert (shardlang.runtime.experts)
     "expert_parallel": {},
+    # every expert split by its intermediate width over tp, outputs summed (transformers' moe_tp_experts)
+    "expert_tensor_parallel": {},
     # DeepSeek's MLA: kv_a_proj_with_mqa whole on every rank, its rotary key's gradient summed over tp
     "mla_kv_a_proj": {"rope": integer(minimum=1)},
 }

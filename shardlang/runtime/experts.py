@@ -21,8 +21,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ..compiler.predict import expert_tensors, stacked_experts
-from .torchcompat import all_to_all_autograd, is_fake
+from ..compiler.predict import expert_tensors, expert_tp_layout, stacked_experts
+from .torchcompat import all_to_all_autograd, is_fake, strided_shard_class
+from .tpstyles import SumGradOver
 
 
 class ExpertParallel(ParallelStyle):
@@ -194,5 +195,83 @@ def _expert_parallel_forward(local_forward, experts, mesh):
         weighted = back * top_k_weights.reshape(-1)[order, None].to(back.dtype)
         combined = torch.zeros_like(hidden_states, dtype=back.dtype).index_add(0, token_of, weighted)
         return combined.to(hidden_states.dtype)
+
+    return forward
+
+
+class ExpertTensorParallel(ParallelStyle):
+    """Split every expert of a stacked-experts module over a 1-D mesh by its intermediate width, as
+    transformers' tp_plan does (`moe_tp_experts`, its tensors `packed_colwise` and `rowwise`): rank k holds
+    the k-th slice of each expert's gate and up projections (gate_up_proj [experts, 2 x width, hidden] as
+    `_StridedShard(1, split_factor=2)`, so its local [gate_k; up_k] chunks as the model's forward expects)
+    and the matching columns of down_proj (Shard(2)). The ranks hold the same tokens (the router runs whole
+    on each); each computes every expert on every token with its slices, and the partial outputs are
+    summed over the mesh. The gradients of the inputs (the tokens, the routing weights) arrive partial
+    and are summed likewise. A down_proj bias, added once, is split evenly across the ranks' sums."""
+
+    def __init__(self, src_data_rank: int | None = 0):
+        super().__init__()
+        self.src_data_rank = src_data_rank
+
+    def _apply(self, module, device_mesh):
+        import types
+
+        import torch.nn as nn
+        from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+        layout = expert_tp_layout(module, device_mesh.size())
+        if isinstance(layout, str):
+            raise ValueError(layout)
+        for name, (dim, parts) in layout.items():
+            param = module._parameters[name]
+            if dim is None:
+                placement = Replicate()
+            else:
+                placement = strided_shard_class()(dim, split_factor=parts) if parts > 1 else Shard(dim)
+            sharded = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        module.forward = types.MethodType(_expert_tensor_parallel_forward(module.forward, layout, device_mesh), module)
+        return module
+
+
+class SumOver(torch.autograd.Function):
+    """Partial sums added up over a process group (all-reduce); the gradient, the same on every rank, as
+    it is."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        import torch.distributed as dist
+
+        tensor = tensor.contiguous().clone()
+        dist.all_reduce(tensor, group=group)
+        return tensor
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _expert_tensor_parallel_forward(local_forward, layout, mesh):
+    """The forward of an expert-tensor-parallel module, around the module's own (`local_forward`, bound)."""
+
+    group, tp = mesh.get_group(), mesh.size()
+
+    def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+        from torch.distributed.tensor import DTensor
+
+        kept = {name: p for name, p in self._parameters.items() if isinstance(p, DTensor)}
+        local = {}
+        for name, param in kept.items():
+            if layout[name][0] is None:  # whole on every rank, added once: a 1/tp share of it on each
+                local[name] = SumGradOver.apply(param.to_local(), group) / tp
+            else:
+                local[name] = param.to_local()
+        hidden_states, top_k_weights = (SumGradOver.apply(t, group) for t in (hidden_states, top_k_weights))
+        try:
+            self._parameters.update(local)
+            out = local_forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+        finally:
+            self._parameters.update(kept)
+        return SumOver.apply(out, group)
 
     return forward

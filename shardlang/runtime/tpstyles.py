@@ -238,11 +238,15 @@ class MlaKvAProjParallel(ParallelStyle):
 
 def fsdp_shard_placement(param):
     """FSDP2's shard placement for `param` (its `shard_placement_fn`): Shard(1) for a weight that
-    packed_colwise split part by part over TP, whose rows FSDP's Shard(0) would cut in a way DTensor
+    packed_colwise split part by part over TP (strided on dim 0), whose rows FSDP's Shard(0) would cut in a way DTensor
     cannot describe (its full tensor would come out scrambled); None (FSDP's Shard(0)) for the rest."""
     from torch.distributed.tensor import DTensor, Shard
 
     strided = strided_shard_class()
-    if isinstance(param, DTensor) and param.ndim > 1 and any(isinstance(p, strided) for p in param.placements):
+    if (
+        isinstance(param, DTensor)
+        and param.ndim > 1
+        and any(isinstance(p, strided) and p.dim == 0 for p in param.placements)
+    ):
         return Shard(1)
     return None

@@ -213,7 +213,7 @@ def _after(style: ir.Style) -> str | None:
     name = style.name
     if name in ("replicated_with_grad_allreduce", "mla_kv_a_proj"):  # activations unchanged
         return None
-    if name == "expert_parallel":  # tokens gathered back whole on every rank
+    if name in ("expert_parallel", "expert_tensor_parallel"):  # tokens whole on every rank
         return REPLICATED
     if name in ("colwise", "rowwise"):
         default = ir.Shard(-1) if name == "colwise" else ir.Replicate()

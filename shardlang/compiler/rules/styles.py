@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from ...frontend import ir
 from ...frontend.diagnostics import SL202, SL207, Diagnostic, few
-from ..predict import stacked_experts, style_kind
+from ..predict import expert_tp_layout, stacked_experts, style_kind
 from ..resolve import Resolution
 from .common import Predictions, Shapes, dim_sizes
 
@@ -74,6 +74,10 @@ def _misfit(style: ir.Style, module: nn.Module, tp: int) -> str | None:
             return f"mla_kv_a_proj is for MLA's kv_a_proj_with_mqa, an nn.Linear; {fitting_style(module)}"
         if rope >= module.out_features:
             return f"rope={rope} leaves no latent of its {module.out_features} outputs (rope: the rotary key's width)"
+    if kind == "expert_tensor_parallel":
+        layout = expert_tp_layout(module, tp)
+        if isinstance(layout, str):
+            return layout
     if kind == "expert_parallel":
         experts = stacked_experts(module)
         if experts is None:
@@ -98,8 +102,9 @@ def fitting_style(module: nn.Module) -> str:
     if any(p.ndim == 3 for p in own.values()):
         tensors = ", ".join(f"{n} {list(p.shape)}" for n, p in own.items() if p.ndim == 3)
         return (
-            f"it holds 3-D tensors ({tensors}, fused experts): `expert_parallel` splits them by expert, or leave "
-            "it without a rule (each tp rank keeps the experts whole and fully_shard shards them over dp)"
+            f"it holds 3-D tensors ({tensors}, fused experts): `expert_parallel` splits them by expert, "
+            "`expert_tensor_parallel` each expert by its width, or leave it without a rule (each tp rank keeps "
+            "the experts whole and fully_shard shards them over dp)"
         )
     if own.get("weight") is not None and own["weight"].ndim == 2 and not _nested_parameters(module):
         return (
