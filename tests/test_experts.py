@@ -322,3 +322,23 @@ def test_expert_tensor_parallel_on_what_it_cannot_split_is_sl202(tmp_path):
     assert "intermediate width 32 does not divide by tp=3" in out
     assert re.search(r"plan\.sl:5:\d+: error\[SL202\] expert_tensor_parallel does not apply", out)
     assert "stacked on dim 0 as transformers stores them" in out
+
+
+@pytest.mark.distributed
+def test_explain_of_float32_grouped_experts_says_what_gpus_take(tmp_path):
+    """transformers' grouped-matmul experts in float32: explain's step fails as a GPU's would (CUDA's
+    torch._grouped_mm takes bf16 only), and its note says so and what to change; with bf16 it steps."""
+    text = (
+        "shardlang 1\nmesh world = cpu[dp=2, ep=2]\nparallelize on world.ep {\n"
+        "    model.layers.*.mlp.experts : expert_parallel\n}\nfully_shard on world.dp {\n    each model.layers.*\n"
+    )
+    plans = {"fp32": text + "}\n", "bf16": text + "    mixed_precision(param=bf16)\n}\n"}
+    notes = {}
+    for name, plan in plans.items():
+        path = tmp_path / f"{name}.sl"
+        path.write_text(plan)
+        done = shardlang_cli("explain", path, QWEN3_MOE, "--world", "4", "--format", "json", workers=False)
+        assert done.returncode == 0, done.stderr
+        notes[name] = " ".join(__import__("json").loads(done.stdout)["notes"])
+    assert "takes only bf16 on GPUs" in notes["fp32"] and "mixed_precision(param=bf16)" in notes["fp32"]
+    assert "fails" not in notes["bf16"]

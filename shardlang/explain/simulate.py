@@ -167,6 +167,15 @@ def _explain_here(plan: ir.Plan, model: nn.Module | None, options: ExplainOption
 
 def _failed(e: Exception) -> str:
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if "Expected inputs of BF16 type" in first:
+        # torch._grouped_mm (transformers' default experts) on the fake step's meta kernel, which takes
+        # what CUDA's takes: the model would fail so on GPUs too, at any world size
+        return (
+            f"no collectives: the training step fails ({type(e).__name__}: {first}): torch._grouped_mm, which "
+            "transformers' experts run by default, takes only bf16 on GPUs (CUDA's kernel, and the meta kernel "
+            "explain steps with); give the model bf16 parameters (mixed_precision(param=bf16) on the experts' "
+            "units) or the experts an eager implementation (config._experts_implementation = 'eager')"
+        )
     return f"no collectives: a training step fails at this world size ({type(e).__name__}: {first})"
 
 
