@@ -5,6 +5,7 @@ tokens/s and peak memory per side, and the collectives of one forward+backward o
 
     torchrun --nproc-per-node 2 benchmarks/ep_compare.py            # three runs: the median of their ratios
     torchrun --nproc-per-node 2 benchmarks/ep_compare.py --dry-run --steps 2 --warmup 1   # CPU, gloo, tiny
+    torchrun --nproc-per-node 4 benchmarks/ep_compare.py --fsdp     # EP 2 x FSDP 2: experts borrowing dp
 
 The same work on both sides. The ranks share their batch (4 x 1024 tokens, the same on every rank), as in
 plans/hf/mixtral_ep.sl, which shardlang applies (`benchmarks/plans/mixtral_ep.sl`: the same rule): each rank
@@ -46,6 +47,11 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--dry-run", action="store_true", help="CPU workers (gloo) and a tiny model")
+    parser.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="EP 2 x FSDP: the experts borrow the data-parallel ranks (torchtitan's layout), each rank its own data",
+    )
     parser.add_argument(
         "--profile", type=int, default=0, metavar="N", help="after the timing, profile N steps of each side"
     )
@@ -106,10 +112,11 @@ class _Slice:
         return Slice, Gather
 
 
-def hand_written_ep(model, dtensor: bool = False) -> None:
-    """Expert parallelism over the default group by hand: each experts module keeps its rank's experts as
-    plain parameters (or, `dtensor`, as Shard(0) DTensors over a 1-D mesh of every rank) and runs this
-    forward."""
+def hand_written_ep(model, dtensor: bool = False, group=None) -> None:
+    """Expert parallelism by hand over `group` (default: every rank, which share their batch, each routing
+    its slice of it): each experts module keeps its rank's experts as plain parameters (or, `dtensor`, as
+    Shard(0) DTensors over a 1-D mesh of every rank) and runs this forward. Over a `group` of ranks that
+    train on their own data (`--fsdp`), each routes all of its own tokens."""
     import functools
     import types
 
@@ -121,11 +128,14 @@ def hand_written_ep(model, dtensor: bool = False) -> None:
     from torch.distributed.tensor import DTensor, Shard
 
     Slice, Gather = _Slice.make()
-    n, r = dist.get_world_size(), dist.get_rank()
+    shared = group is None
+    group = group or dist.group.WORLD
+    n, r = dist.get_world_size(group), dist.get_rank(group)
     mesh = init_device_mesh(next(model.parameters()).device.type, (n,)) if dtensor else None
 
     def routed(self, hidden, index, weights, local_forward, per):
-        hidden, index, weights = (Slice.apply(t, None) for t in (hidden, index, weights))
+        if shared:
+            hidden, index, weights = (Slice.apply(t, None) for t in (hidden, index, weights))
         tokens, k = index.shape
         chosen = index.reshape(-1)
         owner = chosen // per
@@ -133,18 +143,19 @@ def hand_written_ep(model, dtensor: bool = False) -> None:
         token_of = torch.arange(tokens, device=chosen.device).repeat_interleave(k)[order]
         send = torch.bincount(owner, minlength=n)
         receive = torch.empty_like(send)
-        dist.all_to_all_single(receive, send)
+        dist.all_to_all_single(receive, send, group=group)
         send_sizes, receive_sizes = send.tolist(), receive.tolist()
         local = chosen[order] % per
         received = local.new_empty(sum(receive_sizes))
-        dist.all_to_all_single(received, local, receive_sizes, send_sizes)
-        rows = wait_tensor(all_to_all_single_autograd(hidden[token_of], receive_sizes, send_sizes, dist.group.WORLD))
+        dist.all_to_all_single(received, local, receive_sizes, send_sizes, group=group)
+        rows = wait_tensor(all_to_all_single_autograd(hidden[token_of], receive_sizes, send_sizes, group))
         ones = torch.ones(received.shape[0], 1, dtype=weights.dtype, device=rows.device)
         out = local_forward(rows, received[:, None], ones)
-        back = wait_tensor(all_to_all_single_autograd(out, send_sizes, receive_sizes, dist.group.WORLD))
+        back = wait_tensor(all_to_all_single_autograd(out, send_sizes, receive_sizes, group))
         weighted = back * weights.reshape(-1)[order, None].to(back.dtype)
         combined = torch.zeros_like(hidden, dtype=back.dtype).index_add(0, token_of, weighted)
-        return Gather.apply(combined.to(hidden.dtype), None)
+        combined = combined.to(hidden.dtype)
+        return Gather.apply(combined, None) if shared else combined
 
     def local_views(self, hidden, index, weights, local_forward, per):
         shared = {k: p for k, p in self._parameters.items() if isinstance(p, DTensor)}
@@ -167,6 +178,29 @@ def hand_written_ep(model, dtensor: bool = False) -> None:
         experts.forward = types.MethodType(lambda self, h, i, w, run=run: run(self, h, i, w), experts)
 
 
+def hand_written_ep_fsdp(model, ep: int, cuda: bool) -> None:
+    """torchtitan's layout by hand: a (dp, ep) mesh, each experts module split over ep (each rank routing
+    its own tokens, `hand_written_ep`) in an FSDP2 unit of its own over dp, with its gradients divided by
+    dp x ep (every rank trains on its own data); everything else FSDP2 over dp x ep flattened. bf16
+    compute, fp32 reduction, as the plan says."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cuda" if cuda else "cpu", (world // ep, ep), mesh_dim_names=("dp", "ep"))
+    flat = mesh["dp", "ep"]._flatten("dp_ep")
+    hand_written_ep(model, group=mesh["ep"].get_group())
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        experts = fully_shard(layer.mlp.experts, mesh=mesh["dp"], mp_policy=policy)
+        if cuda:  # gloo (the dry run) has no PreMulSum to divide by another factor
+            experts.set_gradient_divide_factor(float(world))
+        fully_shard(layer, mesh=flat, mp_policy=policy)
+    fully_shard(model, mesh=flat, mp_policy=policy)
+
+
 def main(argv=None) -> None:
     args = arguments(argv)
     sys.path.insert(0, str(ROOT))
@@ -185,7 +219,9 @@ def main(argv=None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     config = configure(args.dry_run)
     seq = 32 if args.dry_run else args.seq
-    plan = shardlang.load(ROOT / "benchmarks" / "plans" / "mixtral_ep.sl", world_size=world)
+    name = "mixtral_ep_fsdp.sl" if args.fsdp else "mixtral_ep.sl"
+    plan = shardlang.load(ROOT / "benchmarks" / "plans" / name, world_size=world)
+    sides = ("shardlang", "hand") if args.fsdp else SIDES  # under FSDP every parameter is a DTensor
 
     def build():
         torch.manual_seed(0)
@@ -200,7 +236,12 @@ def main(argv=None) -> None:
         hand_written_ep(model, dtensor)
         return model
 
-    built = {"shardlang": build_shardlang(), "hand": build_hand(False), "hand_dtensor": build_hand(True)}
+    if args.fsdp:
+        hand = build()
+        hand_written_ep_fsdp(hand, 2, cuda)
+        built = {"shardlang": build_shardlang(), "hand": hand}
+    else:
+        built = {"shardlang": build_shardlang(), "hand": build_hand(False), "hand_dtensor": build_hand(True)}
 
     def groups(model):
         # fused AdamW takes no mix of DTensors (the experts on shardlang's side) and plain tensors in one group
@@ -211,7 +252,9 @@ def main(argv=None) -> None:
         return [{"params": group} for group in split if group]
 
     optims = {side: torch.optim.AdamW(groups(m), lr=1e-4, fused=cuda) for side, m in built.items()}
-    tokens = torch.randint(0, config.vocab_size, (args.batch, seq), generator=torch.Generator().manual_seed(1))
+    # the same tokens on every rank (EP alone: the ranks share their batch), or each rank its own (--fsdp)
+    seed = 1 + (rank if args.fsdp else 0)
+    tokens = torch.randint(0, config.vocab_size, (args.batch, seq), generator=torch.Generator().manual_seed(seed))
     tokens = tokens.to(device)
 
     def forward_backward(model):
@@ -223,8 +266,8 @@ def main(argv=None) -> None:
         return loss.item()
 
     # the same model on both sides: their first losses agree (bf16: to about a percent)
-    first = {side: forward_backward(built[side]) for side in SIDES}
-    for side in SIDES:
+    first = {side: forward_backward(built[side]) for side in sides}
+    for side in sides:
         optims[side].zero_grad(set_to_none=True)
 
     def step(side) -> None:
@@ -236,21 +279,21 @@ def main(argv=None) -> None:
         return timed_step(memory, lambda: step(side))
 
     for _ in range(args.warmup):
-        for side in SIDES:
+        for side in sides:
             timed(side)
     counts = {}
-    for side in SIDES:
+    for side in sides:
         recorder = Recorder()
         with recorder:
             forward_backward(built[side])
         optims[side].zero_grad(set_to_none=True)
         counts[side] = recorder.counts()
-    times, peaks = alternate(SIDES, args.steps, timed)
-    profiles = {side: profile(lambda side=side: timed(side), args.profile) for side in SIDES} if args.profile else {}
+    times, peaks = alternate(sides, args.steps, timed)
+    profiles = {side: profile(lambda side=side: timed(side), args.profile) for side in sides} if args.profile else {}
     everyone = [None] * world
     dist.all_gather_object(everyone, (times, peaks, counts))
     if rank == 0:
-        slowest = {s: [max(t[0][s][i] for t in everyone) for i in range(args.steps)] for s in SIDES}
+        slowest = {s: [max(t[0][s][i] for t in everyone) for i in range(args.steps)] for s in sides}
         result = {
             "card": torch.cuda.get_device_name() if cuda else "cpu",
             "torch": torch.__version__,
@@ -259,8 +302,9 @@ def main(argv=None) -> None:
             "tokens_per_step": args.batch * seq,
             "first_loss": first,
             "steps": args.steps,
+            "layout": "ep 2 x fsdp (experts borrowing dp)" if args.fsdp else "ep over every rank",
         }
-        for side in SIDES:
+        for side in sides:
             median = statistics.median(slowest[side])
             result[side] = {
                 "median_s": median,
@@ -269,7 +313,8 @@ def main(argv=None) -> None:
                 "counts": everyone[0][2][side],
             }
         result["ratio"] = result["hand"]["median_s"] / result["shardlang"]["median_s"]  # > 1: shardlang faster
-        result["ratio_dtensor"] = result["hand_dtensor"]["median_s"] / result["shardlang"]["median_s"]
+        if "hand_dtensor" in result:
+            result["ratio_dtensor"] = result["hand_dtensor"]["median_s"] / result["shardlang"]["median_s"]
         result["memory_ratio"] = result["shardlang"]["peak_bytes"] / max(1, result["hand"]["peak_bytes"])
         print("RESULT " + json.dumps(result), flush=True)
         report(result)
@@ -296,17 +341,19 @@ def _count(config) -> int:
 
 def report(result: dict) -> None:
     print(
-        f"Mixtral {result['parameters'] / 1e9:.2f}B, EP {result['world']} on {result['card']}, torch {result['torch']}"
+        f"Mixtral {result['parameters'] / 1e9:.2f}B, {result['layout']}, {result['world']} x {result['card']}, "
+        f"torch {result['torch']}"
     )
     print(f"{'side':<13} {'median step':>12} {'tokens/s':>10} {'peak memory':>12}  collectives")
-    for side in SIDES:
+    for side in (s for s in SIDES if s in result):
         r = result[side]
         print(
             f"{side:<13} {r['median_s'] * 1e3:>10.1f} ms {r['tokens_per_s']:>10.0f} "
             f"{r['peak_bytes'] / 2**30:>10.2f} GiB  {r['counts']}"
         )
+    dtensor = f"hand_dtensor / shardlang: {result['ratio_dtensor']:.4f}; " if "ratio_dtensor" in result else ""
     print(
-        f"hand / shardlang step time: {result['ratio']:.4f}; hand_dtensor / shardlang: {result['ratio_dtensor']:.4f}; "
+        f"hand / shardlang step time: {result['ratio']:.4f}; {dtensor}"
         f"peak memory shardlang / hand: {result['memory_ratio']:.4f}"
     )
 
