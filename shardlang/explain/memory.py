@@ -349,7 +349,7 @@ class Extension:
         namespace = str(packet).partition(".")[0]
         if namespace in _COLLECTIVE_NAMESPACES or func.is_view or packet.__name__ in _FREE:
             return
-        recomputed = self._recomputing()
+        recomputed = self._recomputing() and not _REPLAYING
         if self._copying is not None:  # a copy between host and accelerator: bytes over the host link
             copied = sum(_nbytes(t) for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor))
             self.costs[(self._copying, 0, copied, False, recomputed)] += 1
@@ -494,12 +494,17 @@ def tracker(model, optimizer) -> Extension:
     return FSDPTracker(model, optimizer) if isinstance(model, FSDPModule) else Tracker(model, optimizer)
 
 
+#: Non-empty while _FusedRMSNorm replays its forward in its backward: not checkpointing's recomputation.
+_REPLAYING: list[bool] = []
+
+
 class _FusedRMSNorm(torch.autograd.Function):
     """RMSNorm as CUDA runs it (`_fused_rms_norm`: one kernel that saves its input and the inverse
     RMS), where the fake step on CPU would run torch's composite, which saves a float32 copy of the
     input and three intermediates: 5 times the input's bytes instead of 1. Forward: the composite
     under no_grad (same values, same ops, nothing kept); backward: the composite again, differentiated
-    (the same collectives as the composite's own backward, with transient memory only)."""
+    (the same collectives as the composite's own backward, with transient memory only). The replayed
+    forward's ops are costed as the backward kernel's work, not as checkpointing's recomputation."""
 
     @staticmethod
     def forward(ctx, x, normalized_shape, weight, eps, composite):
@@ -515,7 +520,13 @@ class _FusedRMSNorm(torch.autograd.Function):
             inputs = [x.detach().requires_grad_()]
             if weight is not None:
                 inputs.append(weight.detach().requires_grad_(weight.requires_grad))
-            y = ctx.composite(inputs[0], ctx.normalized_shape, inputs[1] if weight is not None else None, ctx.eps)
+            # the forward replayed here to be differentiated stands for part of the fused backward kernel's
+            # work: costed, but not as checkpointing's recomputation (an op in backward with grad mode on)
+            _REPLAYING.append(True)
+            try:
+                y = ctx.composite(inputs[0], ctx.normalized_shape, inputs[1] if weight is not None else None, ctx.eps)
+            finally:
+                _REPLAYING.pop()
             wanted = [t for t in inputs if t.requires_grad]
             found = iter(torch.autograd.grad(y, wanted, grad))
         grads = [next(found) if t.requires_grad else None for t in inputs]
