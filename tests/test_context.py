@@ -280,3 +280,19 @@ def test_a_pipeline_with_local_outputs_passes(tmp_path, pools):
     checks = shardlang.load(plan).checks
     report = pools(4).run(run, Job(str(plan), {}, str(ROOT / "examples" / "llama.py"), None, checks))[0]
     assert {c.check: c.status for c in report.checks}["gradients"] == "pass", report.checks
+
+
+def test_init_writes_context_parallel_over_each_blocks_attention():
+    """`shardlang init --cp 2`: context_parallel over the attention module of each block, FSDP reducing
+    over dp*cp; the plan lints clean."""
+    import shardlang
+    from examples.llama import Transformer
+    from shardlang.compiler.starter import init_plan
+
+    with torch.device("meta"):
+        model = Transformer()
+    text = init_plan(model, cp=2)
+    assert "mesh world = auto[dp=auto, cp=2]" in text
+    assert "context_parallel on world.cp {\n    each layers.*.attention\n}" in text
+    assert "fully_shard on world[dp*cp] {" in text
+    assert not [d for d in shardlang.loads(text).lint(model, world_size=4) if d.is_error]

@@ -332,3 +332,22 @@ def test_init_writes_mla_with_the_models_rotary_width():
     assert found and "rope=40 leaves no latent of its 40 outputs" in found[0].help[0] + found[0].message
     with pytest.raises(shardlang.PlanError, match="mla_kv_a_proj needs rope=N"):
         shardlang.loads(text.replace("mla_kv_a_proj(rope=8)", "mla_kv_a_proj"))
+
+
+def test_init_writes_the_context_parallel_plan_of_a_transformers_decoder():
+    """`init --cp 2` on transformers' Llama writes plans/hf/llama_cp.sl's statements; a model whose
+    attention is not SDPA gets no cp dim, and a comment saying why."""
+    from transformers import LlamaForCausalLM
+
+    from examples.hf_llama import config
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config())
+    statements = [line for line in init_plan(model, cp=2).splitlines() if line and not line.startswith("#")]
+    shipped = (ROOT / "plans" / "hf" / "llama_cp.sl").read_text().splitlines()
+    assert statements == [line for line in shipped if line and not line.startswith("#")]
+    eager = config()
+    eager._attn_implementation = "eager"
+    with torch.device("meta"):
+        text = init_plan(LlamaForCausalLM(eager), cp=2)
+    assert "cp=" not in text and "its attention runs 'eager'" in text

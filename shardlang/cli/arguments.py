@@ -169,6 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="expert-parallel size, from a transformers MoE's own ep_plan; the ep ranks borrow data-parallel ones "
         "(default 1: none)",
     )
+    init.add_argument(
+        "--cp",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="context-parallel size: each block's attention over sequences split N ways (default 1: none)",
+    )
     init.add_argument("-o", "--output", metavar="PLAN", help="write the plan to PLAN instead of stdout")
     init.add_argument(
         "--no-check",

@@ -110,6 +110,31 @@ def _nested(inner: str, outer: str) -> bool:
     return not outer or inner.startswith(outer + ".")
 
 
+def attention_patterns(model: nn.Module, stacks: tuple[str, ...]) -> tuple[tuple[str, ...], str]:
+    """The patterns of each stack's attention modules, for context_parallel: in the first block of each
+    stack, the outermost module whose class name ends in "Attention" (transformers' `self_attn`,
+    torchtitan's `attention`), as `stack.*.path`; and, if there is none, why. A transformers model must
+    run SDPA (attn_implementation="sdpa"), which context parallelism takes over."""
+    config = getattr(model, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in (None, "sdpa"):
+        return (), (
+            f"its attention runs '{implementation}', and context parallelism takes over "
+            "scaled_dot_product_attention (build it with attn_implementation='sdpa')"
+        )
+    patterns = []
+    for stack in stacks:
+        first = next(iter(model.get_submodule(stack).named_children()), None)
+        if first is None:
+            continue
+        found = [n for n, m in first[1].named_modules() if n and type(m).__name__.endswith("Attention")]
+        outermost = [n for n in found if not any(within(n, other) and n != other for other in found)]
+        patterns += [f"{stack}.*.{path}" for path in outermost[:1]]
+    if not patterns:
+        return (), "no block of the model holds a module whose class name ends in Attention"
+    return tuple(patterns), ""
+
+
 def hf_tp_plan(model: nn.Module, kind: str = "tp") -> dict[str, str]:
     """A transformers model's TP plan with keys relative to `model`: the config's `base_model_tp_plan`
     (relative to the base model, e.g. `model.`) and the model class's own `_tp_plan` (e.g. lm_head).
@@ -184,6 +209,7 @@ def init_plan(
     tp: int = 1,
     dp: int | None = None,
     ep: int = 1,
+    cp: int = 1,
     name: str = "the model",
     order: Order | None = None,
 ) -> str:
@@ -193,7 +219,8 @@ def init_plan(
     dim it writes is used by a statement: without a rule to shard over tp (no TP plan, or none of its
     styles has an equivalent), there is no tp dim, and a comment says why (SL217); likewise ep. `order`:
     the order the model's modules run in (compiler.trace), to keep FSDP units off stacks whose blocks
-    never run."""
+    never run. `cp`-way context parallelism (1: none) over each block's attention module
+    (`attention_patterns`); the cp ranks reduce with the data-parallel ones."""
     stacks = block_stacks(model, order)
     experts = _ep_rules(model) if ep > 1 else []
     keeps_ep = any(ours is not None for _, _, ours, _ in experts)
@@ -207,7 +234,10 @@ def init_plan(
         for key, style, ours, why in rules
     ]
     keeps_tp = any(ours is not None for _, _, ours, _ in rules)
-    dims = [f"dp={dp if dp else 'auto'}"] + ([f"ep={ep}"] if keeps_ep else []) + ([f"tp={tp}"] if keeps_tp else [])
+    attention, no_attention = attention_patterns(model, stacks) if cp > 1 else ((), "")
+    keeps_cp = bool(attention)
+    dims = [f"dp={dp if dp else 'auto'}"] + ([f"ep={ep}"] if keeps_ep else [])
+    dims += ([f"cp={cp}"] if keeps_cp else []) + ([f"tp={tp}"] if keeps_tp else [])
     lines = [
         f"# Starter plan for {name}, written by `shardlang init`: read it, then edit it.",
         "shardlang 1",
@@ -247,10 +277,25 @@ def init_plan(
             "parallelism, and so no ep dim (SL217)."
         )
         lines += ["", *(f"# {line}" for line in textwrap.wrap(said, 98))]
+    if keeps_cp:
+        lines += [
+            "",
+            "# Context parallelism: each sequence split over cp (head-tail balanced), each block's attention",
+            "# computing its shard's queries against the whole sequence's keys and values. The cp ranks",
+            "# compute the gradients of their own tokens: fully_shard below reduces over them too.",
+            "context_parallel on world.cp {",
+            *(f"    each {pattern}" for pattern in attention),
+            "}",
+        ]
+    elif cp > 1:
+        said = f"--cp {cp} asked for, but {no_attention}: no context parallelism, and so no cp dim (SL217)."
+        lines += ["", *(f"# {line}" for line in textwrap.wrap(said, 98))]
     lines += ["", "# FSDP2: one unit per repeated block, and the root (the rest)."]
     if not stacks:
         lines.append("# No stack of repeated blocks with parameters was found: the root is the only unit.")
-    lines.append(f"fully_shard on world{'[dp*ep]' if keeps_ep else '.dp'} {{")
+    reduced = ["dp"] + (["ep"] if keeps_ep else []) + (["cp"] if keeps_cp else [])
+    over = "[" + "*".join(reduced) + "]" if len(reduced) > 1 else ".dp"
+    lines.append(f"fully_shard on world{over} {{")
     lines += [f"    each {stack}.*" for stack in stacks]
     lines += ["    mixed_precision(param=bf16, reduce=fp32)", "}"]
     lines += [

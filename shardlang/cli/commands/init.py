@@ -41,11 +41,13 @@ def run_init(args: argparse.Namespace) -> int:
         )
     model = meta_model(model_file)
     order = order_always(model, model_file)
-    text = init_plan(model, tp=args.tp, dp=args.dp, ep=args.ep, name=model_arg(args).strip(), order=order)
+    text = init_plan(model, tp=args.tp, dp=args.dp, ep=args.ep, cp=args.cp, name=model_arg(args).strip(), order=order)
     source = Source(args.output or "<init>", text)
     plan, found = read_source(source, None, None)
     world = (
-        plan.meshes[0].fixed_size * (1 if args.dp else 2) if plan is not None else args.tp * args.ep * (args.dp or 2)
+        plan.meshes[0].fixed_size * (1 if args.dp else 2)
+        if plan is not None
+        else args.tp * args.ep * args.cp * (args.dp or 2)
     )
     if plan is not None:
         found = sorted([*found, *lint(plan, model, world, order=order).diagnostics], key=sort_key)
