@@ -226,7 +226,8 @@ def init_plan(
     keeps_ep = any(ours is not None for _, _, ours, _ in experts)
     split = [key for key, _, ours, _ in experts if ours is not None]
     rules = [(key, style, *translate(model, key, style)) for key, style in hf_tp_plan(model).items()] if tp > 1 else []
-    # Tensor parallelism inside the experts expert parallelism splits: not both (no expert TP yet).
+    # Tensor parallelism inside the experts expert parallelism splits: not both (expert_tensor_parallel
+    # and expert_parallel on one module: not yet).
     rules = [
         (key, style, None, "the experts are split over ep instead")
         if any(within(key, e) for e in split)

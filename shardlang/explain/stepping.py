@@ -351,16 +351,13 @@ def _collectives(tally: dict[tuple[str, str], tuple[int, int]]) -> tuple[Collect
 def _resized(inputs: tuple, length: int) -> tuple:
     """The inputs with every tensor whose dim 1 is as long as the first's (the sequence) cut, or repeated,
     to `length` (the step needs their shapes, not their values)."""
-    import torch
-
-    sequence = next(x.shape[1] for x in inputs if isinstance(x, torch.Tensor) and x.ndim >= 2)
+    from ..runtime.context import along_sequence
 
     def resized(x):
-        if not (isinstance(x, torch.Tensor) and x.ndim >= 2 and x.shape[1] == sequence):
-            return x
+        sequence = x.shape[1]
         return x.repeat_interleave(-(-length // sequence), dim=1)[:, :length] if length > sequence else x[:, :length]
 
-    return tuple(resized(x) for x in inputs)
+    return along_sequence(inputs, resized)[0]
 
 
 def _loss_operands(ctx, where, output, output_layout, full: tuple) -> tuple:
@@ -368,20 +365,13 @@ def _loss_operands(ctx, where, output, output_layout, full: tuple) -> tuple:
     `context_parallel(output = local)`, where a training loop takes it on each rank's shard of the outputs
     against its shard of the labels (`Plan.context_shard`): the inputs are cut alike (the step needs the
     loss's shapes and costs, not its value)."""
-    import torch
-
-    from ..runtime.context import context_shard
+    from ..runtime.context import along_sequence, context_shard
     from ..verification import layout as lay
 
     cp = ctx.plan.context_parallel
     if cp is None or cp.whole_output:
         return lay.full_output(ctx, where, output, output_layout), full
-    length = next(x.shape[1] for x in full if isinstance(x, torch.Tensor) and x.ndim >= 2)
-    cut = tuple(
-        context_shard(ctx.model, x) if isinstance(x, torch.Tensor) and x.ndim >= 2 and x.shape[1] == length else x
-        for x in full
-    )
-    return output, cut
+    return output, along_sequence(full, lambda x: context_shard(ctx.model, x))[0]
 
 
 def _training_step(

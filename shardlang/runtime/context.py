@@ -56,6 +56,17 @@ def join_sequence(shards: list[torch.Tensor], dim: int, balanced: bool) -> torch
     return whole.index_select(dim, torch.argsort(order))
 
 
+def along_sequence(values, fn):
+    """`fn` applied to every tensor of `values` whose dim 1 is the sequence (as long as dim 1 of the first
+    tensor of 2 dims or more), the rest as they are; and that first tensor (None if there is none)."""
+    first = next((x for x in values if isinstance(x, torch.Tensor) and x.ndim >= 2), None)
+    if first is None:
+        return tuple(values), None
+    length = first.shape[1]
+    mapped = tuple(fn(x) if isinstance(x, torch.Tensor) and x.ndim >= 2 and x.shape[1] == length else x for x in values)
+    return mapped, first
+
+
 def attention_kernel(query: torch.Tensor) -> str:
     """The fused kernel that computes attention blocks with their log-sum-exp for `query`'s device and dtype,
     as SDPA would choose it: CUDA's cuDNN kernel where enabled and able (Hopper's fastest), else CUDA's
@@ -171,6 +182,14 @@ def chunk_home(chunk: int, ranks: int, balanced: bool) -> tuple[int, int]:
     return chunk, 0
 
 
+def chunk_places(first: int, end: int, chunk: int, ranks: int, balanced: bool):
+    """For each chunk of positions first..end (whole chunks of `chunk`), in order: the rank holding it and
+    the slice of that rank's shard it is."""
+    for n in range(first // chunk, end // chunk):
+        rank, place = chunk_home(n, ranks, balanced)
+        yield rank, slice(place * chunk, (place + 1) * chunk)
+
+
 class GatheredKeys:
     """Every rank's keys and values, gathered over `group` in one all-gather that is started here and waited
     for at the first `range` (the attention's first block, the rank's own, runs meanwhile), kept as it
@@ -193,11 +212,8 @@ class GatheredKeys:
         if self.gathered is None:
             self.gathered = funcol.wait_tensor(self.pending).unflatten(0, (self.ranks, 2))
             self.pending = None
-        pieces = []
-        for chunk in range(first // self.chunk, end // self.chunk):
-            rank, place = chunk_home(chunk, self.ranks, self.balanced)
-            pieces.append(self.gathered[rank, :, ..., place * self.chunk : (place + 1) * self.chunk, :])
-        both = torch.cat(pieces, dim=-2)
+        places = chunk_places(first, end, self.chunk, self.ranks, self.balanced)
+        both = torch.cat([self.gathered[rank, :, ..., rows, :] for rank, rows in places], dim=-2)
         return both[0], both[1]
 
 
@@ -210,10 +226,8 @@ class ScatteredGradients:
         self.buffer = like.new_zeros(ranks, 2, *like.shape)
 
     def add(self, first: int, end: int, key_grad, value_grad) -> None:
-        for n, chunk in enumerate(range(first // self.chunk, end // self.chunk)):
-            rank, place = chunk_home(chunk, self.ranks, self.balanced)
+        for n, (rank, into) in enumerate(chunk_places(first, end, self.chunk, self.ranks, self.balanced)):
             rows = slice(n * self.chunk, (n + 1) * self.chunk)
-            into = slice(place * self.chunk, (place + 1) * self.chunk)
             self.buffer[rank, 0, ..., into, :] += key_grad[..., rows, :]
             self.buffer[rank, 1, ..., into, :] += value_grad[..., rows, :]
 
@@ -440,17 +454,11 @@ def context_parallel(model, patterns, mesh, balanced, whole_output=True):
     takes_positions = "position_ids" in inspect.signature(model.forward).parameters
 
     def split(module, args, kwargs):
-        first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor) and x.ndim >= 2), None)
+        cut, first = along_sequence((*args, *kwargs.values()), lambda x: split_sequence(x, 1, ranks, rank, balanced))
         if first is None:
             return args, kwargs
         length = first.shape[1]
-
-        def cut(x):
-            if isinstance(x, torch.Tensor) and x.ndim >= 2 and x.shape[1] == length:
-                return split_sequence(x, 1, ranks, rank, balanced)
-            return x
-
-        args, kwargs = tuple(cut(x) for x in args), {k: cut(v) for k, v in kwargs.items()}
+        args, kwargs = cut[: len(args)], dict(zip(kwargs, cut[len(args) :]))
         if takes_positions and kwargs.get("position_ids") is None:
             positions = sequence_positions(length, ranks, rank, balanced, first.device)
             kwargs["position_ids"] = positions.expand(first.shape[0], -1)
