@@ -48,7 +48,6 @@ def main(argv=None) -> None:
     import shardlang
     from benchmarks import llama_1b
     from benchmarks.gpu_throughput import alternate, join, print_profiles, profile, timed_step
-    from examples.llama import Transformer
     from shardlang.runtime.apply import apply_plan
 
     device = join(False)
@@ -57,14 +56,7 @@ def main(argv=None) -> None:
     def build():
         torch.manual_seed(0)
         with device:
-            return Transformer(
-                vocab=llama_1b.VOCAB,
-                dim=llama_1b.DIM,
-                heads=llama_1b.HEADS,
-                layers=llama_1b.LAYERS,
-                hidden=llama_1b.HIDDEN,
-                seq=args.seq,
-            )
+            return llama_1b.build_model(args.seq)
 
     plan = shardlang.load(ROOT / "benchmarks" / "plans" / "llama_1b_cp.sl", world_size=world)
     ours = apply_plan(plan, build()).model

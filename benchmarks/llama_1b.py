@@ -8,8 +8,9 @@ from examples.llama import Transformer, loss  # noqa: F401
 VOCAB, DIM, HEADS, LAYERS, HIDDEN, SEQ = 32000, 2048, 16, 16, 5632, 2048
 
 
-def build_model() -> torch.nn.Module:
-    return Transformer(vocab=VOCAB, dim=DIM, heads=HEADS, layers=LAYERS, hidden=HIDDEN, seq=SEQ)
+def build_model(seq: int = SEQ) -> torch.nn.Module:
+    """The model, its rotary table `seq` positions long."""
+    return Transformer(vocab=VOCAB, dim=DIM, heads=HEADS, layers=LAYERS, hidden=HIDDEN, seq=seq)
 
 
 def example_input(batch_size: int, generator: torch.Generator) -> torch.Tensor:

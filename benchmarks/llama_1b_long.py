@@ -7,20 +7,13 @@ for context parallelism (benchmarks/cp_compare.py, benchmarks/plans/llama_1b_cp.
 import torch
 
 from benchmarks import llama_1b
-from examples.llama import Transformer, loss  # noqa: F401
+from examples.llama import loss  # noqa: F401
 
 SEQ = 32768
 
 
 def build_model() -> torch.nn.Module:
-    return Transformer(
-        vocab=llama_1b.VOCAB,
-        dim=llama_1b.DIM,
-        heads=llama_1b.HEADS,
-        layers=llama_1b.LAYERS,
-        hidden=llama_1b.HIDDEN,
-        seq=SEQ,
-    )
+    return llama_1b.build_model(SEQ)
 
 
 def example_input(batch_size: int, generator: torch.Generator) -> torch.Tensor:
