@@ -37,6 +37,17 @@ def _routing(tokens: int, rank: int, only_first_rank: bool):
     return hidden, index, weights, upstream
 
 
+def _differences(mine: tuple, whole: tuple) -> dict[str, float]:
+    """The largest difference between the split experts' (output, tokens, routing weights) and the whole
+    ones': of the outputs, and of the tokens' and the routing weights' gradients."""
+    (out, hidden, weights), (o, h, w) = mine, whole
+    return {
+        "output": (out - o).abs().max().item(),
+        "hidden_grad": (hidden.grad - h.grad).abs().max().item(),
+        "weights_grad": (weights.grad - w.grad).abs().max().item(),
+    }
+
+
 def ep_matches_whole_experts(implementation: str = "eager", only_first_rank: bool = False) -> dict[str, float]:
     """Each rank routes its own tokens through experts split over ep = the world; compared with the whole
     experts run on every rank's tokens: the output, and the gradients of the inputs, of the routing weights
@@ -50,7 +61,6 @@ def ep_matches_whole_experts(implementation: str = "eager", only_first_rank: boo
     out = split(hidden, index, weights)
     (out * upstream).sum().backward()
 
-    errors = {"output": 0.0, "hidden_grad": 0.0, "weights_grad": 0.0, "experts_grad": 0.0}
     total = 0.0
     for source in range(world):
         h, i, w, u = _routing(5 + source, source, only_first_rank)
@@ -59,10 +69,7 @@ def ep_matches_whole_experts(implementation: str = "eager", only_first_rank: boo
         if source == rank:
             mine = (o, h, w)
     total.backward()
-    o, h, w = mine
-    errors["output"] = (out - o).abs().max().item()
-    errors["hidden_grad"] = (hidden.grad - h.grad).abs().max().item()
-    errors["weights_grad"] = (weights.grad - w.grad).abs().max().item()
+    errors = {**_differences((out, hidden, weights), mine), "experts_grad": 0.0}
     per_rank = 4 // world
     for name in ("gate_up_proj", "down_proj"):
         param = getattr(split, name)
@@ -96,11 +103,7 @@ def ep_shared_batch_matches_whole_experts(tokens: int) -> dict[str, float]:
     h, i, w, u = _routing(tokens, 0, False)
     o = whole(h, i, w)
     (o * u).sum().backward()
-    errors = {
-        "output": (out - o).abs().max().item(),
-        "hidden_grad": (hidden.grad - h.grad).abs().max().item(),
-        "weights_grad": (weights.grad - w.grad).abs().max().item(),
-    }
+    errors = _differences((out, hidden, weights), (o, h, w))
     per_rank = 4 // world
     for name in ("gate_up_proj", "down_proj"):
         block = getattr(whole, name).grad[rank * per_rank : (rank + 1) * per_rank]
@@ -144,14 +147,10 @@ def etp_matches_whole_experts(implementation: str = "eager", fault: bool = False
     finally:
         if fault:
             runtime.SumGradOver = kept
-    h, _, w, _ = (t.detach().requires_grad_() if t.is_floating_point() else t for t in _routing(6, 0, False))
+    h, _, w, _ = _routing(6, 0, False)
     o = whole(h, index, w)
     (o * upstream).sum().backward()
-    errors = {
-        "output": (out - o).abs().max().item(),
-        "hidden_grad": (hidden.grad - h.grad).abs().max().item(),
-        "weights_grad": (weights.grad - w.grad).abs().max().item(),
-    }
+    errors = _differences((out, hidden, weights), (o, h, w))
     for name in ("gate_up_proj", "down_proj"):
         param = getattr(split, name)
         assert isinstance(param, DTensor) and param.to_local().shape[0] == 4
