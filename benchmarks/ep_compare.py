@@ -55,7 +55,42 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--profile", type=int, default=0, metavar="N", help="after the timing, profile N steps of each side"
     )
+    parser.add_argument(
+        "--phases",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the timing, N more steps of each side (alternating), forward+backward and the optimizer's "
+        "step timed apart (each to the GPUs' synchronisation): where a difference in step time comes from",
+    )
+    parser.add_argument(
+        "--host-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the timing, N steps of each side under cProfile: rank 0 prints each side's top host functions",
+    )
     return parser.parse_args(argv)
+
+
+def host_profile(sides, step, steps: int) -> None:
+    """Each side's `steps` steps under cProfile; its 25 functions of most own time (ms per step)."""
+    import cProfile
+    import pstats
+
+    for side in sides:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(steps):
+            step(side)
+        profiler.disable()
+        stats = pstats.Stats(profiler)
+        rows = sorted(stats.stats.items(), key=lambda item: -item[1][2])[:25]
+        total = sum(v[2] for v in stats.stats.values())
+        print(f"host profile of {side}: {total / steps * 1e3:.1f} ms of own time per step; the top functions:")
+        for (filename, line, name), (_, calls, own, cumulative, _) in rows:
+            where = f"{Path(filename).name}:{line}({name})"
+            print(f"  {own / steps * 1e3:8.2f} ms {cumulative / steps * 1e3:8.2f} ms cum {calls // steps:6d} calls  {where}")
 
 
 def configure(tiny: bool):
@@ -289,9 +324,22 @@ def main(argv=None) -> None:
         optims[side].zero_grad(set_to_none=True)
         counts[side] = recorder.counts()
     times, peaks = alternate(sides, args.steps, timed)
+
+    def phases(side) -> tuple[float, int]:
+        forward_backward_s, _ = timed_step(memory, lambda: forward_backward(built[side]))
+        optimizer_s, _ = timed_step(memory, lambda: (optims[side].step(), optims[side].zero_grad(set_to_none=True)))
+        return (forward_backward_s, optimizer_s), 0
+
+    split = alternate(sides, args.phases, phases)[0] if args.phases else {}
+    if args.host_profile and rank == 0:
+        host_profile(sides, step, args.host_profile)
+    elif args.host_profile:
+        for side in sides:
+            for _ in range(args.host_profile):
+                step(side)
     profiles = {side: profile(lambda side=side: timed(side), args.profile) for side in sides} if args.profile else {}
     everyone = [None] * world
-    dist.all_gather_object(everyone, (times, peaks, counts))
+    dist.all_gather_object(everyone, (times, peaks, counts, split))
     if rank == 0:
         slowest = {s: [max(t[0][s][i] for t in everyone) for i in range(args.steps)] for s in sides}
         result = {
@@ -315,6 +363,11 @@ def main(argv=None) -> None:
         result["ratio"] = result["hand"]["median_s"] / result["shardlang"]["median_s"]  # > 1: shardlang faster
         if "hand_dtensor" in result:
             result["ratio_dtensor"] = result["hand_dtensor"]["median_s"] / result["shardlang"]["median_s"]
+        if args.phases:
+            for side in sides:  # each phase: the slowest rank's, the median over the steps
+                for k, phase in enumerate(("forward_backward_s", "optimizer_s")):
+                    slow = [max(t[3][side][i][k] for t in everyone) for i in range(args.phases)]
+                    result[side][phase] = statistics.median(slow)
         result["memory_ratio"] = result["shardlang"]["peak_bytes"] / max(1, result["hand"]["peak_bytes"])
         print("RESULT " + json.dumps(result), flush=True)
         report(result)
@@ -351,6 +404,13 @@ def report(result: dict) -> None:
             f"{side:<13} {r['median_s'] * 1e3:>10.1f} ms {r['tokens_per_s']:>10.0f} "
             f"{r['peak_bytes'] / 2**30:>10.2f} GiB  {r['counts']}"
         )
+    if "optimizer_s" in result["shardlang"]:
+        for side in (s for s in SIDES if s in result):
+            r = result[side]
+            print(
+                f"{side:<13} phases: forward+backward {r['forward_backward_s'] * 1e3:.1f} ms, "
+                f"optimizer step {r['optimizer_s'] * 1e3:.1f} ms"
+            )
     dtensor = f"hand_dtensor / shardlang: {result['ratio_dtensor']:.4f}; " if "ratio_dtensor" in result else ""
     print(
         f"hand / shardlang step time: {result['ratio']:.4f}; {dtensor}"

@@ -175,7 +175,7 @@ def _expert_parallel_forward(local_forward, experts, mesh):
         # local expert numbers, each row its one expert with weight one.
         kept = {name: p for name, p in self._parameters.items() if isinstance(p, DTensor)}
         count = getattr(self, "num_experts", None)
-        local = {name: p.to_local() for name, p in kept.items()}
+        local = dict(zip(kept, LocalViews.apply(*kept.values()))) if kept else {}
         try:
             self._parameters.update(local)
             if count is not None:
@@ -197,6 +197,35 @@ def _expert_parallel_forward(local_forward, experts, mesh):
         return combined.to(hidden_states.dtype)
 
     return forward
+
+
+class LocalViews(torch.autograd.Function):
+    """The local tensors of DTensor parameters, as `to_local()` gives each, in one autograd node whose
+    backward wraps every gradient back into a DTensor of its parameter's spec. `to_local()` is a node per
+    parameter whose backward builds that spec anew from the gradient: on a host-bound MoE step, 4x the host
+    time of these views for the 32 expert tensors of a 16-layer model (benchmarks/RESULTS.md). A gradient
+    strided unlike its parameter's local tensor is copied into its layout, which the spec describes."""
+
+    @staticmethod
+    def forward(ctx, *params):
+        ctx.specs = [p._spec for p in params]
+        ctx.layouts = [(p._local_tensor.shape, p._local_tensor.stride()) for p in params]
+        views = tuple(p._local_tensor.view_as(p._local_tensor) for p in params)
+        ctx.mark_non_differentiable(*(v for v, p in zip(views, params) if not p.requires_grad))
+        return views
+
+    @staticmethod
+    def backward(ctx, *grads):
+        from torch.distributed.tensor import DTensor
+
+        wrapped = []
+        for grad, spec, (shape, stride) in zip(grads, ctx.specs, ctx.layouts):
+            if grad is not None:
+                if grad.stride() != stride:
+                    grad = grad.new_empty_strided(shape, stride).copy_(grad)
+                grad = DTensor(grad, spec, requires_grad=grad.requires_grad)
+            wrapped.append(grad)
+        return tuple(wrapped)
 
 
 class ExpertTensorParallel(ParallelStyle):
@@ -260,12 +289,10 @@ def _expert_tensor_parallel_forward(local_forward, layout, mesh):
         from torch.distributed.tensor import DTensor
 
         kept = {name: p for name, p in self._parameters.items() if isinstance(p, DTensor)}
-        local = {}
-        for name, param in kept.items():
+        local = dict(zip(kept, LocalViews.apply(*kept.values()))) if kept else {}
+        for name, view in local.items():
             if layout[name][0] is None:  # whole on every rank, added once: a 1/tp share of it on each
-                local[name] = SumGradOver.apply(param.to_local(), group) / tp
-            else:
-                local[name] = param.to_local()
+                local[name] = SumGradOver.apply(view, group) / tp
         hidden_states, top_k_weights = (SumGradOver.apply(t, group) for t in (hidden_states, top_k_weights))
         try:
             self._parameters.update(local)
