@@ -90,7 +90,9 @@ def host_profile(sides, step, steps: int) -> None:
         print(f"host profile of {side}: {total / steps * 1e3:.1f} ms of own time per step; the top functions:")
         for (filename, line, name), (_, calls, own, cumulative, _) in rows:
             where = f"{Path(filename).name}:{line}({name})"
-            print(f"  {own / steps * 1e3:8.2f} ms {cumulative / steps * 1e3:8.2f} ms cum {calls // steps:6d} calls  {where}")
+            print(
+                f"  {own / steps * 1e3:8.2f} ms {cumulative / steps * 1e3:8.2f} ms cum {calls // steps:6d} calls  {where}"
+            )
 
 
 def configure(tiny: bool):

@@ -166,3 +166,99 @@ class _Identity(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+class ListExperts(torch.nn.ModuleList):
+    """A model's own experts: a ModuleList of torch MLPs (Linear, GELU, Linear), each token computed by its
+    top-k experts and summed with their weights; an expert number out of range (a padding expert) adds
+    nothing, as in transformers' Qwen3-Omni."""
+
+    def __init__(self, experts: int = 4, hidden: int = 8, width: int = 16):
+        nn = torch.nn
+        super().__init__(
+            [nn.Sequential(nn.Linear(hidden, width), nn.GELU(), nn.Linear(width, hidden)) for _ in range(experts)]
+        )
+
+    def forward(self, hidden, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden)
+        for e, expert in enumerate(self):
+            token, choice = torch.where(top_k_index == e)
+            out = out.index_add(0, token, expert(hidden[token]) * top_k_weights[token, choice, None])
+        return out
+
+
+def _member_experts(kind: str):
+    """Experts held as modules: transformers' SwitchTransformersExperts (an nn.ModuleDict of MLPs,
+    top-1 one-hot routing with an expert capacity) or ListExperts; float64, the same on every rank."""
+    torch.manual_seed(0)
+    if kind == "list":
+        return ListExperts().double()
+    from transformers import SwitchTransformersConfig
+    from transformers.models.switch_transformers.modeling_switch_transformers import SwitchTransformersExperts
+
+    config = SwitchTransformersConfig(d_model=8, d_ff=16, num_experts=4, dropout_rate=0.0)
+    return SwitchTransformersExperts(config).double()
+
+
+def _member_routing(kind: str, tokens: int, seed: int, only_first_rank: bool):
+    """(hidden, routing, weights, upstream) in `kind`'s form: the top-2 expert numbers with one padding
+    choice (list), or top-1 one-hot rows [tokens, 1, 4] with one token over capacity (a row of zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    scores = torch.rand(tokens, 4, generator=g)
+    if only_first_rank:
+        scores[:, 2:] = -1
+    upstream = torch.randn(tokens, 8, generator=g, dtype=torch.float64)
+    if kind == "list":
+        index = scores.topk(2, dim=-1).indices
+        index[0, 1] = 4  # the padding expert
+        weights = torch.rand(tokens, 2, generator=g, dtype=torch.float64).softmax(-1).requires_grad_()
+        return hidden, index, weights, upstream
+    one_hot = torch.nn.functional.one_hot(scores.argmax(-1), 4)[:, None, :]
+    one_hot[-1] = 0  # over capacity: goes to no expert
+    weights = torch.rand(tokens, 1, generator=g, dtype=torch.float64).requires_grad_()
+    return hidden, one_hot, weights, upstream
+
+
+def member_ep_matches_whole_experts(kind: str, shared: bool, tokens: int = 7, only_first_rank: bool = False):
+    """Experts held as modules, split by member over ep = the world: this rank keeps its block of members
+    under their own keys, and the output, the tokens' and routing weights' gradients and every kept
+    member's gradients (summed over every rank's tokens) equal the whole experts'. `shared`: the ranks
+    hold the same tokens and route a slice each; else each routes its own."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    whole = _member_experts(kind)
+    split = parallelize_module(_member_experts(kind), mesh, ExpertParallel(shared_batch=shared))
+    keys = list(whole._modules)
+    per_rank = len(keys) // world
+    assert list(split._modules) == keys[rank * per_rank : (rank + 1) * per_rank], list(split._modules)
+
+    sources = [0] if shared else range(world)
+    hidden, routing, weights, upstream = _member_routing(kind, tokens, 0 if shared else rank, only_first_rank)
+    out = split(hidden, routing, weights)
+    (out * upstream).sum().backward()
+    total = 0.0
+    for source in sources:
+        h, r, w, u = _member_routing(kind, tokens, source, only_first_rank)
+        o = whole(h, r, w)
+        total = total + (o * u).sum()
+        if source == (0 if shared else rank):
+            mine = (o, h, w)
+    total.backward()
+    errors = {**_differences((out, hidden, weights), mine), "experts_grad": 0.0}
+    for key, member in split._modules.items():
+        for name, param in member.named_parameters():
+            want = whole._modules[key].get_parameter(name).grad
+            errors["experts_grad"] = max(errors["experts_grad"], (param.grad - want).abs().max().item())
+    return errors
+
+
+def member_ep_without_weights_differs(kind: str) -> float:
+    """The planted mistake on experts held as modules: tokens combined without their routing weights."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    whole = _member_experts(kind)
+    split = parallelize_module(_member_experts(kind), mesh, ExpertParallel(shared_batch=False))
+    hidden, routing, weights, _ = _member_routing(kind, 7, rank, False)
+    unweighted = split(hidden, routing, torch.ones_like(weights))
+    return (unweighted - whole(hidden, routing, weights)).abs().max().item()

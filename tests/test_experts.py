@@ -56,6 +56,30 @@ def test_tokens_combined_without_their_weights_are_wrong(pools):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("kind", ["list", "switch"])
+@pytest.mark.parametrize("shared", [False, True], ids=["own-tokens", "shared-tokens"])
+def test_experts_held_as_modules_split_by_member(pools, world, kind, shared):
+    """A ModuleList of torch MLPs (top-2, a padding choice) and transformers' SwitchTransformers experts (a
+    ModuleDict, one-hot top-1 routing, a token over capacity): each rank keeps its block of members under
+    their own keys; the output and every gradient equal the whole experts'."""
+    for errors in pools(world).run(expert_jobs.member_ep_matches_whole_experts, kind, shared):
+        assert max(errors.values()) < 1e-12, errors
+
+
+@pytest.mark.distributed
+def test_experts_held_as_modules_on_a_rank_that_receives_no_token(pools):
+    for errors in pools(2).run(expert_jobs.member_ep_matches_whole_experts, "list", False, 7, True):
+        assert max(errors.values()) < 1e-12, errors
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind", ["list", "switch"])
+def test_experts_held_as_modules_combined_without_their_weights_are_wrong(pools, kind):
+    assert min(pools(2).run(expert_jobs.member_ep_without_weights_differs, kind)) > 1e-2
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize(("world", "tokens"), [(2, 7), (4, 7), (4, 3)])
 def test_ranks_that_share_their_tokens_route_one_slice_each(pools, world, tokens):
     """Ranks holding the same tokens (a tensor-parallel dim): each routes its slice (7 tokens over 2 or 4
@@ -199,6 +223,16 @@ def test_the_printed_program_splits_the_experts_by_width_as_apply_does(pools):
 
     plan = (ROOT / "plans" / "hf" / "qwen3_moe.sl").read_text()
     assert pools(4).run(dist_jobs.emitted_code_matches_apply, plan, "examples.hf_qwen3_moe:build_model", 4)[0]
+
+
+@pytest.mark.distributed
+def test_the_printed_program_splits_experts_held_as_modules_as_apply_does(pools):
+    """The same for experts split by member (plans/field/switch_ep_fsdp.sl: SwitchTransformers' ModuleDict):
+    the program drops the members apply drops and shards the rest as apply does."""
+    from . import dist_jobs
+
+    plan = (ROOT / "plans" / "field" / "switch_ep_fsdp.sl").read_text()
+    assert pools(4).run(dist_jobs.emitted_code_matches_apply, plan, "examples.field.switch:build_model", 4)[0]
 
 
 BORROWED = ROOT / "plans" / "hf" / "olmoe_ep_fsdp.sl"

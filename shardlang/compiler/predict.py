@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 import torch.nn as nn
-from attrs import field, frozen
+from attrs import evolve, field, frozen
 
 from ..frontend import ir
 from .resolve import Resolution, RuleMatch, UnitMatch
@@ -48,6 +48,10 @@ class Placed:
     placements: tuple = ()
     known: bool = True
     note: str = field(default="", eq=False)
+    #: A member of experts split by `expert_parallel` (a ModuleList's or ModuleDict's): (mesh, dim, the
+    #: member's index, how many members); the rank at coordinate index // (members / size) of the dim
+    #: holds it whole, the others not at all.
+    held: tuple[str, str, int, int] | None = field(default=None, eq=False)
 
     def __str__(self) -> str:
         if not self.known:
@@ -124,6 +128,22 @@ def stacked_experts(module: nn.Module) -> int | None:
         firsts = {p.shape[0] for p in own if p.dim() >= 3}
         count = firsts.pop() if len(firsts) == 1 else None
     return count if count is not None and any(p.dim() >= 3 and p.shape[0] == count for p in own) else None
+
+
+def expert_members(module: nn.Module) -> tuple[str, ...] | None:
+    """The keys, in order, of a ModuleList's or ModuleDict's experts: two or more members of one class, each
+    holding parameters (transformers' SwitchTransformers experts, a model's own `nn.ModuleList` of MLPs).
+    None for any other module."""
+    import torch.nn as nn  # (here: `compile --emit python` pastes this function)
+
+    if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        return None
+    members = [(key, m) for key, m in module._modules.items() if m is not None]
+    if len(members) < 2 or len({type(m) for _, m in members}) != 1:
+        return None
+    if not all(next(m.parameters(), None) is not None for _, m in members):
+        return None
+    return tuple(key for key, _ in members)
 
 
 def expert_tp_layout(module: nn.Module, tp: int) -> dict[str, tuple[int | None, int]] | str:
@@ -250,7 +270,8 @@ def predict(
         if is_param:
             unit = enclosing(owner, units)
             if unit is not None and unit.kind(plan.units[unit.block]) == "fully_shard" and placed.known:
-                placed = _fsdp(plan, plan.units[unit.block].mesh, placed, mesh_sizes, strided_shard)
+                sharded = _fsdp(plan, plan.units[unit.block].mesh, placed, mesh_sizes, strided_shard)
+                placed = evolve(sharded, held=placed.held)
         predictions[fqn] = placed
     return predictions
 
@@ -306,6 +327,12 @@ def _by_rule(plan, match: RuleMatch, resolution, probe, owner, name, is_param, o
         dim, parts = layout[name]
         placement = ir.Replicate() if dim is None else ir.StridedShard(dim, parts) if parts > 1 else ir.Shard(dim)
         return Placed(mesh.mesh, mesh.dims, (placement,))
+    if probe != owner and kind == "expert_parallel":
+        members = expert_members(resolution.modules[probe])
+        key = owner[len(probe) + 1 :].split(".")[0] if probe else owner.split(".")[0]
+        if members is not None and key in members:
+            return Placed(held=(mesh.mesh, mesh.dims[0], members.index(key), len(members)))
+        return None
     if probe == owner and kind == "expert_parallel":
         # the experts split on dim 0; anything else of the module stays a plain tensor
         return (

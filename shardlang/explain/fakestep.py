@@ -118,6 +118,32 @@ def quiet(logger: str) -> Iterator[None]:
         log.setLevel(level)
 
 
+@contextlib.contextmanager
+def idle_conversions() -> Iterator[None]:
+    """`module.to(...)` that would change none of the module's tensors returns it untouched. Some models
+    convert a submodule in every forward (SwitchTransformers' router: `self.classifier =
+    self.classifier.to(self.dtype)`): on real tensors a no-op, on the simulated step's fake parameters a
+    swap of each, which the memory tracker's references to them forbid."""
+    original = nn.Module.to
+
+    def to(self, *args, **kwargs):
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+
+        def unchanged(t: torch.Tensor) -> bool:
+            converts = dtype is not None and (t.is_floating_point() or t.is_complex())
+            return (device is None or t.device == torch.device(device)) and (not converts or t.dtype == dtype)
+
+        if memory_format is None and all(unchanged(t) for t in [*self.parameters(), *self.buffers()]):
+            return self
+        return original(self, *args, **kwargs)
+
+    nn.Module.to = to
+    try:
+        yield
+    finally:
+        nn.Module.to = original
+
+
 def group_names(applied) -> dict[str, str]:
     """Process group name -> `mesh.dim` (several dims of a group joined by +)."""
     names = {dist.distributed_c10d._get_default_group().group_name: "world"}

@@ -145,7 +145,7 @@ def _step(plan: ir.Plan, model: nn.Module, model_file: ModelFile) -> tuple[list[
     from ..verification import Context
     from ..verification import layout as lay
     from ..verification.comms import Calls
-    from .fakestep import quiet, recording_fake_mode
+    from .fakestep import idle_conversions, quiet, recording_fake_mode
 
     reference = copy.deepcopy(model)
     try:
@@ -156,7 +156,7 @@ def _step(plan: ir.Plan, model: nn.Module, model_file: ModelFile) -> tuple[list[
     gradients = next((c for c in plan.checks if c.name == "gradients"), None)
     input_layout = gradients.get("input") if gradients is not None else None
     output_layout = gradients.get("output") if gradients is not None else None
-    with quiet("torch._subclasses.fake_tensor"), recording_fake_mode(Calls()):
+    with quiet("torch._subclasses.fake_tensor"), recording_fake_mode(Calls()), idle_conversions():
         where = lay.layout(ctx)
         full = lay.replica_inputs(ctx, -1, where.replica, 2 * max(where.tp_size, 1))
         if _on_meta(reference):

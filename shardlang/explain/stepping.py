@@ -15,7 +15,17 @@ import torch.nn as nn
 from ..frontend import ir
 from ..runtime.apply import SIMULATED, apply_plan
 from ..runtime.modelfile import ModelFile
-from .fakestep import Collective, Peak, by_key, count_tokens, group_names, quiet, recording_fake_mode, warm_adamw
+from .fakestep import (
+    Collective,
+    Peak,
+    by_key,
+    count_tokens,
+    group_names,
+    idle_conversions,
+    quiet,
+    recording_fake_mode,
+    warm_adamw,
+)
 from .timing import Fit, Tally
 
 #: Activations by module: how many of the largest the report keeps.
@@ -413,7 +423,7 @@ def _training_step(
             return any(within(fqn, c) for c in resolution.checkpoint)
 
         modules = compiled.compiled_modules(model, resolution.compiled, checkpointed, modelled)
-        with memory, cuda_like_rms_norm(), modules:
+        with memory, cuda_like_rms_norm(), modules, idle_conversions():
             output = model(*inputs)
             with recorder.paused():
                 whole, against = _loss_operands(ctx, where, output, output_layout, full)

@@ -255,6 +255,13 @@ def _failure(plan: ir.Plan, step: p.Step, error: Exception) -> Diagnostic:
     help = [f"the failing call: {type(step).__name__}{what}"]
     if last is not None:
         help.append(f"raised at {Path(last.filename).name}:{last.lineno}")
+    experts = any(r.style.name == "expert_parallel" for b in plan.parallelize for r in b.rules)
+    if experts and isinstance(error, (KeyError, IndexError, AttributeError)) and plan.init.mode == "meta":
+        help.append(
+            "expert_parallel on experts held as modules (a ModuleList or ModuleDict) leaves each rank only its "
+            "own members, and the model's init code may reach for the others (SwitchTransformers' does): "
+            "`init cpu` builds the model whole and then splits it"
+        )
     help.append("the model is left exactly as it was")
     message = f"apply failed{what}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     return Diagnostic(SL300, message.rstrip(": "), step.origin, tuple(help))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ..compiler.predict import expert_tensors, expert_tp_layout, stacked_experts
+from ..compiler.predict import expert_members, expert_tensors, expert_tp_layout, stacked_experts
 from .torchcompat import all_to_all_autograd, is_fake, strided_shard_class
 from .tpstyles import SumGradOver
 
@@ -48,6 +48,9 @@ class ExpertParallel(ParallelStyle):
         import torch.nn as nn
         from torch.distributed.tensor import Shard, distribute_tensor
 
+        members = expert_members(module)
+        if members is not None:
+            return _split_members(module, members, device_mesh, self.shared_batch)
         experts = stacked_experts(module)
         if experts is None:
             raise ValueError("it holds no expert weights stacked on dim 0 (a router stays whole)")
@@ -63,6 +66,94 @@ class ExpertParallel(ParallelStyle):
             forward = _one_slice_each(forward, device_mesh)
         module.forward = types.MethodType(forward, module)
         return module
+
+
+def _split_members(module, members, mesh, shared_batch):
+    """Expert parallelism over a ModuleList's or ModuleDict's experts: rank r keeps the r-th contiguous block
+    of them, whole, under their own keys (the others are dropped from its module, which keeps its keys: a
+    rank's `experts.3` is the model's `experts.3`); the forward sends each (token, choice) pair to the rank
+    holding its expert, runs each kept member on its rows, and brings the results back."""
+    import types
+
+    ep = mesh.size()
+    if len(members) % ep:
+        raise ValueError(f"{len(members)} experts do not split evenly over {ep} ranks")
+    per_rank = len(members) // ep
+    rank = mesh.get_local_rank()
+    mine = members[rank * per_rank : (rank + 1) * per_rank]
+    for key in members:
+        if key not in mine:
+            del module._modules[key]  # (not ModuleList's __delitem__, which renumbers the rest)
+    forward = _member_expert_parallel_forward(mine, len(members), mesh)
+    if shared_batch:
+        forward = _one_slice_each(forward, mesh)
+    module.forward = types.MethodType(forward, module)
+    return module
+
+
+def _routing_choices(routing, experts: int):
+    """The (token, choice) pairs of a forward's routing: each pair's expert [tokens, k] and whether it goes
+    to one. `routing` is the experts' numbers [tokens, k] (transformers' top_k_index; one out of range, as a
+    padding expert, goes to none) or a one-hot mask [tokens, k, experts] (SwitchTransformers': a token over
+    an expert's capacity has a row of zeros and goes to none)."""
+
+    if routing.dim() == 3 and routing.shape[-1] == experts:
+        return routing.argmax(-1), routing.sum(-1) > 0
+    return routing, (routing >= 0) & (routing < experts)
+
+
+def _member_expert_parallel_forward(mine, experts, mesh):
+    """The forward of a ModuleList's or ModuleDict's experts split over `mesh`, each rank holding the members
+    `mine` (in order): forward(hidden_states [tokens, hidden], routing, routing_weights [tokens, k]), the
+    routing as _routing_choices reads it. Each expert's own module computes its rows; the routing weights
+    are applied on the rank the tokens came from, as for stacked experts."""
+
+    group, ep = mesh.get_group(), mesh.size()
+    per_rank = experts // ep
+    rank = mesh.get_local_rank()
+
+    def forward(self, hidden_states, routing, routing_weights, *args, **kwargs):
+        import torch
+        import torch.distributed as dist
+
+        index, goes = _routing_choices(routing, experts)
+        tokens, k = index.shape
+        device = hidden_states.device
+        # (token, choice) pairs by expert (so by the rank holding it); those going to none last
+        chosen = torch.where(goes, index, experts).reshape(-1)
+        order = torch.argsort(chosen, stable=True)
+        token_of = torch.arange(tokens, device=device).repeat_interleave(k)[order]
+        if is_fake(hidden_states):
+            # A simulated step has no routing to read: as many pairs to every expert (uniform routing).
+            counts = [tokens * k // experts + (e < tokens * k % experts) for e in range(experts)]
+            send = counts
+            receive = [counts[rank * per_rank + e] for _ in range(ep) for e in range(per_rank)]
+            received_counts = torch.tensor(receive, device=device)
+        else:
+            # how many rows of each of this rank's experts every rank sends
+            sent_counts = torch.bincount(chosen, minlength=experts + 1)[:experts]
+            received_counts = torch.empty_like(sent_counts)
+            dist.all_to_all_single(received_counts, sent_counts, group=group)
+            send, receive = torch.stack([sent_counts, received_counts]).tolist()  # the layer's one host sync
+        send_sizes = [sum(send[r * per_rank : (r + 1) * per_rank]) for r in range(ep)]
+        receive_sizes = [sum(receive[r * per_rank : (r + 1) * per_rank]) for r in range(ep)]
+        sent = sum(send_sizes)
+        rows = all_to_all_autograd(hidden_states[token_of[:sent]], receive_sizes, send_sizes, group)
+        # The rows arrive rank by rank, each rank's by expert: grouped by expert, each member runs its own
+        # (every member runs, on no rows too, so that each has a gradient, zero where no token came).
+        expert_of = torch.arange(per_rank, device=device).repeat(ep)
+        expert_of = expert_of.repeat_interleave(received_counts, output_size=rows.shape[0])
+        by_expert = torch.argsort(expert_of, stable=True)
+        sizes = [sum(receive[r * per_rank + e] for r in range(ep)) for e in range(per_rank)]
+        chunks = rows[by_expert].split(sizes)
+        computed = torch.cat([self._modules[key](chunk) for key, chunk in zip(mine, chunks)])
+        out = torch.empty_like(computed).index_copy(0, by_expert, computed)
+        back = all_to_all_autograd(out, send_sizes, receive_sizes, group)
+        weights = routing_weights.reshape(-1)[order][:sent, None].to(back.dtype)
+        combined = torch.zeros_like(hidden_states, dtype=back.dtype).index_add(0, token_of[:sent], back * weights)
+        return combined.to(hidden_states.dtype)
+
+    return forward
 
 
 def _one_slice_each(forward, mesh):

@@ -93,7 +93,8 @@ def run(ctx, check: ir.Check) -> Outcome:
     for step in range(args["steps"]):
         batches = [lay.replica_inputs(ctx, step, i, args["batch"]) for i in range(where.replicas)]
         unheld = references.start_from(model, pp_group)
-        tally.failures += [f"step {step}: {name} is held by no pipeline stage" for name in unheld]
+        holders = "pipeline stage" if pipeline is not None else "rank"
+        tally.failures += [f"step {step}: {name} is held by no {holders}" for name in unheld]
         optim.zero_grad(set_to_none=True)
         inputs = lay.local_inputs(batches[where.replica], where, args.get("input"))
         if pipeline is not None:
@@ -316,17 +317,14 @@ class Tally:
 
 def _spreads(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Each full gradient's largest minus smallest value over the world's ranks, elementwise (two all_reduces
-    of every gradient at once), for the gradients every rank has."""
+    of every gradient at once), for the gradients every rank has (a rank without a gradient another has
+    fails on its own; an expert another rank holds is not this rank's to compare)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return {}
-    names = sorted(grads)
-    device = next(iter(grads.values())).device if grads else torch.device("cpu")
-    everywhere = torch.tensor([float(n in grads) for n in names], device=device)
-    # (every rank has the same parameters; a rank without a gradient another has fails on its own)
-    dist.all_reduce(everywhere, op=dist.ReduceOp.MIN)
-    names = [n for n, held in zip(names, everywhere.tolist()) if held]
+    names = lay.held_everywhere(sorted(grads))
     if not names:
         return {}
+    device = next(iter(grads.values())).device
     flat = torch.cat([grads[n].detach().to(device, torch.float64).flatten() for n in names])
     low = flat.clone()
     dist.all_reduce(flat, op=dist.ReduceOp.MAX)

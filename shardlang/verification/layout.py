@@ -186,6 +186,19 @@ def value(loss_tensor: torch.Tensor) -> float:
     return float((loss_tensor.full_tensor() if isinstance(loss_tensor, DTensor) else loss_tensor).detach())
 
 
+def held_everywhere(names, group=None) -> list[str]:
+    """`names` (in their order) that every rank of `group` (default: the world) holds too. The ranks of an
+    expert-parallel dim hold different members of a ModuleList's or ModuleDict's experts, and a pipeline's
+    ranks different stages: a comparison across ranks takes only what they share."""
+    names = list(names)
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return names
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, names, group=group)
+    shared = set.intersection(*(set(n) for n in everyone))
+    return [n for n in names if n in shared]
+
+
 def largest_everywhere(values: list[float]) -> list[float]:
     """Each value as the largest over every rank (one all_reduce): what lets every rank take the same
     path when the next steps talk to the others."""

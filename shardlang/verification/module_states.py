@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from .layout import held_everywhere
 from .outcome import FAIL, PASS, SKIPPED, Outcome
 
 
@@ -39,7 +40,9 @@ def run(ctx, check) -> Outcome:
             size = dist.get_world_size(group)
             if size == 1:
                 continue
-            mine = [(n, _local(t, ctx.device)) for n, t in tensors if replicated_along(t, dim, dims)]
+            replicated = [(n, t) for n, t in tensors if replicated_along(t, dim, dims)]
+            shared = set(held_everywhere([n for n, _ in replicated], group))  # (experts split by member)
+            mine = [(n, _local(t, ctx.device)) for n, t in replicated if n in shared]
             if not mine:
                 continue
             ranks = dist.get_process_group_ranks(group)

@@ -24,7 +24,17 @@ def _normal(placed: Placed, ndim: int) -> Placed:
 def run(ctx, check) -> Outcome:
     predicted = ctx.applied.predictions
     seen, matched, unpredicted, wrong = set(), 0, [], []
-    for name, tensor in [*ctx.model.named_parameters(), *ctx.model.named_buffers()]:
+    present = dict([*ctx.model.named_parameters(), *ctx.model.named_buffers()])
+    elsewhere = 0  # experts' members that another rank holds, as predicted
+    for name, want in predicted.items():
+        if want.held is None:
+            continue
+        if (name in present) != _holds(ctx, want.held):
+            got = "held here" if name in present else "held elsewhere"
+            wrong.append((name, _held_text(ctx, want.held), got))
+        elif name not in present:
+            elsewhere += 1
+    for name, tensor in present.items():
         if id(tensor) in seen or name not in predicted:
             continue
         seen.add(id(tensor))
@@ -43,7 +53,7 @@ def run(ctx, check) -> Outcome:
     data = {
         "matched": matched,
         "unpredicted": [n for n, _ in unpredicted],
-        "wrong": [{"name": n, "predicted": str(w), "actual": _show(g), "how": w.note} for n, w, g in wrong],
+        "wrong": [{"name": n, "predicted": str(w), "actual": _show(g), "how": _note(w)} for n, w, g in wrong],
     }
     note = _not_predicted(unpredicted)
     if wrong:
@@ -52,7 +62,8 @@ def run(ctx, check) -> Outcome:
     if not matched:
         return Outcome(SKIPPED, f"nothing to check: no tensor has a prediction{note}", data)
     compared = f"{matched} of {len(seen)}" if unpredicted else f"{matched}"
-    return Outcome(PASS, f"{compared} tensors placed as predicted{note}", data)
+    held = f"; {elsewhere} tensors of experts' members held by other ranks, as predicted" if elsewhere else ""
+    return Outcome(PASS, f"{compared} tensors placed as predicted{held}{note}", data)
 
 
 def _not_predicted(unpredicted: list[tuple[str, Placed]]) -> str:
@@ -67,11 +78,33 @@ def _not_predicted(unpredicted: list[tuple[str, Placed]]) -> str:
     return "".join(parts)
 
 
-def _how(placed: Placed) -> str:
+def _holds(ctx, held: tuple[str, str, int, int]) -> bool:
+    """Whether this rank holds the expert member that `held` describes (Placed.held)."""
+    mesh, dim, index, members = held
+    device_mesh = ctx.applied.meshes[mesh]
+    size = device_mesh.size(device_mesh.mesh_dim_names.index(dim))
+    return device_mesh.get_local_rank(dim) == index // (members // size)
+
+
+def _held_text(ctx, held: tuple[str, str, int, int]) -> str:
+    mesh, dim, index, members = held
+    mine = "here" if _holds(ctx, held) else "elsewhere"
+    return f"held {mine} (expert {index} of {members}, split over {mesh}.{dim})"
+
+
+def _note(want) -> str:
+    return want.note if isinstance(want, Placed) else ""
+
+
+def _how(placed) -> str:
+    if not isinstance(placed, Placed):
+        return placed
     return f"{placed} ({placed.note})" if placed.note else str(placed)
 
 
-def _show(placed: Placed) -> str:
+def _show(placed) -> str:
+    if not isinstance(placed, Placed):
+        return placed
     if placed.mesh is None:
         return "plain tensor"
     return f"[{', '.join(placed.dims)}] ({', '.join(placement_text(p) for p in placed.placements)})"

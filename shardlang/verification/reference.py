@@ -169,15 +169,24 @@ class References:
         return [m for m in (self.truth, self.same, self.coarse) if m is not None]
 
     def start_from(self, model, pp_group=None) -> list[str]:
-        """Every reference's parameters := the sharded model's full parameters (a pipeline's stages are
-        gathered from the ranks of `pp_group` first: each rank holds its own stages' parameters). The
-        unsharded model's parameters that no rank holds, if any (a split that lost a module)."""
+        """Every reference's parameters := the sharded model's full parameters. A pipeline's stages are
+        gathered from the ranks of `pp_group` first (each rank holds its own stages' parameters), and the
+        members of experts split over ranks (a ModuleList's or ModuleDict's) from the ranks holding them.
+        The unsharded model's parameters that no rank holds, if any (a split that lost a module)."""
         with torch.no_grad():
             whole = {name: full(p.detach()) for name, p in model.named_parameters()}
             if pp_group is not None:
                 everyone = [None] * dist.get_world_size(pp_group)
                 dist.all_gather_object(everyone, {k: v.cpu() for k, v in whole.items()}, group=pp_group)
                 whole = {k: v for stage in everyone for k, v in stage.items()}
+            elif dist.is_initialized():
+                shared = set(lay.held_everywhere(whole))
+                if lay.largest_everywhere([float(len(shared) < len(whole))])[0] > 0:
+                    everyone = [None] * dist.get_world_size()
+                    mine = {k: v.cpu() for k, v in whole.items() if k not in shared}
+                    dist.all_gather_object(everyone, mine)
+                    whole = {**{k: v for held in everyone for k, v in held.items()}, **whole}
+                    pp_group = dist.group.WORLD  # (what no rank holds is reported below)
             for name, value in whole.items():
                 for reference in (*self._computing(), self.optimizer):
                     target = reference.get_parameter(name)

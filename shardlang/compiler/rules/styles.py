@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from ...frontend import ir
 from ...frontend.diagnostics import SL202, SL207, Diagnostic, few
-from ..predict import expert_tp_layout, stacked_experts, style_kind
+from ..predict import expert_members, expert_tp_layout, stacked_experts, style_kind
 from ..resolve import Resolution
 from .common import Predictions, Shapes, dim_sizes
 
@@ -79,11 +79,13 @@ def _misfit(style: ir.Style, module: nn.Module, tp: int) -> str | None:
         if isinstance(layout, str):
             return layout
     if kind == "expert_parallel":
-        experts = stacked_experts(module)
+        members = expert_members(module)
+        experts = stacked_experts(module) if members is None else len(members)
         if experts is None:
             return (
                 "expert_parallel splits a module holding every expert's weights stacked on dim 0 (transformers' "
-                "experts: gate_up_proj [experts, ...]); a router stays whole on every rank"
+                "experts: gate_up_proj [experts, ...]) or an nn.ModuleList/ModuleDict of experts of one class; "
+                "a router stays whole on every rank"
             )
         if experts % tp:
             return f"its {experts} experts do not split evenly over {tp} ranks"
