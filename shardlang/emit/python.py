@@ -170,7 +170,7 @@ def _helpers(program: p.Program) -> list[str]:
     for step_type, kind in STEPS.items():
         if step_type not in present:
             continue
-        needed = [h for s in program.steps if type(s) is step_type for h in kind.needs(s)]
+        needed = [h for s in program.steps if type(s) is step_type for h in kind.needs(s, program)]
         for helper in (*kind.helpers, *needed):
             if helper not in seen:
                 seen.add(helper)

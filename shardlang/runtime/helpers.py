@@ -102,9 +102,11 @@ def submesh(mesh, dims):
 def divide_gradients(unit, factor: int, mesh) -> None:
     """An FSDP unit over `mesh` whose gradients are reduced as a sum divided by `factor` instead of the mesh's
     size (experts that borrow data-parallel ranks: frontend.desugar). gloo has no PreMulSum: there the sum
-    is reduced and divided after."""
+    is reduced and divided after. `unit`: what fully_shard returned (a list of modules for a unit over
+    several, which share one state: any of them sets it)."""
     import torch.distributed as dist
 
+    unit = unit[0] if isinstance(unit, list) else unit
     unit.set_gradient_divide_factor(float(factor))
     if dist.get_backend(mesh.get_group()) == "gloo":
         unit.set_force_sum_reduction_for_comms(True)
@@ -484,3 +486,15 @@ def compiled_loss(loss, **options):
     if key not in cache:
         cache[key] = torch.compile(loss, **options)
     return cache[key]
+
+
+def unit_of(module):
+    """What fully_shard takes for `module`: the module itself, or, for a ModuleList or ModuleDict with a
+    forward of its own (experts held as modules, after expert_parallel), the list of its members: one unit
+    over them all. torch 2.11's fully_shard refuses any container, forward or not; later torches take it."""
+    import torch.nn as nn
+
+    container = isinstance(module, (nn.ModuleList, nn.ModuleDict))
+    if container and ("forward" in vars(module) or type(module).forward is not nn.Module.forward):
+        return list(module.children())
+    return module

@@ -57,7 +57,7 @@ class StepType:
     #: Helpers (runtime.helpers) the printed lines call: the printed program pastes their source.
     helpers: tuple[Callable, ...] = ()
     #: Helpers only some steps of the kind call, by step.
-    needs: Callable[[Any], tuple[Callable, ...]] = lambda step: ()
+    needs: Callable[[Any, Any], tuple[Callable, ...]] = lambda step, program: ()
     #: Public torch names (import paths) the printed lines need, from the step's values.
     names: Callable[[Any], set[str]] = lambda step: set()
     #: An import line for a torch API with no public path.
@@ -244,7 +244,7 @@ def run_fully_shard(step: p.FullyShard, ctx: Running) -> None:
 
     modules = [ctx.module(fqn) for fqn in (step.module, *step.also)]
     kwargs = {k: to_torch(v) for k, v in step.kwargs}
-    unit = fully_shard(modules if step.together else modules[0], mesh=ctx.mesh(step.mesh), **kwargs)
+    unit = fully_shard(modules if step.together else helpers.unit_of(modules[0]), mesh=ctx.mesh(step.mesh), **kwargs)
     if step.divide_by is not None:
         helpers.divide_gradients(unit, ctx.mesh(step.divide_by).size(), ctx.mesh(step.mesh))
 
@@ -254,10 +254,17 @@ def write_fully_shard(step: p.FullyShard, program: p.Program, module: str) -> li
     if step.also and all(isinstance(fqn, str) for fqn in step.also):
         module = f"[{', '.join([module, *map(module_source, step.also)])}]"
     mesh = mesh_expr(step.mesh, program)
+    if not step.together and _splits_members(program.plan):
+        module = f"unit_of({module})"
     call = f"fully_shard({module}, mesh={mesh}{_kwargs(step.kwargs)})"
     if step.divide_by is not None:
         return [f"divide_gradients({call}, {mesh_expr(step.divide_by, program)}.size(), {mesh})"]
     return [call]
+
+
+def _splits_members(plan: ir.Plan) -> bool:
+    """Whether the plan has `expert_parallel` rules, whose experts may be a container (helpers.unit_of)."""
+    return any(r.style.name == "expert_parallel" for b in plan.parallelize for r in b.rules)
 
 
 def run_context_parallel(step: p.ContextParallel, ctx: Running) -> None:
@@ -404,7 +411,10 @@ STEPS: dict[type, StepType] = {
     p.FullyShard: StepType(
         run_fully_shard,
         write_fully_shard,
-        needs=lambda step: (helpers.divide_gradients,) if step.divide_by is not None else (),
+        needs=lambda step, program: (
+            *((helpers.divide_gradients,) if step.divide_by is not None else ()),
+            *((helpers.unit_of,) if not step.together and _splits_members(program.plan) else ()),
+        ),
         names=lambda step: {"torch.distributed.fsdp.fully_shard"} | _value_names(step),
     ),
     p.Replicate: StepType(
