@@ -376,3 +376,30 @@ def test_explain_of_float32_grouped_experts_says_what_gpus_take(tmp_path):
         notes[name] = " ".join(__import__("json").loads(done.stdout)["notes"])
     assert "takes only bf16 on GPUs" in notes["fp32"] and "mixed_precision(param=bf16)" in notes["fp32"]
     assert "fails" not in notes["bf16"]
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_moves_between_experts_split_by_member_and_whole_ones(tmp_path):
+    """SwitchTransformers' experts split by member (each rank saves only the members it holds): saved at
+    world 2, the checkpoint loads at world 4 under the same plan (each rank reading only its members) and
+    under a plan that keeps every expert on every rank, and back; the gradients check resumes the Adam
+    state each time, in the sharded model and in its reference (members gathered from their ranks)."""
+    split = str(ROOT / "plans" / "field" / "switch_ep_fsdp.sl")
+    whole = tmp_path / "whole.sl"
+    whole.write_text(
+        "shardlang 1\nmesh world = auto[dp=auto]\nfully_shard on world.dp {\n    each encoder.block.*\n}\n"
+    )
+    model = str(ROOT / "examples" / "field" / "switch.py")
+    first, second = str(tmp_path / "split"), str(tmp_path / "whole")
+    runs = [
+        (split, "2", "--save", first),
+        (split, "4", "--load", first),
+        (str(whole), "2", "--load", first),
+        (str(whole), "2", "--save", second),
+        (split, "4", "--load", second),
+    ]
+    for plan, world, flag, where in runs:
+        done = shardlang_cli("apply", plan, model, "--nproc", world, "--verify", "gradients", flag, where)
+        assert done.returncode == 0, (plan, world, flag, done.stdout[-3000:])
+        if flag == "--load":
+            assert f"resumed Adam state from {where}" in done.stdout, done.stdout[-2000:]

@@ -52,10 +52,18 @@ def misfits(
 
 
 def elsewhere(model: torch.nn.Module) -> tuple[str, ...]:
-    """The modules of a pipeline stage that other stages hold (pass-throughs here); () for a whole model."""
+    """The modules other ranks hold: a pipeline stage's others (pass-throughs here), and the members of
+    experts split by member (`expert_parallel` on a ModuleList or ModuleDict) that other ranks keep; ()
+    for a whole model."""
     from ..runtime.pipeline import PassThrough
 
-    return tuple(fqn for fqn, m in model.named_modules() if isinstance(m, PassThrough))
+    stages = tuple(fqn for fqn, m in model.named_modules() if isinstance(m, PassThrough))
+    members = tuple(
+        f"{fqn}.{key}" if fqn else key
+        for fqn, m in model.named_modules()
+        for key in getattr(m, "experts_elsewhere", ())
+    )
+    return stages + members
 
 
 def check_fits(checkpoint: Checkpoint, model: torch.nn.Module) -> None:

@@ -84,6 +84,7 @@ def _split_members(module, members, mesh, shared_batch):
     for key in members:
         if key not in mine:
             del module._modules[key]  # (not ModuleList's __delitem__, which renumbers the rest)
+    module.experts_elsewhere = tuple(key for key in members if key not in mine)  # (what checkpoints skip)
     forward = _member_expert_parallel_forward(mine, len(members), mesh)
     if shared_batch:
         forward = _one_slice_each(forward, mesh)

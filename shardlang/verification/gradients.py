@@ -360,13 +360,26 @@ def _resume(ctx, optim, reference, ref_optim) -> str:
     load_checkpoint(ctx.model, checkpoint, optim, model_state=False)
     saved = get_optimizer_state_dict(ctx.model, optim)  # sharded: `full` makes each tensor whole below
     index = {name: i for i, (name, _) in enumerate(reference.named_parameters())}
-    state = {
-        # Copies: the state dict hands back the optimizer's own plain tensors (Adam's `step`), which
-        # the two optimizers would otherwise share and each advance.
-        index[k]: {n: full(v).detach().clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
+    # Copies: the state dict hands back the optimizer's own plain tensors (Adam's `step`), which the two
+    # optimizers would otherwise share and each advance.
+    by_name = {
+        k: {n: full(v).detach().clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
         for k, s in saved["state"].items()
     }
-    # load_state_dict pairs saved parameters with the optimizer's by position: list them in its order.
-    groups = [{**g, "params": sorted(index[k] for k in g["params"])} for g in saved["param_groups"]]
+    listed = {k for g in saved["param_groups"] for k in g["params"]}
+    if _anywhere(len(listed) < len(index)):
+        # Parameters other ranks hold (experts' members, pipeline stages): their state from those ranks.
+        shared = set(lay.held_everywhere(sorted(listed)))
+        mine = {k: {n: v.cpu() if isinstance(v, torch.Tensor) else v for n, v in s.items()} for k, s in by_name.items()}
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, {k: s for k, s in mine.items() if k not in shared})
+        for held in everyone:
+            for k, s in held.items():
+                by_name.setdefault(k, s)
+        listed = set(index)
+    state = {index[k]: s for k, s in by_name.items()}
+    # load_state_dict pairs saved parameters with the optimizer's by position: list them in its order
+    # (one group, as the check builds both optimizers: every parameter of the unsharded model).
+    groups = [{**g, "params": sorted(index[k] for k in listed)} for g in saved["param_groups"][:1]]
     ref_optim.load_state_dict({"state": state, "param_groups": groups})
     return f"resumed {type(optim).__name__} state from {checkpoint.path}"
