@@ -175,17 +175,17 @@ def hand_written_ep(model, dtensor: bool = False, group=None) -> None:
             hidden, index, weights = (Slice.apply(t, None) for t in (hidden, index, weights))
         tokens, k = index.shape
         chosen = index.reshape(-1)
-        order = torch.argsort(chosen, stable=True)  # by expert, so by the rank holding it
+        owner = chosen // per
+        order = torch.argsort(owner, stable=True)
         token_of = torch.arange(tokens, device=chosen.device).repeat_interleave(k)[order]
-        sent = torch.bincount(chosen, minlength=n * per)
-        arriving = torch.empty_like(sent)  # how many rows of each of this rank's experts each rank sends
-        dist.all_to_all_single(arriving, sent, group=group)
-        send_counts, receive_counts = torch.stack([sent, arriving]).tolist()
-        send_sizes = [sum(send_counts[i * per : (i + 1) * per]) for i in range(n)]
-        receive_sizes = [sum(receive_counts[i * per : (i + 1) * per]) for i in range(n)]
+        send = torch.bincount(owner, minlength=n)
+        receive = torch.empty_like(send)
+        dist.all_to_all_single(receive, send, group=group)
+        send_sizes, receive_sizes = send.tolist(), receive.tolist()
+        local = chosen[order] % per
+        received = local.new_empty(sum(receive_sizes))
+        dist.all_to_all_single(received, local, receive_sizes, send_sizes, group=group)
         rows = wait_tensor(all_to_all_single_autograd(hidden[token_of], receive_sizes, send_sizes, group))
-        received = torch.arange(per, device=chosen.device).repeat(n)
-        received = received.repeat_interleave(arriving, output_size=rows.shape[0])
         ones = torch.ones(received.shape[0], 1, dtype=weights.dtype, device=rows.device)
         out = local_forward(rows, received[:, None], ones)
         back = wait_tensor(all_to_all_single_autograd(out, send_sizes, receive_sizes, group))

@@ -106,72 +106,55 @@ def _routing_choices(routing, experts: int):
 def _member_expert_parallel_forward(mine, experts, mesh):
     """The forward of a ModuleList's or ModuleDict's experts split over `mesh`, each rank holding the members
     `mine` (in order): forward(hidden_states [tokens, hidden], routing, routing_weights [tokens, k]), the
-    routing as _routing_choices reads it. Each member's own module computes its rows (every member, on no
-    rows too, so that each has a gradient, zero where no token came)."""
+    routing as _routing_choices reads it. Each expert's own module computes its rows; the routing weights
+    are applied on the rank the tokens came from, as for stacked experts."""
+
+    group, ep = mesh.get_group(), mesh.size()
+    per_rank = experts // ep
+    rank = mesh.get_local_rank()
 
     def forward(self, hidden_states, routing, routing_weights, *args, **kwargs):
         import torch
+        import torch.distributed as dist
 
-        rows, expert_of, per_expert, sending = _send_rows(hidden_states, routing, experts, mesh)
+        index, goes = _routing_choices(routing, experts)
+        tokens, k = index.shape
+        device = hidden_states.device
+        # (token, choice) pairs by expert (so by the rank holding it); those going to none last
+        chosen = torch.where(goes, index, experts).reshape(-1)
+        order = torch.argsort(chosen, stable=True)
+        token_of = torch.arange(tokens, device=device).repeat_interleave(k)[order]
+        if is_fake(hidden_states):
+            # A simulated step has no routing to read: as many pairs to every expert (uniform routing).
+            counts = [tokens * k // experts + (e < tokens * k % experts) for e in range(experts)]
+            send = counts
+            receive = [counts[rank * per_rank + e] for _ in range(ep) for e in range(per_rank)]
+            received_counts = torch.tensor(receive, device=device)
+        else:
+            # how many rows of each of this rank's experts every rank sends
+            sent_counts = torch.bincount(chosen, minlength=experts + 1)[:experts]
+            received_counts = torch.empty_like(sent_counts)
+            dist.all_to_all_single(received_counts, sent_counts, group=group)
+            send, receive = torch.stack([sent_counts, received_counts]).tolist()  # the layer's one host sync
+        send_sizes = [sum(send[r * per_rank : (r + 1) * per_rank]) for r in range(ep)]
+        receive_sizes = [sum(receive[r * per_rank : (r + 1) * per_rank]) for r in range(ep)]
+        sent = sum(send_sizes)
+        rows = all_to_all_autograd(hidden_states[token_of[:sent]], receive_sizes, send_sizes, group)
+        # The rows arrive rank by rank, each rank's by expert: grouped by expert, each member runs its own
+        # (every member runs, on no rows too, so that each has a gradient, zero where no token came).
+        expert_of = torch.arange(per_rank, device=device).repeat(ep)
+        expert_of = expert_of.repeat_interleave(received_counts, output_size=rows.shape[0])
         by_expert = torch.argsort(expert_of, stable=True)
-        chunks = rows[by_expert].split(per_expert)
+        sizes = [sum(receive[r * per_rank + e] for r in range(ep)) for e in range(per_rank)]
+        chunks = rows[by_expert].split(sizes)
         computed = torch.cat([self._modules[key](chunk) for key, chunk in zip(mine, chunks)])
         out = torch.empty_like(computed).index_copy(0, by_expert, computed)
-        return _bring_back(out, hidden_states, routing_weights, sending)
+        back = all_to_all_autograd(out, send_sizes, receive_sizes, group)
+        weights = routing_weights.reshape(-1)[order][:sent, None].to(back.dtype)
+        combined = torch.zeros_like(hidden_states, dtype=back.dtype).index_add(0, token_of[:sent], back * weights)
+        return combined.to(hidden_states.dtype)
 
     return forward
-
-
-def _send_rows(hidden_states, routing, experts, mesh):
-    """The first all-to-all: every (token, choice) pair of this rank's tokens sent to the rank holding its
-    expert (contiguous blocks of experts per rank of `mesh`). Returns the rows this rank received [rows,
-    hidden] (from each rank in turn, each rank's by expert), the local expert of each, how many rows each
-    local expert received, and what _bring_back needs. The ranks exchange how many pairs go to each expert
-    (one all-to-all of counts and the layer's one host sync), from which each rank knows its rows' experts,
-    as torchtitan's dispatch does. A simulated step (explain, lint) has no routing to read: as many pairs
-    go to every expert, as under uniform routing."""
-    import torch
-    import torch.distributed as dist
-
-    group, ep, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
-    per_rank = experts // ep
-    index, goes = _routing_choices(routing, experts)
-    tokens, k = index.shape
-    device = hidden_states.device
-    # the pairs by expert, so by the rank holding it; those going to none last (expert number `experts`)
-    chosen = torch.where(goes, index, experts).reshape(-1)
-    order = torch.argsort(chosen, stable=True)
-    token_of = torch.arange(tokens, device=device).repeat_interleave(k)[order]
-    if is_fake(hidden_states):
-        counts = [tokens * k // experts + (e < tokens * k % experts) for e in range(experts)]
-        send = counts
-        receive = [counts[rank * per_rank + e] for _ in range(ep) for e in range(per_rank)]
-        received_counts = torch.tensor(receive, device=device)
-    else:
-        sent_counts = torch.bincount(chosen, minlength=experts + 1)[:experts]
-        received_counts = torch.empty_like(sent_counts)  # [rank, local expert]: what each rank sends here
-        dist.all_to_all_single(received_counts, sent_counts, group=group)
-        send, receive = torch.stack([sent_counts, received_counts]).tolist()
-    send_sizes = [sum(send[r * per_rank : (r + 1) * per_rank]) for r in range(ep)]
-    receive_sizes = [sum(receive[r * per_rank : (r + 1) * per_rank]) for r in range(ep)]
-    sent = sum(send_sizes)
-    rows = all_to_all_autograd(hidden_states[token_of[:sent]], receive_sizes, send_sizes, group)
-    expert_of = torch.arange(per_rank, device=device).repeat(ep)
-    expert_of = expert_of.repeat_interleave(received_counts, output_size=rows.shape[0])
-    per_expert = [sum(receive[r * per_rank + e] for r in range(ep)) for e in range(per_rank)]
-    return rows, expert_of, per_expert, (send_sizes, receive_sizes, order[:sent], token_of[:sent], group)
-
-
-def _bring_back(out, hidden_states, routing_weights, sending):
-    """The second all-to-all: each received row's result back to the rank it came from, weighted there by
-    its routing weight (so that the router's gradient is there) and summed into its token's output."""
-    import torch
-
-    send_sizes, receive_sizes, order, token_of, group = sending
-    back = all_to_all_autograd(out, send_sizes, receive_sizes, group)
-    weights = routing_weights.reshape(-1)[order, None].to(back.dtype)
-    combined = torch.zeros_like(hidden_states, dtype=back.dtype).index_add(0, token_of, back * weights)
-    return combined.to(hidden_states.dtype)
 
 
 def _one_slice_each(forward, mesh):
@@ -251,13 +234,35 @@ class RowGather(torch.autograd.Function):
 def _expert_parallel_forward(local_forward, experts, mesh):
     """The forward of an expert-parallel module, around the module's own (`local_forward`, bound)."""
 
-    per_rank = experts // mesh.size()
+    group, ep = mesh.get_group(), mesh.size()
+    per_rank = experts // ep
 
     def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
         import torch
+        import torch.distributed as dist
         from torch.distributed.tensor import DTensor
 
-        rows, expert_of, _, sending = _send_rows(hidden_states, top_k_index, experts, mesh)
+        tokens, k = top_k_index.shape
+        chosen = top_k_index.reshape(-1)
+        # (token, choice) pairs in the order of the rank holding their expert
+        owner = torch.div(chosen, per_rank, rounding_mode="floor")
+        order = torch.argsort(owner, stable=True)
+        token_of = torch.arange(tokens, device=chosen.device).repeat_interleave(k)[order]
+        local_index = chosen[order] % per_rank
+        if is_fake(hidden_states):
+            # A simulated step (explain, lint) has no routing to read: every rank sends and receives as many
+            # pairs, as under uniform routing.
+            send_sizes = [tokens * k // ep + (r < tokens * k % ep) for r in range(ep)]
+            receive_sizes = send_sizes
+            received_index = torch.arange(tokens * k, device=chosen.device) % per_rank
+        else:
+            send = torch.bincount(owner, minlength=ep)
+            receive = torch.empty_like(send)
+            dist.all_to_all_single(receive, send, group=group)
+            send_sizes, receive_sizes = send.tolist(), receive.tolist()  # the layer's one host sync
+            received_index = local_index.new_empty(sum(receive_sizes))
+            dist.all_to_all_single(received_index, local_index, receive_sizes, send_sizes, group=group)
+        rows = all_to_all_autograd(hidden_states[token_of], receive_sizes, send_sizes, group)
         # This rank's experts on the rows it received, through the module's own forward: local weights,
         # local expert numbers, each row its one expert with weight one.
         kept = {name: p for name, p in self._parameters.items() if isinstance(p, DTensor)}
@@ -267,8 +272,8 @@ def _expert_parallel_forward(local_forward, experts, mesh):
             self._parameters.update(local)
             if count is not None:
                 self.num_experts = per_rank
-            ones = torch.ones(rows.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
-            out = local_forward(rows, expert_of[:, None], ones, *args, **kwargs)
+            ones = torch.ones(received_index.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
+            out = local_forward(rows, received_index[:, None], ones, *args, **kwargs)
         finally:
             self._parameters.update(kept)
             if count is not None:
@@ -278,7 +283,10 @@ def _expert_parallel_forward(local_forward, experts, mesh):
             # all-to-alls on this rank, as on every other, and give its experts a zero gradient, not none (which
             # FSDP and DDP would reduce with the other ranks' real ones).
             out = out + rows * 0 + sum(p.sum() * 0 for p in local.values() if p.requires_grad)
-        return _bring_back(out, hidden_states, top_k_weights, sending)
+        back = all_to_all_autograd(out, send_sizes, receive_sizes, group)
+        weighted = back * top_k_weights.reshape(-1)[order, None].to(back.dtype)
+        combined = torch.zeros_like(hidden_states, dtype=back.dtype).index_add(0, token_of, weighted)
+        return combined.to(hidden_states.dtype)
 
     return forward
 
