@@ -164,6 +164,12 @@ def test_the_plan_explains_with_its_all_to_alls():
     assert experts and experts[0].placements[-1] == "S(0)" and experts[0].local_shape[0] == 1  # 4 experts / tp 2 / dp 2
     assert any("all_to_all" in c.op for c in e.collectives), e.collectives
     assert any("routing taken as uniform" in note for note in e.notes), e.notes
+    # The experts' eager collectives on tp (the gather of the shared batch) wait for their result: exposed,
+    # not FSDP's overlapped ones, which run on dp alone.
+    eager_on_tp = [c for c in e.collectives if c.mesh_dim == "world.tp" and c.op.endswith("_")]
+    assert "_allgather_base_" in {c.op for c in eager_on_tp}, e.collectives
+    assert not any(d.overlapped for d in e.time.dims if d.mesh_dim == "world.tp"), e.time.dims
+    assert any(d.overlapped for d in e.time.dims if d.mesh_dim == "world.dp"), e.time.dims
 
 
 def test_fsdp_over_the_dim_the_experts_are_split_on_is_sl218(tmp_path):

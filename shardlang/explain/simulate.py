@@ -149,9 +149,10 @@ def _explain_here(plan: ir.Plan, model: nn.Module | None, options: ExplainOption
             stepper = Stepper(simulated, model, applied, model_file, options.full_step)
             try:
                 collectives, notes, peak, tally = stepper.run(options.batch)
-                flat = tuple(b.mesh for b in plan.units if b.mesh.flat)
+                units = tuple(b.mesh for b in plan.units)
+                flat = tuple(m for m in units if m.flat)
                 timed = step_time(
-                    tally, collectives, meshes, world_size, options.hardware, peak.tokens, peak.replicas, flat
+                    tally, collectives, meshes, world_size, options.hardware, peak.tokens, peak.replicas, flat, units
                 )
                 if options.fit is not None:
                     fitted = stepper.fit(options.fit, peak)

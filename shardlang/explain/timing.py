@@ -253,6 +253,17 @@ class Fit:
     sequence: int | None = None  # tokens per sequence, when the search was over the sequence length
 
 
+def _unit_dims(units) -> set[str]:
+    """The `mesh.dim` names (and flattened `world[dp*ep]` ones) the collectives of units over `units` run on."""
+    dims = {"world"} if units else set()
+    for ref in units:
+        if ref.flat:
+            dims.add(str(ref))
+        else:
+            dims.update(f"{ref.mesh}.{d}" for d in ref.dims)
+    return dims
+
+
 def _ring(op: str, n: int) -> float:
     if n <= 1:
         return 0.0
@@ -295,8 +306,19 @@ def link_of(mesh_dim: str, layout: dict, world_size: int, hw: Hardware) -> tuple
 
 
 def step_time(
-    tally: Tally, collectives, meshes, world_size: int, hw: Hardware, tokens: int, replicas: int, flat=()
+    tally: Tally,
+    collectives,
+    meshes,
+    world_size: int,
+    hw: Hardware,
+    tokens: int,
+    replicas: int,
+    flat=(),
+    units=None,
 ) -> StepTime:
+    """`units`: the meshes of the plan's fully_shard and replicate blocks (MeshRefs), whose dims alone carry
+    FSDP's and DDP's overlapped collectives; None: every c10d eager collective is taken as theirs."""
+    data_parallel = None if units is None else _unit_dims(units)
     compute = recompute = 0.0
     flops = model_flops = 0
     kernels = dtensor_ops = 0
@@ -331,6 +353,10 @@ def step_time(
         link, kind, n = link_of(c.mesh_dim, layout, world_size, hw)
         seconds = c.bytes * _ring(c.op, n) / link.bandwidth + c.count * link.latency if n > 1 else 0.0
         fsdp = c.op.endswith("_")  # c10d's eager ops: FSDP's; functional ones: DTensor's
+        if data_parallel is not None:
+            # ... on a dim a unit runs over: expert parallelism's own eager ones (its counts' all-to-all,
+            # the gather of a shared batch) wait for their result, on a dim no unit uses
+            fsdp = fsdp and "alltoall" not in c.op and c.mesh_dim in data_parallel
         row = per_dim.setdefault((c.mesh_dim, fsdp), [kind, n, 0, 0.0])
         row[2] += c.bytes
         row[3] += seconds
