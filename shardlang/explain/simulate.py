@@ -229,7 +229,7 @@ def _compile_note(plan: ir.Plan, peak) -> tuple[str, ...]:
 
 def _routing_note(plan: ir.Plan, peak) -> tuple[str, ...]:
     """What explain assumes of a plan that splits experts: no router runs on data in a simulated step."""
-    if peak is None or not any(r.style.name == "expert_parallel" for b in plan.parallelize for r in b.rules):
+    if peak is None or not plan.has_style("expert_parallel"):
         return ()
     return (
         "expert_parallel: routing taken as uniform (every rank sends and receives as many tokens); the "

@@ -360,6 +360,10 @@ class Plan:
     def param(self, name: str) -> Any:
         return dict(self.params)[name]
 
+    def has_style(self, name: str) -> bool:
+        """Whether any `parallelize` rule uses the style `name`."""
+        return any(r.style.name == name for b in self.parallelize for r in b.rules)
+
     def fixed_world_size(self) -> int:
         """The world the meshes fix when none of their dims is `auto`; ValueError otherwise."""
         sizes = set()

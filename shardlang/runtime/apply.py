@@ -255,8 +255,11 @@ def _failure(plan: ir.Plan, step: p.Step, error: Exception) -> Diagnostic:
     help = [f"the failing call: {type(step).__name__}{what}"]
     if last is not None:
         help.append(f"raised at {Path(last.filename).name}:{last.lineno}")
-    experts = any(r.style.name == "expert_parallel" for b in plan.parallelize for r in b.rules)
-    if experts and isinstance(error, (KeyError, IndexError, AttributeError)) and plan.init.mode == "meta":
+    if (
+        plan.has_style("expert_parallel")
+        and isinstance(error, (KeyError, IndexError, AttributeError))
+        and plan.init.mode == "meta"
+    ):
         help.append(
             "expert_parallel on experts held as modules (a ModuleList or ModuleDict) leaves each rank only its "
             "own members, and the model's init code may reach for the others (SwitchTransformers' does): "

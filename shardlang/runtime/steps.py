@@ -254,17 +254,12 @@ def write_fully_shard(step: p.FullyShard, program: p.Program, module: str) -> li
     if step.also and all(isinstance(fqn, str) for fqn in step.also):
         module = f"[{', '.join([module, *map(module_source, step.also)])}]"
     mesh = mesh_expr(step.mesh, program)
-    if not step.together and _splits_members(program.plan):
+    if not step.together and program.plan.has_style("expert_parallel"):  # its experts may be a container
         module = f"unit_of({module})"
     call = f"fully_shard({module}, mesh={mesh}{_kwargs(step.kwargs)})"
     if step.divide_by is not None:
         return [f"divide_gradients({call}, {mesh_expr(step.divide_by, program)}.size(), {mesh})"]
     return [call]
-
-
-def _splits_members(plan: ir.Plan) -> bool:
-    """Whether the plan has `expert_parallel` rules, whose experts may be a container (helpers.unit_of)."""
-    return any(r.style.name == "expert_parallel" for b in plan.parallelize for r in b.rules)
 
 
 def run_context_parallel(step: p.ContextParallel, ctx: Running) -> None:
@@ -413,7 +408,7 @@ STEPS: dict[type, StepType] = {
         write_fully_shard,
         needs=lambda step, program: (
             *((helpers.divide_gradients,) if step.divide_by is not None else ()),
-            *((helpers.unit_of,) if not step.together and _splits_members(program.plan) else ()),
+            *((helpers.unit_of,) if not step.together and program.plan.has_style("expert_parallel") else ()),
         ),
         names=lambda step: {"torch.distributed.fsdp.fully_shard"} | _value_names(step),
     ),
