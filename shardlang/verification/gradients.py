@@ -366,20 +366,15 @@ def _resume(ctx, optim, reference, ref_optim) -> str:
         k: {n: full(v).detach().clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
         for k, s in saved["state"].items()
     }
-    listed = {k for g in saved["param_groups"] for k in g["params"]}
-    if _anywhere(len(listed) < len(index)):
-        # Parameters other ranks hold (experts' members, pipeline stages): their state from those ranks.
-        shared = set(lay.held_everywhere(sorted(listed)))
-        mine = {k: {n: v.cpu() if isinstance(v, torch.Tensor) else v for n, v in s.items()} for k, s in by_name.items()}
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, {k: s for k, s in mine.items() if k not in shared})
-        for held in everyone:
-            for k, s in held.items():
-                by_name.setdefault(k, s)
-        listed = set(index)
-    state = {index[k]: s for k, s in by_name.items()}
-    # load_state_dict pairs saved parameters with the optimizer's by position: list them in its order
-    # (one group, as the check builds both optimizers: every parameter of the unsharded model).
-    groups = [{**g, "params": sorted(index[k] for k in listed)} for g in saved["param_groups"][:1]]
+
+    def portable(s: dict) -> dict:
+        return {n: v.cpu() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
+
+    # Parameters other ranks hold (experts' members, pipeline stages): their state from those ranks.
+    gathered = lay.from_holders(by_name, portable)
+    state = {index[k]: s for k, s in (by_name if gathered is None else gathered).items()}
+    # load_state_dict pairs saved parameters with the optimizer's by position: the reference's one group
+    # (the check builds both optimizers so) lists every parameter of the unsharded model, in its order.
+    groups = [{**saved["param_groups"][0], "params": sorted(index.values())}]
     ref_optim.load_state_dict({"state": state, "param_groups": groups})
     return f"resumed {type(optim).__name__} state from {checkpoint.path}"

@@ -199,6 +199,18 @@ def held_everywhere(names, group=None) -> list[str]:
     return [n for n in names if n in shared]
 
 
+def from_holders(entries: dict, portable, group=None) -> dict | None:
+    """`entries` (by name) with those that only some ranks of `group` hold gathered from the ranks holding
+    them (`portable` makes a value fit to send: on the CPU); this rank's own kept as they are. None, with
+    nothing sent, when every rank holds the same names."""
+    shared = set(held_everywhere(entries, group))
+    if largest_everywhere([float(len(shared) < len(entries))])[0] == 0:
+        return None
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, {k: portable(v) for k, v in entries.items() if k not in shared}, group=group)
+    return {**{k: v for held in everyone for k, v in held.items()}, **entries}
+
+
 def largest_everywhere(values: list[float]) -> list[float]:
     """Each value as the largest over every rank (one all_reduce): what lets every rank take the same
     path when the next steps talk to the others."""

@@ -21,7 +21,6 @@ import copy
 import math
 
 import torch
-import torch.distributed as dist
 from attrs import frozen
 from torch.distributed.tensor import DTensor
 
@@ -175,23 +174,13 @@ class References:
         The unsharded model's parameters that no rank holds, if any (a split that lost a module)."""
         with torch.no_grad():
             whole = {name: full(p.detach()) for name, p in model.named_parameters()}
-            if pp_group is not None:
-                everyone = [None] * dist.get_world_size(pp_group)
-                dist.all_gather_object(everyone, {k: v.cpu() for k, v in whole.items()}, group=pp_group)
-                whole = {k: v for stage in everyone for k, v in stage.items()}
-            elif dist.is_initialized():
-                shared = set(lay.held_everywhere(whole))
-                if lay.largest_everywhere([float(len(shared) < len(whole))])[0] > 0:
-                    everyone = [None] * dist.get_world_size()
-                    mine = {k: v.cpu() for k, v in whole.items() if k not in shared}
-                    dist.all_gather_object(everyone, mine)
-                    whole = {**{k: v for held in everyone for k, v in held.items()}, **whole}
-                    pp_group = dist.group.WORLD  # (what no rank holds is reported below)
+            gathered = lay.from_holders(whole, lambda v: v.cpu(), pp_group)
+            whole = gathered if gathered is not None else whole
             for name, value in whole.items():
                 for reference in (*self._computing(), self.optimizer):
                     target = reference.get_parameter(name)
                     target.copy_(value.to(target.device))
-        if pp_group is None:
+        if pp_group is None and gathered is None:
             return []
         return [name for name, _ in self.truth.named_parameters() if name not in whole]
 
