@@ -262,3 +262,24 @@ def member_ep_without_weights_differs(kind: str) -> float:
     hidden, routing, weights, _ = _member_routing(kind, 7, rank, False)
     unweighted = split(hidden, routing, torch.ones_like(weights))
     return (unweighted - whole(hidden, routing, weights)).abs().max().item()
+
+
+def placements_of_a_member_dropped_on_rank_0() -> tuple[str, str]:
+    """plans/field/switch_ep_fsdp.sl applied at world 2 (ep 2), then rank 0 loses one of its members: the
+    placements check's status and message on each rank."""
+    from pathlib import Path
+
+    import shardlang
+    from shardlang.runtime.apply import apply_plan
+    from shardlang.runtime.modelfile import load_model_file
+    from shardlang.verification import Context, placements
+
+    root = Path(__file__).resolve().parent.parent
+    plan = shardlang.load(root / "plans" / "field" / "switch_ep_fsdp.sl", world_size=2)
+    model_file = load_model_file(str(root / "examples" / "field" / "switch.py"))
+    torch.manual_seed(0)
+    applied = apply_plan(plan, model_file.build_model())
+    if dist.get_rank() == 0:
+        del applied.model.get_submodule("encoder.block.0.layer.1.mlp.experts")._modules["expert_0"]
+    outcome = placements.run(Context(plan, applied, model_file), None)
+    return outcome.status, outcome.message

@@ -74,6 +74,17 @@ def test_experts_held_as_modules_on_a_rank_that_receives_no_token(pools):
 
 
 @pytest.mark.distributed
+def test_a_member_missing_from_the_rank_that_should_hold_it_fails_placements(pools):
+    """The placements check compares which members each rank holds with the prediction: rank 0, which lost
+    one of its two experts, fails naming it; rank 1, which holds its own, passes."""
+    (status0, message0), (status1, message1) = pools(2).run(expert_jobs.placements_of_a_member_dropped_on_rank_0)
+    assert status0 == "fail", message0
+    assert "encoder.block.0.layer.1.mlp.experts.expert_0.wi.weight: predicted held here (expert 0 of 4" in message0
+    assert "got held elsewhere" in message0
+    assert status1 == "pass" and "held by other ranks, as predicted" in message1, message1
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("kind", ["list", "switch"])
 def test_experts_held_as_modules_combined_without_their_weights_are_wrong(pools, kind):
     assert min(pools(2).run(expert_jobs.member_ep_without_weights_differs, kind)) > 1e-2

@@ -31,7 +31,7 @@ def run(ctx, check) -> Outcome:
             continue
         if (name in present) != _holds(ctx, want.held):
             got = "held here" if name in present else "held elsewhere"
-            wrong.append((name, _held_text(ctx, want.held), got))
+            wrong.append({"name": name, "predicted": _held_text(ctx, want.held), "actual": got, "how": ""})
         elif name not in present:
             elsewhere += 1
     for name, tensor in present.items():
@@ -47,17 +47,17 @@ def run(ctx, check) -> Outcome:
         if (got.mesh is None) != (want.mesh is None) or (
             got.mesh is not None and (got.dims, got.placements) != (want.dims, want.placements)
         ):
-            wrong.append((name, want, got))
+            wrong.append({"name": name, "predicted": str(want), "actual": _show(got), "how": want.note})
         else:
             matched += 1
     data = {
         "matched": matched,
         "unpredicted": [n for n, _ in unpredicted],
-        "wrong": [{"name": n, "predicted": str(w), "actual": _show(g), "how": _note(w)} for n, w, g in wrong],
+        "wrong": wrong,
     }
     note = _not_predicted(unpredicted)
     if wrong:
-        listed = "; ".join(f"{n}: predicted {_how(w)}, got {_show(g)}" for n, w, g in wrong[:LISTED])
+        listed = "; ".join(f"{w['name']}: predicted {_how(w)}, got {w['actual']}" for w in wrong[:LISTED])
         return Outcome(FAIL, f"{len(wrong)} of {len(seen)} tensors differ from the prediction: {listed}{note}", data)
     if not matched:
         return Outcome(SKIPPED, f"nothing to check: no tensor has a prediction{note}", data)
@@ -92,19 +92,12 @@ def _held_text(ctx, held: tuple[str, str, int, int]) -> str:
     return f"held {mine} (expert {index} of {members}, split over {mesh}.{dim})"
 
 
-def _note(want) -> str:
-    return want.note if isinstance(want, Placed) else ""
+def _how(wrong: dict) -> str:
+    """A misplaced tensor's prediction, with how it was predicted when the table of styles did not."""
+    return f"{wrong['predicted']} ({wrong['how']})" if wrong["how"] else wrong["predicted"]
 
 
-def _how(placed) -> str:
-    if not isinstance(placed, Placed):
-        return placed
-    return f"{placed} ({placed.note})" if placed.note else str(placed)
-
-
-def _show(placed) -> str:
-    if not isinstance(placed, Placed):
-        return placed
+def _show(placed: Placed) -> str:
     if placed.mesh is None:
         return "plain tensor"
     return f"[{', '.join(placed.dims)}] ({', '.join(placement_text(p) for p in placed.placements)})"
