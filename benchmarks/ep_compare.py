@@ -70,6 +70,15 @@ def arguments(argv=None) -> argparse.Namespace:
         metavar="N",
         help="after the timing, N steps of each side under cProfile: rank 0 prints each side's top host functions",
     )
+    parser.add_argument(
+        "--host-ops",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the timing, N steps of each side under torch.profiler (CPU only, every thread: the "
+        "autograd engine's device thread too): rank 0 prints each thread's host time and the ops where "
+        "shardlang spends the most more than hand",
+    )
     return parser.parse_args(argv)
 
 
@@ -93,6 +102,47 @@ def host_profile(sides, step, steps: int) -> None:
             print(
                 f"  {own / steps * 1e3:8.2f} ms {cumulative / steps * 1e3:8.2f} ms cum {calls // steps:6d} calls  {where}"
             )
+
+
+def host_ops(sides, step, steps: int, rank: int) -> None:
+    """Each side's `steps` steps under torch.profiler (CPU activity, which records every thread's ops):
+    per thread, its ops' own host time per step; per op, own time and calls per step; rank 0 prints the
+    threads and the 25 ops of largest difference against `hand` (the profiler's own cost inflates each op
+    alike, so a difference in calls shows too)."""
+    from collections import defaultdict
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    seen = {}
+    for side in sides:
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                step(side)
+        threads, ops = defaultdict(float), defaultdict(lambda: [0.0, 0])
+        for event in prof.events():
+            # a tensor subclass's dispatch ("PythonSubclass") is named by the op it dispatches
+            name = event.name
+            if name == "PythonSubclass" and event.cpu_children:
+                name = f"PythonSubclass({event.cpu_children[0].name})"
+            threads[event.thread] += event.self_cpu_time_total / 1e3 / steps
+            ops[name][0] += event.self_cpu_time_total / 1e3 / steps
+            ops[name][1] += 1
+        seen[side] = (threads, ops)
+    if rank:
+        return
+    for side, (threads, _) in seen.items():
+        named = ", ".join(f"thread {t}: {ms:.1f} ms" for t, ms in sorted(threads.items(), key=lambda i: -i[1])[:4])
+        print(f"host ops of {side}: {sum(threads.values()):.1f} ms per step; {named}")
+    base = seen["hand"][1]
+    for side in (s for s in sides if s != "hand"):
+        ops = seen[side][1]
+        names = set(ops) | set(base)
+        diff = sorted(names, key=lambda n: -abs(ops.get(n, (0, 0))[0] - base.get(n, (0, 0))[0]))[:25]
+        print(f"{side} - hand, per step: own ms, calls (the 25 largest differences)")
+        for name in diff:
+            (ms, calls), (base_ms, base_calls) = ops.get(name, (0.0, 0)), base.get(name, (0.0, 0))
+            print(f"  {ms - base_ms:+8.2f} ms {(calls - base_calls) / steps:+8.1f} calls  {ms:8.2f} ms  {name[:90]}")
 
 
 def configure(tiny: bool):
@@ -339,6 +389,8 @@ def main(argv=None) -> None:
         for side in sides:
             for _ in range(args.host_profile):
                 step(side)
+    if args.host_ops:
+        host_ops(sides, step, args.host_ops, rank)
     profiles = {side: profile(lambda side=side: timed(side), args.profile) for side in sides} if args.profile else {}
     everyone = [None] * world
     dist.all_gather_object(everyone, (times, peaks, counts, split))
