@@ -163,13 +163,13 @@ def _one_slice_each(forward, mesh):
     hand-written baseline of benchmarks/ep_compare.py uses, rather than DTensor redistributions: the version
     built on those ran at 0.76 of that baseline's throughput (benchmarks/RESULTS.md)."""
 
-    group, ranks = mesh.get_group(), mesh.size()
+    group, ranks, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
 
     def shared(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
         sizes = _row_sizes(hidden_states.shape[0], ranks)
-        mine = [RowSlice.apply(t, sizes, group) for t in (hidden_states, top_k_index, top_k_weights)]
+        mine = RowSlice.apply(sizes, rank, group, hidden_states, top_k_index, top_k_weights)
         out = forward(self, *mine, *args, **kwargs)
-        return RowGather.apply(out, sizes, group)
+        return RowGather.apply(out, sizes, rank, group)
 
     return shared
 
@@ -196,21 +196,20 @@ def _gather_rows(tensor, sizes, group):
 
 
 class RowSlice(torch.autograd.Function):
-    """This rank's rows of a tensor every rank holds alike; the gradient, whole on every rank, gathered
-    from each rank's rows."""
+    """This rank's rows (`sizes[rank]` of them, after the lower ranks') of tensors every rank holds alike, in
+    one node; each gradient, whole on every rank, gathered from each rank's rows."""
 
     @staticmethod
-    def forward(ctx, tensor, sizes, group):
-        import torch.distributed as dist
-
+    def forward(ctx, sizes, rank, group, *tensors):
         ctx.sizes, ctx.group = sizes, group
-        rank = dist.get_rank(group)
+        ctx.set_materialize_grads(False)
         start = sum(sizes[:rank])
-        return tensor[start : start + sizes[rank]].contiguous()
+        return tuple(t[start : start + sizes[rank]].contiguous() for t in tensors)
 
     @staticmethod
-    def backward(ctx, grad):
-        return _gather_rows(grad.contiguous(), ctx.sizes, ctx.group), None, None
+    def backward(ctx, *grads):
+        gathered = (None if g is None else _gather_rows(g.contiguous(), ctx.sizes, ctx.group) for g in grads)
+        return None, None, None, *gathered
 
 
 class RowGather(torch.autograd.Function):
@@ -218,17 +217,13 @@ class RowGather(torch.autograd.Function):
     loss from the whole, so the gradient arrives whole and each takes its own rows)."""
 
     @staticmethod
-    def forward(ctx, tensor, sizes, group):
-        ctx.sizes, ctx.group = sizes, group
+    def forward(ctx, tensor, sizes, rank, group):
+        ctx.start, ctx.stop = sum(sizes[:rank]), sum(sizes[: rank + 1])
         return _gather_rows(tensor.contiguous(), sizes, group)
 
     @staticmethod
     def backward(ctx, grad):
-        import torch.distributed as dist
-
-        rank = dist.get_rank(ctx.group)
-        start = sum(ctx.sizes[:rank])
-        return grad[start : start + ctx.sizes[rank]].contiguous(), None, None
+        return grad[ctx.start : ctx.stop].contiguous(), None, None, None
 
 
 def _expert_parallel_forward(local_forward, experts, mesh):
