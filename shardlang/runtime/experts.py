@@ -149,10 +149,8 @@ def _member_expert_parallel_forward(mine, experts, mesh):
         chunks = rows[by_expert].split(sizes)
         computed = torch.cat([self._modules[key](chunk) for key, chunk in zip(mine, chunks)])
         out = torch.empty_like(computed).index_copy(0, by_expert, computed)
-        back = all_to_all_autograd(out, send_sizes, receive_sizes, group)
-        weights = routing_weights.reshape(-1)[order][:sent, None].to(back.dtype)
-        combined = torch.zeros_like(hidden_states, dtype=back.dtype).index_add(0, token_of[:sent], back * weights)
-        return combined.to(hidden_states.dtype)
+        sizes = (send_sizes, receive_sizes)
+        return _bring_back(out, hidden_states, routing_weights, order[:sent], token_of[:sent], sizes, group)
 
     return forward
 
@@ -278,12 +276,25 @@ def _expert_parallel_forward(local_forward, experts, mesh):
             # all-to-alls on this rank, as on every other, and give its experts a zero gradient, not none (which
             # FSDP and DDP would reduce with the other ranks' real ones).
             out = out + rows * 0 + sum(p.sum() * 0 for p in local.values() if p.requires_grad)
-        back = all_to_all_autograd(out, send_sizes, receive_sizes, group)
-        weighted = back * top_k_weights.reshape(-1)[order, None].to(back.dtype)
-        combined = torch.zeros_like(hidden_states, dtype=back.dtype).index_add(0, token_of, weighted)
-        return combined.to(hidden_states.dtype)
+        return _bring_back(out, hidden_states, top_k_weights, order, token_of, (send_sizes, receive_sizes), group)
 
     return forward
+
+
+def _bring_back(out, hidden_states, routing_weights, order, token_of, sizes, group):
+    """The second all-to-all, which stacked experts and experts held as modules share: each received row's
+    result [rows, hidden] goes back to the rank it came from (`sizes`: what this rank sent to each rank and
+    received from each, as the first all-to-all moved them), where it is weighted by its (token, choice)
+    pair's routing weight (so that the router's gradient is there: `order`, the pairs in the order they were
+    sent, of the flattened [tokens, k] weights) and summed into its token's output (`token_of`, each sent
+    pair's token)."""
+    import torch
+
+    send_sizes, receive_sizes = sizes
+    back = all_to_all_autograd(out, send_sizes, receive_sizes, group)
+    weighted = back * routing_weights.reshape(-1)[order, None].to(back.dtype)
+    combined = torch.zeros_like(hidden_states, dtype=back.dtype).index_add(0, token_of, weighted)
+    return combined.to(hidden_states.dtype)
 
 
 class LocalViews(torch.autograd.Function):
