@@ -197,7 +197,8 @@ def test_fsdp_over_the_dim_the_experts_are_split_on_is_sl218(tmp_path):
 @pytest.mark.distributed
 def test_the_benchmark_runs_both_sides_to_the_same_loss_and_collectives():
     """benchmarks/ep_compare.py's dry run (CPU, gloo, a tiny Mixtral): the plan's side and the hand-written
-    one start from the same loss and run the same collectives, so what it times is the same work."""
+    one start from the same loss and run the same collectives, so what it times is the same work; its
+    `--host-ops` profile names the ops only shardlang's side runs (its shared batch's slice)."""
     import json
     import subprocess
     import sys
@@ -207,7 +208,7 @@ def test_the_benchmark_runs_both_sides_to_the_same_loss_and_collectives():
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1"]
         + ["--master-port", str(free_port())]
-        + ["benchmarks/ep_compare.py", "--dry-run", "--steps", "2", "--warmup", "1"],
+        + ["benchmarks/ep_compare.py", "--dry-run", "--steps", "2", "--warmup", "1", "--host-ops", "1"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -220,6 +221,8 @@ def test_the_benchmark_runs_both_sides_to_the_same_loss_and_collectives():
     counts = {side: result[side]["counts"] for side in sides}
     assert counts["shardlang"]["all_to_all_single"] == counts["hand"]["all_to_all_single"] > 0, counts
     assert counts["shardlang"] == counts["hand"] == counts["hand_dtensor"], counts
+    table = done.stdout[done.stdout.index("shardlang - hand, per step") :]
+    assert "host ops of shardlang" in done.stdout and "RowSlice" in table.split("hand_dtensor - hand")[0], table
 
 
 @pytest.mark.distributed
