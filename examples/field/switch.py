@@ -10,8 +10,7 @@ the encoder's last hidden state (the model has no head of its own).
 import torch
 from transformers import SwitchTransformersConfig, SwitchTransformersEncoderModel
 
-SEQ = 16
-VOCAB = 128
+from examples.field.common import SEQ, VOCAB, example_input  # noqa: F401
 
 
 def build_model() -> SwitchTransformersEncoderModel:
@@ -31,10 +30,6 @@ def build_model() -> SwitchTransformersEncoderModel:
         dropout_rate=0.0,
     )
     return SwitchTransformersEncoderModel(config)
-
-
-def example_input(batch_size: int, generator: torch.Generator) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (batch_size, SEQ), generator=generator)
 
 
 def loss(output, inputs: torch.Tensor) -> torch.Tensor:
