@@ -191,24 +191,31 @@ def held_everywhere(names, group=None) -> list[str]:
     expert-parallel dim hold different members of a ModuleList's or ModuleDict's experts, and a pipeline's
     ranks different stages: a comparison across ranks takes only what they share."""
     names = list(names)
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return names
-    everyone = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, names, group=group)
-    shared = set.intersection(*(set(n) for n in everyone))
+    shared = set.intersection(*_names_of_each_rank(names, group))
     return [n for n in names if n in shared]
 
 
 def from_holders(entries: dict, portable, group=None) -> dict | None:
     """`entries` (by name) with those that only some ranks of `group` hold gathered from the ranks holding
     them (`portable` makes a value fit to send: on the CPU); this rank's own kept as they are. None, with
-    nothing sent, when every rank holds the same names."""
-    shared = set(held_everywhere(entries, group))
-    if largest_everywhere([float(len(shared) < len(entries))])[0] == 0:
+    nothing more sent, when every rank holds the same names (every rank decides alike, from the same
+    gathered names)."""
+    each = _names_of_each_rank(list(entries), group)
+    shared = set.intersection(*each)
+    if shared == set.union(*each):
         return None
     everyone = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, {k: portable(v) for k, v in entries.items() if k not in shared}, group=group)
     return {**{k: v for held in everyone for k, v in held.items()}, **entries}
+
+
+def _names_of_each_rank(names: list[str], group=None) -> list[set[str]]:
+    """The names every rank of `group` passed, one set per rank (this rank's alone without a process group)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return [set(names)]
+    everyone = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, names, group=group)
+    return [set(n) for n in everyone]
 
 
 def largest_everywhere(values: list[float]) -> list[float]:
