@@ -249,12 +249,18 @@ def run_fully_shard(step: p.FullyShard, ctx: Running) -> None:
         helpers.divide_gradients(unit, ctx.mesh(step.divide_by).size(), ctx.mesh(step.mesh))
 
 
+def _may_be_container(step: p.FullyShard, program: p.Program) -> bool:
+    """Whether a fully_shard unit's one module may be a ModuleList or ModuleDict of experts, split by
+    expert_parallel, which the printed program hands to fully_shard through helpers.unit_of."""
+    return not step.together and program.plan.has_style("expert_parallel")
+
+
 def write_fully_shard(step: p.FullyShard, program: p.Program, module: str) -> list[str]:
     """`module` is the first module's expression, or (for targets matched at run time) the list of them all."""
     if step.also and all(isinstance(fqn, str) for fqn in step.also):
         module = f"[{', '.join([module, *map(module_source, step.also)])}]"
     mesh = mesh_expr(step.mesh, program)
-    if not step.together and program.plan.has_style("expert_parallel"):  # its experts may be a container
+    if _may_be_container(step, program):
         module = f"unit_of({module})"
     call = f"fully_shard({module}, mesh={mesh}{_kwargs(step.kwargs)})"
     if step.divide_by is not None:
@@ -408,7 +414,7 @@ STEPS: dict[type, StepType] = {
         write_fully_shard,
         needs=lambda step, program: (
             *((helpers.divide_gradients,) if step.divide_by is not None else ()),
-            *((helpers.unit_of,) if not step.together and program.plan.has_style("expert_parallel") else ()),
+            *((helpers.unit_of,) if _may_be_container(step, program) else ()),
         ),
         names=lambda step: {"torch.distributed.fsdp.fully_shard"} | _value_names(step),
     ),
