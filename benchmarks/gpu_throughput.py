@@ -136,6 +136,67 @@ def profile(step, steps: int) -> dict:
     }
 
 
+#: Where an allocation is made, for memory_at_peak: the first Python frame in these, else the first C++ frame
+#: naming an op or a backward node.
+OWN_CODE = ("shardlang/", "torchtitan/", "benchmarks/", "examples/", "transformers/")
+CPP_NAMES = ("torch::autograd::generated::", "at::native::", "c10d::", "at::_ops::")
+
+
+def memory_at_peak(step, top: int = 14) -> dict:
+    """One `step()` under torch.cuda's memory history: the bytes allocated during it and still live at its
+    peak, grouped by where each was allocated (see OWN_CODE), the `top` largest groups (MiB) and the peak
+    above what was allocated before the step. On the CPU (a dry run), empty."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="all")
+    try:
+        step()
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    events = snapshot["device_traces"][torch.cuda.current_device()]
+    live, total, peak, at_peak = {}, 0, 0, {}
+    for event in events:
+        if event["action"] == "alloc":
+            live[event["addr"]] = (event["size"], _allocated_at(event.get("frames", [])))
+            total += event["size"]
+            if total > peak:
+                peak, at_peak = total, dict(live)
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            total -= live.pop(event["addr"])[0]
+    groups: dict[str, int] = {}
+    for size, where in at_peak.values():
+        groups[where] = groups.get(where, 0) + size
+    ranked = sorted(groups.items(), key=lambda item: -item[1])[:top]
+    return {"peak_mib": peak / 2**20, "top_mib": [(where, size / 2**20) for where, size in ranked]}
+
+
+def _allocated_at(frames) -> str:
+    for frame in frames:
+        name = frame.get("filename", "")
+        if name.endswith(".py") and any(part in name for part in OWN_CODE):
+            short = name[max(name.rfind(part) for part in OWN_CODE if part in name) :]
+            return f"{short}:{frame.get('line')} ({frame.get('name')})"
+    for frame in frames:
+        if any(part in frame.get("name", "") for part in CPP_NAMES):
+            return frame["name"][:90]
+    return "(elsewhere)"
+
+
+def print_memory(seen: dict) -> None:
+    """--memory's tables, one per side."""
+    for side, found in seen.items():
+        if not found:
+            continue
+        print(f"{side}: {found['peak_mib']:.0f} MiB allocated during the step live at its peak; the largest by origin:")
+        for where, mib in found["top_mib"]:
+            print(f"  {mib:>9.1f} MiB  {where}")
+
+
 def print_profiles(profiles: dict) -> None:
     """--profile's tables, one per side."""
     for side, seen in profiles.items():

@@ -1,11 +1,21 @@
-"""shardlang against torchtitan on torchtitan's own Llama3 1B: one model parallelized by torchtitan's own
-`parallelize_llama`, the other by a shardlang plan, both built in one run and trained alternately after
-warm-up; median step time, tokens/s, MFU, peak memory and the collectives of one forward+backward per side.
+"""shardlang against torchtitan on torchtitan's own Llama3 1B and Qwen3-MoE 1.2B: one model parallelized by
+torchtitan's own `parallelize_llama` (`parallelize_qwen3`), the other by a shardlang plan, both built in one
+run and trained alternately after warm-up; median step time, tokens/s, MFU, peak memory and the
+collectives of one forward+backward per side.
 
 Configs (`--config`), plans in benchmarks/plans/titan_1b_<config>[_compile].sl:
     fsdp     FSDP2 over every GPU (2 GPUs): torchtitan with dp_shard = world
     tp_sp    tensor parallel 2 with sequence parallelism, no data parallelism (2 GPUs)
     tp_fsdp  dp 2 x tp 2 (4 GPUs)
+and on the MoE (benchmarks/titan_moe.py: 16 layers of 8 experts, top 2), plan benchmarks/plans/titan_moe_ep.sl:
+    ep       expert parallel 2 borrowing the data-parallel ranks, FSDP2 over every GPU (2 GPUs: EP 2; 4 GPUs:
+             EP 2 x FSDP 2): torchtitan with dp_shard = world and expert_parallel_degree = 2, its standard
+             all-to-all token dispatcher. torchtitan's grouped experts take their rows grouped by expert
+             with each expert's count: on torchtitan's side its dispatcher sends them to their expert's rank
+             and back around the experts; on shardlang's, the dispatcher stays local and the plan's
+             `expert_parallel` on the grouped experts does the sending. The same collectives: per layer an
+             all-to-all of the counts and two of the rows each way (shardlang issues the counts' one through
+             c10d, torchtitan through the functional collectives: `kinds` counts them as one kind).
 `--compile` compiles each block in both: torchtitan's CompileConfig(enable=True, components=["model"])
 (TransformerBlock.compile(fullgraph=True)) and the plan's `compile layers.* (fullgraph=true)`.
 
@@ -50,7 +60,9 @@ The gradients are not the same: torchtitan's apply_fsdp_to_decoder calls disable
 data-parallel ranks' gradients (NCCL's PreMulSum with factor 1) where shardlang's average them (AVG): with
 the same per-rank mean loss, torchtitan's gradients are dp times shardlang's (equal with tp_sp, where dp
 is 1). The collectives are the same in kind and number, the reduction op differs; timing is unaffected.
-Nor do the initial values match bitwise (each side draws its shards' values under its own layout).
+Nor do the initial values match bitwise (each side draws its shards' values under its own layout), except
+with --config ep: there torchtitan's model takes shardlang's values (`same_weights`), since a mixture of
+experts routes by them and a different routing is a different load on each rank.
 
 Measurement, one process group: both models built (`--order` says which first), `--warmup` steps of
 each, then `--steps` steps alternating them (even steps shardlang first, odd steps torchtitan first), each
@@ -90,7 +102,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 #: config: (tensor-parallel degree, world size it needs, or None for any)
-CONFIGS = {"fsdp": (1, None), "tp_sp": (2, 2), "tp_fsdp": (2, None)}
+CONFIGS = {"fsdp": (1, None), "tp_sp": (2, 2), "tp_fsdp": (2, None), "ep": (1, None)}
+#: the expert-parallel degree of --config ep (its plan's `ep=2`): on 2 GPUs EP 2, on 4 EP 2 x FSDP 2
+EP = 2
 SIDES = ("shardlang", "torchtitan")
 
 
@@ -117,6 +131,12 @@ def arguments(argv=None) -> argparse.Namespace:
         help="after the timing, profile N more steps of each side on rank 0 and print GPU time by kernel kind",
     )
     parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="after the timing, one more step of each side under torch.cuda's memory history: rank 0 prints "
+        "what is live at each side's peak, by where it was allocated",
+    )
+    parser.add_argument(
         "--backend", help="torch.compile backend for --compile (default: inductor; aot_eager in a dry run)"
     )
     parser.add_argument(
@@ -137,7 +157,7 @@ def arguments(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = arguments(argv)
     sys.path.insert(0, str(ROOT))
-    from benchmarks import titan_1b  # first: torchtitan's imports need its stand-ins on CPU and torch 2.11
+    from benchmarks import titan_1b, titan_moe  # first: torchtitan's imports need its stand-ins (CPU, torch 2.11)
 
     # isort: split
     import torch
@@ -145,7 +165,7 @@ def main(argv=None) -> None:
     from torchtitan.distributed import utils as titan_utils
 
     import shardlang
-    from benchmarks.gpu_throughput import PEAK_BF16, NoMemory, alternate, join, profile, timed_step
+    from benchmarks.gpu_throughput import PEAK_BF16, NoMemory, alternate, join, memory_at_peak, profile, timed_step
     from shardlang.runtime.apply import apply_plan
     from shardlang.verification.comms import Recorder
 
@@ -158,11 +178,14 @@ def main(argv=None) -> None:
     tp, needs = CONFIGS[args.config]
     if (needs is not None and world != needs) or world % tp:
         raise SystemExit(f"--config {args.config} runs on {needs or f'a multiple of {tp}'} processes, not {world}")
+    if args.config == "ep" and (world % EP or world < EP):
+        raise SystemExit(f"--config ep runs on a multiple of {EP} processes, not {world}")
     dp = world // tp
+    source = titan_moe if args.config == "ep" else titan_1b  # the model: its config, inputs, loss, FLOPs
     titan_utils.set_spmd_backend("partial_dtensor")  # as torchtitan's trainer does, for its modules' hooks
 
-    config = titan_1b.configure(tiny)
-    name = f"titan_1b_{args.config}{'_compile' if args.compile else ''}{'_loss' if args.compile_loss else ''}.sl"
+    config = source.configure(tiny)
+    name = f"{source.__name__.rsplit('.', 1)[-1]}_{args.config}{'_compile' if args.compile else ''}{'_loss' if args.compile_loss else ''}.sl"
     if not (ROOT / "benchmarks" / "plans" / name).exists():
         raise SystemExit(f"no plan benchmarks/plans/{name} for --config {args.config} with these flags")
     params = {"backend": backend} if args.compile else None
@@ -180,10 +203,12 @@ def main(argv=None) -> None:
     built = {}
     for side in ("shardlang", "torchtitan") if args.order == "shardlang-first" else ("torchtitan", "shardlang"):
         built[side] = build_shardlang() if side == "shardlang" else build_titan()
+    if source is titan_moe:  # the same weights, so the same routing: the same load on each rank
+        same_weights(built["shardlang"], built["torchtitan"])
     optims = {side: torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda) for side, model in built.items()}
 
     # Each tp group trains on its data-parallel rank's batch: the same tokens for both sides.
-    tokens = titan_1b.example_input(args.batch, torch.Generator().manual_seed(rank // tp), tiny).to(device)
+    tokens = source.example_input(args.batch, torch.Generator().manual_seed(rank // tp), tiny).to(device)
 
     def loss_context():
         if tp == 1:
@@ -193,16 +218,20 @@ def main(argv=None) -> None:
         return loss_parallel()
 
     # shardlang's loss as its plan says (`compile loss`); torchtitan's as its loss component compiles it.
-    titan_loss = titan_1b.loss
+    titan_loss = source.loss
     if args.compile_loss and not args.titan_eager:
-        titan_loss = torch.compile(titan_1b.loss, backend=backend)
-    losses = {"shardlang": plan.loss(titan_1b.loss), "torchtitan": titan_loss}
+        titan_loss = torch.compile(source.loss, backend=backend)
+    losses = {"shardlang": plan.loss(source.loss), "torchtitan": titan_loss}
+
+    first_loss = {}  # each side's loss at its first step (the same weights: the same loss, up to rounding)
 
     def forward_backward(side):
         model = built[side]
         with loss_context():
             loss = losses[side](model(tokens), tokens)
             loss.backward()
+        if side not in first_loss:
+            first_loss[side] = float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss)
 
     def step(side):
         forward_backward(side)
@@ -227,6 +256,7 @@ def main(argv=None) -> None:
         counts[side] = recorder.counts()
     times, peaks = alternate(SIDES, args.steps, timed)
     profiles = {side: profile(lambda side=side: timed(side), args.profile) for side in SIDES} if args.profile else {}
+    memories = {side: memory_at_peak(lambda side=side: step(side)) for side in SIDES} if args.memory else {}
 
     everyone = [None] * world
     dist.all_gather_object(everyone, (times, peaks, counts))
@@ -240,6 +270,8 @@ def main(argv=None) -> None:
             "compile_loss": args.compile_loss,
             "titan_eager": args.titan_eager,
             "profile": profiles if rank == 0 else {},
+            "memory": memories,
+            "first_loss": first_loss,
             "order": args.order,
             "world": world,
             "dp": dp,
@@ -247,18 +279,20 @@ def main(argv=None) -> None:
             "card": torch.cuda.get_device_name() if cuda else "cpu",
             "torch": torch.__version__,
             "torchtitan_version": getattr(torchtitan, "__version__", "?"),
-            "model": "tiny (dry run)" if tiny else "llama3 1B",
+            "model": "tiny (dry run)"
+            if tiny
+            else ("qwen3-moe 1.2B (8 experts, top 2)" if source is titan_moe else "llama3 1B"),
             "batch": args.batch,
-            "seq": titan_1b.seq(tiny),
+            "seq": source.seq(tiny),
             "steps": args.steps,
             "warmup": args.warmup,
             "counts": counts,
-            "counts_identical": all(e[2]["shardlang"] == e[2]["torchtitan"] for e in everyone),
+            "counts_identical": all(kinds(e[2]["shardlang"]) == kinds(e[2]["torchtitan"]) for e in everyone),
             "counts_per_rank": [e[2] for e in everyone],
         }
         card = next((k for k in PEAK_BF16 if k in result["card"]), None)
-        flops = titan_1b.flops_per_token(tiny)
-        tokens_per_step = args.batch * titan_1b.seq(tiny) * dp
+        flops = source.flops_per_token(tiny)
+        tokens_per_step = args.batch * source.seq(tiny) * dp
         for side in SIDES:
             # The slowest rank sets each step's time.
             per_step = [max(e[0][side][i] for e in everyone) for i in range(args.steps)]
@@ -277,28 +311,65 @@ def main(argv=None) -> None:
     dist.destroy_process_group()
 
 
+def same_weights(source, target) -> None:
+    """`target` takes `source`'s parameters (the same model class, each sharded its own way), by name: each
+    gathered whole and laid out as the target's is. Each side initialises its shards under its own layout,
+    so their values differ; for a mixture of experts that means a different routing, so a different number
+    of rows for each rank's experts: a different load, step time and peak memory, not the
+    parallelization's. (Not DCP's state dicts: torchtitan's hooks rename the fused wqkv in them.)"""
+    import torch
+    from torch.distributed.tensor import DTensor, Replicate
+
+    theirs = dict(target.named_parameters())
+    with torch.no_grad():
+        for name, param in source.named_parameters():
+            whole = param.full_tensor() if isinstance(param, DTensor) else param
+            into = theirs[name]
+            if isinstance(into, DTensor):
+                mesh = into.device_mesh
+                spread = DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim, run_check=False)
+                into.to_local().copy_(spread.redistribute(mesh, into.placements).to_local())
+            else:
+                into.copy_(whole)
+
+
+def kinds(counts: dict[str, int]) -> dict[str, int]:
+    """Collective counts by kind: an all-to-all is one kind whichever API issued it (c10d's
+    `all_to_all_single`, counted as `alltoall_base_`, or the functional collectives' `all_to_all_single`;
+    shardlang exchanges each layer's expert counts with the first, torchtitan with the second)."""
+    merged: dict[str, int] = {}
+    for op, n in counts.items():
+        op = "all_to_all_single" if op == "alltoall_base_" else op
+        merged[op] = merged.get(op, 0) + n
+    return merged
+
+
 def titan(config, args, world: int, tp: int, backend: str, device, compiled: bool):
-    """torchtitan's side: its own ParallelDims and parallelize_llama, as its trainer calls them, then
-    `to_empty` on the device and its own initialisation (see the docstring)."""
+    """torchtitan's side: its own ParallelDims and parallelize_llama (parallelize_qwen3 for --config ep, with
+    expert_parallel_degree EP), as its trainer calls them, then `to_empty` on the device and its own
+    initialisation (see the docstring)."""
     import torch
     import torchtitan.distributed.parallel_dims as parallel_dims
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.models.llama3.parallelize import parallelize_llama
+    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 
-    from benchmarks import titan_1b
+    from benchmarks import titan_1b, titan_moe
 
+    moe = args.config == "ep"
     if device.type == "cpu":  # dry run: torchtitan's device_type is "cuda" wherever no accelerator is found
         parallel_dims.device_type = "cpu"
     parallelism = ParallelismConfig(
         data_parallel_shard_degree=-1,
         tensor_parallel_degree=tp,
+        expert_parallel_degree=EP if moe else 1,
         enable_sequence_parallel=True,
         spmd_backend="partial_dtensor",
     )
     training = TrainingConfig(
         local_batch_size=args.batch,
-        seq_len=titan_1b.seq(args.dry_run),
+        seq_len=(titan_moe if moe else titan_1b).seq(args.dry_run),
         mixed_precision_param="bfloat16",
         mixed_precision_reduce="float32",
     )
@@ -308,7 +379,7 @@ def titan(config, args, world: int, tp: int, backend: str, device, compiled: boo
     dims.build_mesh()
     with torch.device("meta"):
         model = config.build()
-    model = parallelize_llama(
+    model = (parallelize_qwen3 if moe else parallelize_llama)(
         model,
         parallel_dims=dims,
         training=training,
@@ -316,7 +387,10 @@ def titan(config, args, world: int, tp: int, backend: str, device, compiled: boo
         compile_config=compile_config,
         ac_config=None,
         dump_folder=tempfile.gettempdir(),
+        **({"skip_dp": True} if moe else {}),  # its FSDP with EP needs torch >= 2.12: nested_fsdp() below
     )
+    if moe:
+        nested_fsdp(model, dims)
     if device.type == "cpu":  # gloo has no PreMulSum (torchtitan's gradient divide factor 1): plain SUM
         for module in model.modules():
             if isinstance(module, FSDPModule):
@@ -328,8 +402,43 @@ def titan(config, args, world: int, tp: int, backend: str, device, compiled: boo
     return model
 
 
+def nested_fsdp(model, dims) -> None:
+    """FSDP2 on torchtitan's expert-parallel MoE model, as torchtitan 0.3.0's apply_fsdp_to_decoder lays it
+    out but for one thing. With EP it gives each block one unit whose experts shard over the `efsdp` mesh
+    and the rest over the dp mesh, through per-parameter meshes (fully_shard's `ShardPlacementResult`),
+    which torch has from 2.12 on; the GPU machines run 2.11. So each block's experts get their own unit over
+    `efsdp`, nested in the block's unit over dp: the layout torchtitan had before per-parameter meshes, and
+    the one the plan's `fully_shard on world[dp*ep]` makes. The rest is torchtitan's: bf16 parameters, fp32
+    reduction, forward inputs not cast; units over the embedding, each block, and the final norm with the
+    output layer (kept gathered after the forward), then the root; no gradient division (its trainer
+    divides the loss); and the explicit prefetching it sets when EP is on (its host syncs, one a layer,
+    would stall implicit prefetching): each block's forward prefetches the next one's (the embedding the
+    first, the last the norm and output layer), each block's backward the previous one's (the output
+    layer the last, the first the embedding)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    dp, edp = dims.get_mesh(["fsdp"]), dims.get_mesh(["efsdp"])
+    blocks = list(model.layers.values())
+    fully_shard(model.tok_embeddings, mesh=dp, mp_policy=policy, reshard_after_forward=True)
+    for block in blocks:
+        fully_shard(block.moe.routed_experts.inner_experts, mesh=edp, mp_policy=policy, reshard_after_forward=True)
+        fully_shard(block, mesh=dp, mp_policy=policy, reshard_after_forward=True)
+    fully_shard([model.norm, model.lm_head], mesh=dp, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mesh=dp, mp_policy=policy)
+    disable_fsdp_gradient_division(model)
+    model.tok_embeddings.set_modules_to_forward_prefetch([blocks[0]])
+    for block, following in zip(blocks, [*blocks[1:], None]):
+        block.set_modules_to_forward_prefetch([following] if following is not None else [model.norm, model.lm_head])
+    model.lm_head.set_modules_to_backward_prefetch([blocks[-1]])
+    for block, previous in zip(reversed(blocks), [*reversed(blocks[:-1]), None]):
+        block.set_modules_to_backward_prefetch([previous] if previous is not None else [model.tok_embeddings])
+
+
 def report(result: dict) -> None:
-    from benchmarks.gpu_throughput import print_profiles
+    from benchmarks.gpu_throughput import print_memory, print_profiles
 
     compiled = f"compiled per block ({result['compile']})" if result["compile"] else "eager"
     compiled += ", loss compiled" if result.get("compile_loss") else ""
@@ -348,17 +457,20 @@ def report(result: dict) -> None:
             f"{side:12}{row['median_s']:>10.4f}{row['tokens_per_s']:>12.0f}{mfu:>8}{row['peak_bytes'] / 2**30:>12.2f}"
         )
     print(f"throughput ratio shardlang / torchtitan: {result['throughput_ratio']:.4f}")
+    first = result.get("first_loss", {})
+    print("loss of the first step (rank 0): " + ", ".join(f"{side} {loss:.5f}" for side, loss in first.items()))
     peak = f"{result['peak_ratio']:.4f}" if result["peak_ratio"] is not None else "- (not measured)"
     print(f"peak memory ratio shardlang / torchtitan: {peak}")
     counts = result["counts"]
     if result["counts_identical"]:
-        print(f"collectives of one forward+backward: identical on every rank: {counts['shardlang']}")
+        print(f"collectives of one forward+backward: identical on every rank: {kinds(counts['shardlang'])}")
     else:
         print("collectives of one forward+backward: DIFFERENT")
         for rank, seen in enumerate(result["counts_per_rank"]):
             print(f"  rank {rank}: shardlang {seen['shardlang']}")
             print(f"  rank {rank}: torchtitan {seen['torchtitan']}")
     print_profiles(result.get("profile", {}))
+    print_memory(result.get("memory", {}))
     print("RESULT " + json.dumps(result))
 
 

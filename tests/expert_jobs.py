@@ -283,3 +283,62 @@ def placements_of_a_member_dropped_on_rank_0() -> tuple[str, str]:
         del applied.model.get_submodule("encoder.block.0.layer.1.mlp.experts")._modules["expert_0"]
     outcome = placements.run(Context(plan, applied, model_file), None)
     return outcome.status, outcome.message
+
+
+class CountedExperts(torch.nn.Module):
+    """Experts in torchtitan's convention, in plain torch (no torchtitan needed): weights stacked by expert
+    (`w1` [experts, width, hidden], `w2` [experts, hidden, width]), `num_experts`, and a forward that takes
+    the rows already grouped by expert with each expert's count, `forward(x [rows, hidden], counts
+    [experts])`, as torchtitan's GroupedExperts does with a grouped matmul; a loop here, float64."""
+
+    def __init__(self, experts: int = 4, hidden: int = 8, width: int = 6):
+        super().__init__()
+        torch.manual_seed(0)
+        self.num_experts = experts
+        self.w1 = torch.nn.Parameter(torch.randn(experts, width, hidden, dtype=torch.float64) * 0.3)
+        self.w2 = torch.nn.Parameter(torch.randn(experts, hidden, width, dtype=torch.float64) * 0.3)
+
+    def forward(self, x, counts):
+        assert counts.shape == (self.w1.shape[0],), counts.shape  # each rank's own experts only
+        chunks = x.split(counts.tolist())
+        return torch.cat([torch.tanh(c @ w1.T) @ w2.T for c, w1, w2 in zip(chunks, self.w1, self.w2)])
+
+
+def _grouped_rows(tokens: int, seed: int, experts: int = 4, only_first_rank: bool = False):
+    """(rows grouped by expert, each expert's count, upstream gradient): `tokens` x top-2 rows, as
+    torchtitan's dispatcher sorts them."""
+    g = torch.Generator().manual_seed(200 + seed)
+    choice = torch.randint(0, experts // 2 if only_first_rank else experts, (tokens * 2,), generator=g)
+    counts = torch.bincount(choice, minlength=experts)
+    rows = torch.randn(tokens * 2, 8, generator=g, dtype=torch.float64)
+    rows = rows[torch.argsort(choice, stable=True)].requires_grad_()
+    return rows, counts, torch.randn(tokens * 2, 8, generator=g, dtype=torch.float64)
+
+
+def counted_ep_matches_whole_experts(shared: bool, tokens: int = 5, only_first_rank: bool = False):
+    """Experts that take their rows grouped by expert with the counts (CountedExperts), split over ep = the
+    world: each rank's rows (its own, or its slice of rows every rank holds alike) go to the ranks holding
+    their experts and back. The output, the rows' gradient and this rank's experts' gradients (summed over
+    every rank's rows) equal the whole experts'. The largest difference of each."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    whole = CountedExperts()
+    split = parallelize_module(CountedExperts(), mesh, ExpertParallel(shared_batch=shared))
+    assert split.num_experts == 4 and split.w1.to_local().shape[0] == 4 // world
+    sources = [0] if shared else range(world)
+    rows, counts, upstream = _grouped_rows(tokens + (0 if shared else rank), 0 if shared else rank, 4, only_first_rank)
+    out = split(rows, counts)
+    (out * upstream).sum().backward()
+    errors = {"output": 0.0, "rows_grad": 0.0}
+    for source in sources:
+        r, c, u = _grouped_rows(tokens + (0 if shared else source), source, 4, only_first_rank)
+        o = whole(r, c)
+        (o * u).sum().backward()
+        if source == (0 if shared else rank):
+            errors = {"output": (out - o).abs().max().item(), "rows_grad": (rows.grad - r.grad).abs().max().item()}
+    per_rank = 4 // world
+    for name in ("w1", "w2"):
+        block = getattr(whole, name).grad[rank * per_rank : (rank + 1) * per_rank]
+        error = (getattr(split, name).grad.to_local() - block).abs().max().item()
+        errors["experts_grad"] = max(errors.get("experts_grad", 0.0), error)
+    return errors

@@ -1,6 +1,6 @@
-"""benchmarks/titan_compare.py (shardlang against torchtitan on torchtitan's own Llama3): its command line
-without GPUs, and its fsdp dry run on two CPU workers, which prints the table and a RESULT line with the
-same collectives on both sides."""
+"""benchmarks/titan_compare.py (shardlang against torchtitan on torchtitan's own Llama3 and Qwen3-MoE): its
+command line without GPUs, and its fsdp and ep dry runs on two CPU workers, which print the table and a
+RESULT line with the same collectives on both sides."""
 
 import json
 import os
@@ -21,9 +21,8 @@ def test_help_needs_no_gpu_and_no_torchtitan(capsys):
     assert "--config" in capsys.readouterr().out
 
 
-@pytest.mark.distributed
-def test_fsdp_dry_run_prints_the_table_and_identical_collectives():
-    pytest.importorskip("torchtitan", reason="torchtitan is not installed: pip install -e '.[titan]'")
+def _dry_run(config: str) -> tuple[list[str], dict]:
+    """`titan_compare.py --config CONFIG --dry-run` on two CPU workers: its printed lines and RESULT."""
     from shardlang.launch.workers import free_port
 
     command = [
@@ -38,7 +37,7 @@ def test_fsdp_dry_run_prints_the_table_and_identical_collectives():
         str(free_port()),
         "benchmarks/titan_compare.py",
         "--config",
-        "fsdp",
+        config,
         "--dry-run",
         "--steps",
         "2",
@@ -49,10 +48,16 @@ def test_fsdp_dry_run_prints_the_table_and_identical_collectives():
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     lines = done.stdout.splitlines()
-    assert lines[0].startswith("fsdp (dp 2 x tp 1), eager, tiny (dry run)"), done.stdout
+    return lines, json.loads(next(line for line in lines if line.startswith("RESULT "))[len("RESULT ") :])
+
+
+@pytest.mark.distributed
+def test_fsdp_dry_run_prints_the_table_and_identical_collectives():
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed: pip install -e '.[titan]'")
+    lines, result = _dry_run("fsdp")
+    assert lines[0].startswith("fsdp (dp 2 x tp 1), eager, tiny (dry run)"), lines
     assert [line.split()[0] for line in lines[2:4]] == ["shardlang", "torchtitan"]
     assert any(line.startswith("collectives of one forward+backward: identical on every rank") for line in lines)
-    result = json.loads(next(line for line in lines if line.startswith("RESULT "))[len("RESULT ") :])
     assert result["config"] == "fsdp" and result["world"] == 2 and result["counts_identical"]
     counts = result["counts"]
     assert counts["shardlang"] == counts["torchtitan"]
@@ -62,6 +67,21 @@ def test_fsdp_dry_run_prints_the_table_and_identical_collectives():
     )
     for side in ("shardlang", "torchtitan"):
         assert result[side]["median_s"] > 0 and result[side]["tokens_per_s"] > 0
+
+
+@pytest.mark.distributed
+def test_ep_dry_run_trains_torchtitans_moe_alike_on_both_sides():
+    """--config ep: torchtitan's Qwen3-MoE under its own EP (its all-to-all dispatcher) and under the plan's
+    expert_parallel on its grouped experts, torchtitan's model given shardlang's weights: the same loss at
+    the first step, bitwise (the same routing, the same sums), and the same collectives in kind and number
+    (per layer the counts' all-to-all and two of the rows each way, 2 layers)."""
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed: pip install -e '.[titan]'")
+    lines, result = _dry_run("ep")
+    assert lines[0].startswith("ep (dp 2 x tp 1), eager, tiny (dry run)"), lines
+    losses = result["first_loss"]
+    assert losses["shardlang"] == losses["torchtitan"], losses
+    assert result["counts_identical"], result["counts_per_rank"]
+    assert titan_compare.kinds(result["counts"]["shardlang"])["all_to_all_single"] == 2 * (1 + 2 * 2)
 
 
 @pytest.mark.distributed
@@ -85,3 +105,22 @@ def test_the_benchmarks_plans_pass_their_checks_on_the_same_model_class(pools, n
     assert report.ok and {c.check for c in report.ran} == {c.name for c in checks}, [
         (c.check, c.status, c.message) for c in report.checks
     ]
+
+
+@pytest.mark.distributed
+def test_the_moe_benchmarks_plan_passes_its_checks_on_the_same_model_class(pools):
+    """benchmarks/plans/titan_moe_ep.sl on torchtitan's Qwen3-MoE of the dry run's size (8 experts, top 2,
+    benchmarks/titan_moe_tiny.py): every check passes, the all-to-alls counted."""
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed: pip install -e '.[titan]'")
+    import shardlang
+    from shardlang.launch.job import Job, run
+
+    plan = ROOT / "benchmarks" / "plans" / "titan_moe_ep.sl"
+    checks = shardlang.load(plan).checks
+    job = Job(str(plan), {}, str(ROOT / "benchmarks" / "titan_moe_tiny.py"), None, checks)
+    report = pools(2).run(run, job)[0]
+    assert report.ok and {c.check for c in report.ran} == {c.name for c in checks}, [
+        (c.check, c.status, c.message) for c in report.checks
+    ]
+    comms = next(c for c in report.ran if c.check == "comms")
+    assert "all_to_all_single=8, alltoall_base_=2" in comms.message, comms.message

@@ -9,7 +9,7 @@ Its state dict is not its parameters: state-dict hooks rename `wqkv` to the stoc
 and merge them back on load, as torchtitan's checkpoints and HF adapter expect. The rotary table is a
 complex64 buffer of each layer's `attention.rope`.
 
-Three things differ from torchtitan's trainer, for the CPU and for torch 2.11:
+Four things differ from torchtitan's trainer, for the CPU and for torch 2.11:
 - torchtitan imports its expert-parallel kernels (`torchtitan.distributed.minimal_async_ep.kernels`) on
   every model's import path, and they `import triton`, which a CPU machine lacks. Llama3 has no experts
   and never calls them, so that one module is replaced by a stub before the import (only when triton is
@@ -17,6 +17,9 @@ Three things differ from torchtitan's trainer, for the CPU and for torch 2.11:
 - torchtitan 0.3.0 imports `torch.distributed.fsdp.DataParallelMeshDims`, which torch has from 2.12 on;
   under an older torch (the GPU machines' 2.11) a stand-in record takes its place. Only torchtitan's own
   FSDP code uses it, and this model file never calls that.
+- torchtitan's expert-parallel token dispatcher (the MoE models', examples/field/titan_qwen3_moe.py) asks
+  `torch.compiler._is_non_strict_tracing()`, which torch has from 2.12 on; under 2.11 a stand-in answers
+  False, as 2.12's does outside a non-strict export trace (nothing here is exported).
 - torchtitan builds language models with FlexAttention or varlen attention, neither of which has a CPU
   backward; this model uses torchtitan's own SDPA attention module (causal), as its Flux model does.
 
@@ -62,6 +65,9 @@ if not hasattr(_fsdp, "DataParallelMeshDims"):  # torch < 2.12 (the GPU machines
         replicate: object = None
 
     _fsdp.DataParallelMeshDims = DataParallelMeshDims
+
+if not hasattr(torch.compiler, "_is_non_strict_tracing"):  # torch < 2.12: see the docstring
+    torch.compiler._is_non_strict_tracing = lambda: False
 
 import torchtitan.models.llama3 as llama3  # noqa: E402
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm  # noqa: E402

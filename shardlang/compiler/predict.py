@@ -130,6 +130,21 @@ def stacked_experts(module: nn.Module) -> int | None:
     return count if count is not None and any(p.dim() >= 3 and p.shape[0] == count for p in own) else None
 
 
+def takes_expert_counts(module: nn.Module) -> bool:
+    """Whether a stacked-experts module's forward takes its rows already grouped by expert and each expert's
+    count, torchtitan's grouped experts (`forward(x [rows, dim], num_tokens_per_expert [experts])`, two
+    required arguments), rather than every token with its routing, transformers' (`forward(hidden_states,
+    top_k_index, top_k_weights)`)."""
+    import inspect  # (here: `compile --emit python` pastes this function)
+
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return len([p for p in parameters if p.kind in positional and p.default is inspect.Parameter.empty]) == 2
+
+
 def expert_members(module: nn.Module) -> tuple[str, ...] | None:
     """The keys, in order, of a ModuleList's or ModuleDict's experts: two or more members of one class, each
     holding parameters (transformers' SwitchTransformers experts, a model's own `nn.ModuleList` of MLPs).

@@ -4,7 +4,10 @@ every token goes to the rank holding the expert its router chose and comes back 
 It works on the experts module every MoE family of transformers 5 shares (Mixtral, Qwen2/3-MoE, OLMoE,
 DeepSeek-V2/V3, gpt-oss, ...): one module holding every expert's weights stacked along dim 0, with
 `num_experts` and `forward(hidden_states [tokens, hidden], top_k_index [tokens, k], top_k_weights
-[tokens, k]) -> [tokens, hidden]`. The router, outside it, stays whole on every rank.
+[tokens, k]) -> [tokens, hidden]`; on torchtitan's grouped experts, whose forward takes the rows already
+grouped by expert and each expert's count (`forward(x [rows, dim], num_tokens_per_expert [experts])`, the
+routing weights applied by its token dispatcher outside); and on experts held as the members of a
+ModuleList or ModuleDict. The router, outside it, stays whole on every rank.
 
 On each rank the module's own forward computes its experts (whatever implementation transformers picked:
 a loop, a grouped matmul), on the rows it received, with its shard of the weights and a weight of one; the
@@ -21,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from ..compiler.predict import expert_members, expert_tensors, expert_tp_layout, stacked_experts
+from ..compiler.predict import expert_members, expert_tensors, expert_tp_layout, stacked_experts, takes_expert_counts
 from .torchcompat import all_to_all_autograd, is_fake, strided_shard_class
 from .tpstyles import SumGradOver
 
@@ -61,9 +64,14 @@ class ExpertParallel(ParallelStyle):
             param = module._parameters[name]
             sharded = distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
-        forward = _expert_parallel_forward(module.forward, experts, device_mesh)
-        if self.shared_batch:
-            forward = _one_slice_each(forward, device_mesh)
+        if takes_expert_counts(module):
+            forward = _counted_expert_parallel_forward(module.forward, experts, device_mesh)
+            if self.shared_batch:
+                forward = _one_counted_slice_each(forward, device_mesh)
+        else:
+            forward = _expert_parallel_forward(module.forward, experts, device_mesh)
+            if self.shared_batch:
+                forward = _one_slice_each(forward, device_mesh)
         module.forward = types.MethodType(forward, module)
         return module
 
@@ -142,17 +150,36 @@ def _member_expert_parallel_forward(mine, experts, mesh):
         rows = all_to_all_autograd(hidden_states[token_of[:sent]], receive_sizes, send_sizes, group)
         # The rows arrive rank by rank, each rank's by expert: grouped by expert, each member runs its own
         # (every member runs, on no rows too, so that each has a gradient, zero where no token came).
-        expert_of = torch.arange(per_rank, device=device).repeat(ep)
-        expert_of = expert_of.repeat_interleave(received_counts, output_size=rows.shape[0])
-        by_expert = torch.argsort(expert_of, stable=True)
+        by_expert = _expert_major(received_counts, per_rank, ep, rows.shape[0])
         sizes = [sum(receive[r * per_rank + e] for r in range(ep)) for e in range(per_rank)]
         chunks = rows[by_expert].split(sizes)
         computed = torch.cat([self._modules[key](chunk) for key, chunk in zip(mine, chunks)])
-        out = torch.empty_like(computed).index_copy(0, by_expert, computed)
+        out = _in_arrival_order(computed, by_expert)
         sizes = (send_sizes, receive_sizes)
         return _bring_back(out, hidden_states, routing_weights, order[:sent], token_of[:sent], sizes, group)
 
     return forward
+
+
+def _expert_major(received_counts, per_rank: int, ep: int, rows: int):
+    """The order that regroups `rows` received rows by local expert: they arrive rank by rank, each rank's
+    by expert (`received_counts` [ep x per_rank], rank-major, how many rows of each of this rank's experts
+    each rank sent); a stable sort keeps each expert's rows in rank order."""
+    import torch
+
+    expert_of = torch.arange(per_rank, device=received_counts.device).repeat(ep)
+    expert_of = expert_of.repeat_interleave(received_counts, output_size=rows)
+    return torch.argsort(expert_of, stable=True)
+
+
+def _in_arrival_order(rows, by_expert):
+    """`rows`, computed in the order `by_expert` (_expert_major) gave them, put back in the order they
+    arrived. An index assignment into a fresh tensor, whose backward keeps only the index: `index_copy`'s
+    would keep `rows` themselves alive until the backward (its gradient formula reads their shape from the
+    tensor), a [rows, hidden] activation a layer that nothing needs (benchmarks/RESULTS.md)."""
+    out = rows.new_empty(rows.shape)
+    out[by_expert] = rows
+    return out
 
 
 def _one_slice_each(forward, mesh):
@@ -233,7 +260,6 @@ def _expert_parallel_forward(local_forward, experts, mesh):
     def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
         import torch
         import torch.distributed as dist
-        from torch.distributed.tensor import DTensor
 
         tokens, k = top_k_index.shape
         chosen = top_k_index.reshape(-1)
@@ -256,29 +282,102 @@ def _expert_parallel_forward(local_forward, experts, mesh):
             received_index = local_index.new_empty(sum(receive_sizes))
             dist.all_to_all_single(received_index, local_index, receive_sizes, send_sizes, group=group)
         rows = all_to_all_autograd(hidden_states[token_of], receive_sizes, send_sizes, group)
-        # This rank's experts on the rows it received, through the module's own forward: local weights,
-        # local expert numbers, each row its one expert with weight one.
-        kept = {name: p for name, p in self._parameters.items() if isinstance(p, DTensor)}
-        count = getattr(self, "num_experts", None)
-        local = dict(zip(kept, LocalViews.apply(*kept.values()))) if kept else {}
-        try:
-            self._parameters.update(local)
-            if count is not None:
-                self.num_experts = per_rank
-            ones = torch.ones(received_index.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
-            out = local_forward(rows, received_index[:, None], ones, *args, **kwargs)
-        finally:
-            self._parameters.update(kept)
-            if count is not None:
-                self.num_experts = count
-        if not rows.shape[0] and torch.is_grad_enabled():
-            # No row came here (no expert of this rank was chosen): the backward must still run both
-            # all-to-alls on this rank, as on every other, and give its experts a zero gradient, not none (which
-            # FSDP and DDP would reduce with the other ranks' real ones).
-            out = out + rows * 0 + sum(p.sum() * 0 for p in local.values() if p.requires_grad)
+        # This rank's experts on the rows it received, through the module's own forward: local expert
+        # numbers, each row its one expert with weight one.
+        ones = torch.ones(received_index.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
+        out = _on_local_experts(self, per_rank, rows, local_forward, received_index[:, None], ones, *args, **kwargs)
         return _bring_back(out, hidden_states, top_k_weights, order, token_of, (send_sizes, receive_sizes), group)
 
     return forward
+
+
+def _on_local_experts(module, per_rank: int, rows, local_forward, *args, **kwargs):
+    """The module's own forward (`local_forward`, bound) on `rows` (and the rest of its arguments) with its
+    shard of the experts: its DTensor parameters swapped for their local tensors (one LocalViews node) and
+    its `num_experts`, if it has one, for `per_rank` while it runs."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    kept = {name: p for name, p in module._parameters.items() if isinstance(p, DTensor)}
+    count = getattr(module, "num_experts", None)
+    local = dict(zip(kept, LocalViews.apply(*kept.values()))) if kept else {}
+    try:
+        module._parameters.update(local)
+        if count is not None:
+            module.num_experts = per_rank
+        out = local_forward(rows, *args, **kwargs)
+    finally:
+        module._parameters.update(kept)
+        if count is not None:
+            module.num_experts = count
+    if not rows.shape[0] and torch.is_grad_enabled():
+        # No row came here (no expert of this rank was chosen): the backward must still run both all-to-alls
+        # on this rank, as on every other, and give its experts a zero gradient, not none (which FSDP and DDP
+        # would reduce with the other ranks' real ones).
+        out = out + rows.sum() * 0 + sum(p.sum() * 0 for p in local.values() if p.requires_grad)
+    return out
+
+
+def _counted_expert_parallel_forward(local_forward, experts, mesh):
+    """The forward of an expert-parallel module that takes its rows already grouped by expert and each
+    expert's count (torchtitan's grouped experts): forward(rows [rows, dim], counts [experts]) -> [rows, dim],
+    in the order the rows came. Grouped by expert, the rows are grouped by the rank holding it: after an
+    all-to-all of the counts, one all-to-all sends each rank its experts' rows; they are regrouped there by
+    local expert, computed by the module's own forward on its shard and sent back in the order they left.
+    Weighting by the router and the sum into each token stay with the caller (torchtitan's dispatcher)."""
+
+    group, ep = mesh.get_group(), mesh.size()
+    per_rank = experts // ep
+    rank = mesh.get_local_rank()
+
+    def forward(self, rows, counts, *args, **kwargs):
+        import torch
+        import torch.distributed as dist
+
+        if counts.dim() != 1 or counts.shape[0] != experts:
+            raise ValueError(
+                f"expert_parallel: the experts' forward took rows grouped by expert and their counts, which must "
+                f"be one per expert ({experts}); it was given counts of shape {list(counts.shape)}"
+            )
+        if is_fake(rows):
+            # A simulated step has no routing to read: as many rows to every expert (uniform routing).
+            n = rows.shape[0]
+            send = [n // experts + (e < n % experts) for e in range(experts)]
+            receive = [send[rank * per_rank + e] for _ in range(ep) for e in range(per_rank)]
+            received_counts = torch.tensor(receive, device=rows.device)
+        else:
+            received_counts = torch.empty_like(counts)
+            dist.all_to_all_single(received_counts, counts, group=group)
+            send, receive = torch.stack([counts, received_counts]).tolist()  # the layer's one host sync
+        send_sizes = [sum(send[r * per_rank : (r + 1) * per_rank]) for r in range(ep)]
+        receive_sizes = [sum(receive[r * per_rank : (r + 1) * per_rank]) for r in range(ep)]
+        arrived = all_to_all_autograd(rows, receive_sizes, send_sizes, group)
+        by_expert = _expert_major(received_counts, per_rank, ep, arrived.shape[0])
+        local_counts = received_counts.view(ep, per_rank).sum(0)
+        out = _on_local_experts(self, per_rank, arrived[by_expert], local_forward, local_counts, *args, **kwargs)
+        out = _in_arrival_order(out, by_expert)
+        return all_to_all_autograd(out, send_sizes, receive_sizes, group)
+
+    return forward
+
+
+def _one_counted_slice_each(forward, mesh):
+    """`forward` (rows grouped by expert, each expert's count) on this rank's contiguous slice of rows that
+    every rank of `mesh` holds alike, with the counts of that slice; the outputs gathered back whole on
+    every rank, as _one_slice_each does for experts given their routing."""
+
+    group, ranks, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+
+    def shared(self, rows, counts, *args, **kwargs):
+        sizes = _row_sizes(rows.shape[0], ranks)
+        start = sum(sizes[:rank])
+        (mine,) = RowSlice.apply(sizes, rank, group, rows)
+        ends = counts.cumsum(0)  # expert e's rows are [ends[e] - counts[e], ends[e])
+        overlap = ends.clamp(max=start + sizes[rank]) - (ends - counts).clamp(min=start)
+        out = forward(self, mine, overlap.clamp(min=0), *args, **kwargs)
+        return RowGather.apply(out, sizes, rank, group)
+
+    return shared
 
 
 def _bring_back(out, hidden_states, routing_weights, order, token_of, sizes, group):

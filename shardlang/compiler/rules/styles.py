@@ -82,10 +82,12 @@ def _misfit(style: ir.Style, module: nn.Module, tp: int) -> str | None:
         members = expert_members(module)
         experts = stacked_experts(module) if members is None else len(members)
         if experts is None:
+            below = next((name for name, m in module.named_modules() if name and stacked_experts(m)), None)
+            hint = f"; its submodule '{below}' holds stacked experts: give it the rule" if below else ""
             return (
                 "expert_parallel splits a module holding every expert's weights stacked on dim 0 (transformers' "
-                "experts: gate_up_proj [experts, ...]) or an nn.ModuleList/ModuleDict of experts of one class; "
-                "a router stays whole on every rank"
+                "experts: gate_up_proj [experts, ...]; torchtitan's grouped experts: w1 [experts, ...]) or an "
+                f"nn.ModuleList/ModuleDict of experts of one class; a router stays whole on every rank{hint}"
             )
         if experts % tp:
             return f"its {experts} experts do not split evenly over {tp} ranks"

@@ -1,0 +1,51 @@
+"""Expert parallelism on experts that take their rows grouped by expert with each expert's count
+(torchtitan's grouped experts, issue 27): the runtime on a plain-torch module of that convention, which
+needs neither transformers nor torchtitan; torchtitan's own Qwen3-MoE runs under plans/field/ and
+benchmarks/titan_compare.py --config ep."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardlang.compiler.predict import stacked_experts, takes_expert_counts
+
+from . import expert_jobs
+
+
+def test_the_counted_convention_is_told_from_the_routed_one():
+    """Two required arguments (rows, counts) is torchtitan's convention; transformers' experts take three
+    (hidden_states, top_k_index, top_k_weights), and a module whose forward takes more optional ones still
+    counts only what it needs."""
+
+    class Routed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.num_experts = 4
+            self.w = torch.nn.Parameter(torch.zeros(4, 2, 2))
+
+        def forward(self, hidden_states, top_k_index, top_k_weights, scale=None):
+            return hidden_states
+
+    counted = expert_jobs.CountedExperts()
+    assert stacked_experts(counted) == 4 and takes_expert_counts(counted)
+    assert stacked_experts(Routed()) == 4 and not takes_expert_counts(Routed())
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("shared", [False, True], ids=["own-rows", "shared-rows"])
+def test_counted_experts_split_over_ep_equal_whole_ones(pools, world, shared):
+    """Each rank's rows (its own, 5 + rank tokens x top 2; or a slice of 5 x 2 rows every rank holds alike,
+    uneven at world 4) go to their experts' ranks and back in order: the output, the rows' gradient and
+    each rank's experts' gradients equal the whole experts', to float64 rounding."""
+    for errors in pools(world).run(expert_jobs.counted_ep_matches_whole_experts, shared):
+        assert max(errors.values()) < 1e-12, errors
+
+
+@pytest.mark.distributed
+def test_counted_experts_on_a_rank_that_receives_no_row(pools):
+    """Every row goes to the experts of rank 0: rank 1 computes on no rows, still takes part in both
+    all-to-alls, and its experts get a zero gradient."""
+    for errors in pools(2).run(expert_jobs.counted_ep_matches_whole_experts, False, 5, True):
+        assert max(errors.values()) < 1e-12, errors
