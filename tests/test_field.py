@@ -1,9 +1,10 @@
-"""The field bed (issue 23): verdicts on model code nobody on the team wrote. Eight transformers families
-beyond examples/ and torchtitan's own Llama3 (examples/field/), each with a correct plan (plans/field/,
-which must pass every check) and a planted mistake a user would make (tests/fixtures/field/, which must
-fail naming the module its header names). The correct plans are applied by tests/test_apply_cli.py's
-every-plan test, with the marks FIELD_PLANS gives them here; this file applies the planted ones.
-Skipped without the extras: pip install -e '.[hf]' (transformers), '.[titan]' (torchtitan)."""
+"""The field bed (issue 23): verdicts on model code nobody on the team wrote. Eight transformers
+families beyond examples/, and torchtitan's own Llama3 and Qwen3-MoE (examples/field/), each with a
+correct plan (plans/field/, which must pass every check) and a planted mistake a user would make
+(tests/fixtures/field/, which must fail naming the module its header names). The correct plans are
+applied by tests/test_apply_cli.py's every-plan test, with the marks FIELD_PLANS gives them here; this
+file applies the planted ones. Skipped without the extras: pip install -e '.[hf]' (transformers),
+'.[titan]' (torchtitan)."""
 
 from __future__ import annotations
 
@@ -58,11 +59,12 @@ PLANTED_PLANS = [
 
 
 def test_the_bed_covers_what_issue_23_asks_for():
-    """At least eight transformers families beyond examples/ and torchtitan's Llama3, each with a correct
-    plan and a planted mistake naming a module, and nothing in examples/field/ without a plan."""
+    """At least eight transformers families beyond examples/, and torchtitan's Llama3 and Qwen3-MoE, each with
+    a correct plan and a planted mistake naming a module, and nothing in examples/field/ without a plan."""
     found = cases()
     families = {c.family for c in found}
-    assert "titan_llama3" in families and len(families - {"titan_llama3"}) >= 8
+    assert {"titan_llama3", "titan_qwen3_moe"} <= families
+    assert len({f for f in families if not f.startswith("titan")}) >= 8
     assert {c.family for c in found if c.module is None} == {c.family for c in found if c.module is not None}
     models = {p.stem for p in (ROOT / "examples" / "field").glob("*.py")} - {"common"}
     assert models == families
