@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Sequence
 
@@ -26,8 +27,16 @@ COMMANDS: dict[str, Callable[..., int]] = {
 }
 
 
+@functools.cache
+def _parser():
+    """The command line's parser, built once a process: building it is most of what a quick command costs
+    (argparse formats every flag as it is added), and `main` may run many times in one process (a
+    library's or a test's calls); parsing leaves it as it was."""
+    return build_parser()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    parser = _parser()
     try:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse's usage errors (2), --help and --version (0): a status, not an exit
