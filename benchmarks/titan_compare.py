@@ -28,10 +28,11 @@ run of a config on the same kind of card); report each order's median ratio and 
         torchrun --nproc-per-node 2 benchmarks/titan_compare.py --config tp_sp --order $order --compile
         torchrun --nproc-per-node 4 benchmarks/titan_compare.py --config tp_fsdp --order $order
         torchrun --nproc-per-node 4 benchmarks/titan_compare.py --config tp_fsdp --order $order --compile
+        torchrun --nproc-per-node 2 benchmarks/titan_compare.py --config ep --order $order   # 4: EP 2 x FSDP 2
     done; done
 Dry run on CPU workers (gloo) with the tiny model of the same class (benchmarks/titan_1b.py):
     torchrun --nproc-per-node 2 benchmarks/titan_compare.py --config fsdp --dry-run --steps 2 --warmup 1
-(`--config tp_sp`, `--compile` with the aot_eager backend; 4 processes for tp_fsdp).
+(`--config tp_sp`, `--config ep`, `--compile` with the aot_eager backend; 4 processes for tp_fsdp).
 
 The model: benchmarks/titan_1b.py (torchtitan's `llama3_configs["1B"]`, its own SDPA attention on both
 sides, weight tying as the 1B has it). torchtitan's side is its own code as its trainer calls it
