@@ -49,3 +49,34 @@ def test_counted_experts_on_a_rank_that_receives_no_row(pools):
     all-to-alls, and its experts get a zero gradient."""
     for errors in pools(2).run(expert_jobs.counted_ep_matches_whole_experts, False, 5, True):
         assert max(errors.values()) < 1e-12, errors
+
+
+def test_init_writes_expert_parallelism_and_the_root_initialiser_for_torchtitans_moe():
+    """`shardlang init --ep 2` on torchtitan's Qwen3-MoE, which carries no transformers ep_plan: the rule
+    goes on the modules holding stacked experts (its grouped experts), the ep ranks borrow dp, and `init
+    meta with init_states` (torchtitan initialises the model whole; plain `init meta` would leave its
+    experts uninitialised, SL209). The plan lints clean against the model at world 4."""
+    pytest.importorskip("torchtitan", reason="torchtitan is not installed: pip install -e '.[titan]'")
+    import shardlang
+    from shardlang.compiler.starter import init_plan
+    from shardlang.runtime.modelfile import load_model_file
+
+    from .conftest import ROOT
+
+    with torch.device("meta"):
+        model = load_model_file(str(ROOT / "examples" / "field" / "titan_qwen3_moe.py")).build_model()
+    text = init_plan(model, ep=2)
+    assert "mesh world = auto[dp=auto, ep=2]" in text
+    assert "    layers.*.moe.routed_experts.inner_experts : expert_parallel" in text
+    assert "fully_shard on world[dp*ep] {" in text and "init meta with init_states" in text
+    diagnostics = shardlang.loads(text).lint(model, world_size=4)
+    assert not [d for d in diagnostics if d.is_error or d.code == "SL209"], [str(d.message) for d in diagnostics]
+
+
+def test_init_without_stacked_experts_keeps_saying_why_there_is_no_ep_dim():
+    """A model with neither an ep_plan nor stacked experts: no ep dim, and the comment says both."""
+    from shardlang.compiler.starter import init_plan
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    text = init_plan(model, ep=2)
+    assert "mesh world = auto[dp=auto]" in text and "no module holds" in text and "init meta\n" in text

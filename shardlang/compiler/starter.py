@@ -11,7 +11,8 @@ from collections.abc import Mapping
 import torch.nn as nn
 
 from ..frontend.patterns import modules_matching, pattern_regex, within
-from .predict import expert_tp_layout
+from .initialisers import is_hugging_face
+from .predict import expert_tp_layout, stacked_experts
 from .trace import Order
 
 #: Hugging Face TP styles (transformers' ParallelInterface names) and the shardlang style that does the
@@ -193,6 +194,35 @@ def _ep_rules(model: nn.Module) -> list[tuple[str, str, str | None, str]]:
     return rules
 
 
+def _stacked_expert_rules(model: nn.Module, stacks: tuple[str, ...]) -> list[tuple[str, str, str | None, str]]:
+    """For a model without transformers' ep_plan (torchtitan's, a model's own): each module of a stack's
+    first block holding experts stacked on dim 0 (torchtitan's grouped experts), as `stack.*.path` rules
+    of `expert_parallel`, in _ep_rules' form; the outermost such modules only."""
+    rules = []
+    for stack in stacks:
+        first = next(iter(model.get_submodule(stack).named_children()), None)
+        if first is None:
+            continue
+        found = [n for n, m in first[1].named_modules() if n and stacked_experts(m)]
+        outermost = [n for n in found if not any(within(n, other) and n != other for other in found)]
+        rules += [(f"{stack}.*.{path}", "stacked experts", "expert_parallel", "") for path in outermost]
+    return rules
+
+
+#: The methods with which a model that is not transformers' initialises itself whole, which `init meta
+#: with` calls on the root as build_model() does (torchtitan's `init_states`, older torchtitan's and many
+#: codebases' `init_weights`), in the order they are preferred.
+ROOT_INITIALISERS = ("init_states", "init_weights")
+
+
+def root_initialiser(model: nn.Module) -> str | None:
+    """The model's own whole-model initialiser (ROOT_INITIALISERS), if it has one and is not transformers'
+    (whose `init_weights` is the per-module `_init_weights` that plain `init meta` already calls)."""
+    if is_hugging_face(model):
+        return None
+    return next((name for name in ROOT_INITIALISERS if callable(getattr(model, name, None))), None)
+
+
 def _rule_lines(rules) -> list[str]:
     """A parallelize block's body: each (key, transformers style, ours, why not) a rule, or a comment
     saying why there is none, the names aligned."""
@@ -223,6 +253,8 @@ def init_plan(
     (`attention_patterns`); the cp ranks reduce with the data-parallel ones."""
     stacks = block_stacks(model, order)
     experts = _ep_rules(model) if ep > 1 else []
+    if ep > 1 and not any(ours is not None for _, _, ours, _ in experts):
+        experts = _stacked_expert_rules(model, stacks) or experts
     keeps_ep = any(ours is not None for _, _, ours, _ in experts)
     split = [key for key, _, ours, _ in experts if ours is not None]
     rules = [(key, style, *translate(model, key, style)) for key, style in hf_tp_plan(model).items()] if tp > 1 else []
@@ -265,7 +297,9 @@ def init_plan(
     if keeps_ep:
         lines += [
             "",
-            "# Expert parallelism, from the model's own ep_plan (transformers): each layer's experts split over",
+            "# Expert parallelism, from the model's own ep_plan (transformers): each layer's experts split over"
+            if hf_tp_plan(model, "ep")
+            else "# Expert parallelism on the modules holding experts stacked on dim 0: each layer's experts split over",
             "# ep, each rank's tokens sent to their experts' ranks and back. The ep ranks train on their own data:",
             "# fully_shard below spreads over dp*ep, and the experts get their own unit over dp.",
             "parallelize on world.ep {",
@@ -274,8 +308,8 @@ def init_plan(
         ]
     elif ep > 1:
         said = (
-            f"--ep {ep} asked for, but the model carries no ep_plan with an experts module: no expert "
-            "parallelism, and so no ep dim (SL217)."
+            f"--ep {ep} asked for, but the model carries no ep_plan with an experts module and no module holds "
+            "experts stacked on dim 0: no expert parallelism, and so no ep dim (SL217)."
         )
         lines += ["", *(f"# {line}" for line in textwrap.wrap(said, 98))]
     if keeps_cp:
@@ -299,11 +333,22 @@ def init_plan(
     lines.append(f"fully_shard on world{over} {{")
     lines += [f"    each {stack}.*" for stack in stacks]
     lines += ["    mixed_precision(param=bf16, reduce=fp32)", "}"]
+    method = root_initialiser(model)
+    if method is None:
+        lines += [
+            "",
+            "# Parameters on the meta device, each shard initialised on its own rank by the model's own",
+            "# initialisers; buffers computed at construction are kept.",
+            "init meta",
+        ]
+    else:
+        lines += [
+            "",
+            f"# Parameters on the meta device, initialised on their ranks by the model's own `{method}()`, called",
+            "# on the root as a whole-model initialiser is (if build_model() initialises another way, say which).",
+            f"init meta with {method}",
+        ]
     lines += [
-        "",
-        "# Parameters on the meta device, each shard initialised on its own rank by the model's own",
-        "# initialisers; buffers computed at construction are kept.",
-        "init meta",
         "",
         "# No verify statement: apply runs all six checks.",
         "",
