@@ -102,7 +102,12 @@ def vocab_parallel(module: nn.Module, mesh: DeviceMesh) -> None:
 def flops_per_token(tiny: bool = False) -> float:
     """Training FLOPs per token as torchtitan's trainer counts them for MFU (its
     `get_nparams_and_flops`: 6 per parameter-token, the tied embedding counted once, plus attention)."""
-    config = configure(tiny)
+    return titan_flops_per_token(configure(tiny), seq(tiny))
+
+
+def titan_flops_per_token(config, seq_len: int) -> float:
+    """What torchtitan's trainer counts for MFU of a model of `config` at `seq_len` tokens a sequence: its
+    config's own `get_nparams_and_flops`, on the model built on the meta device."""
     with torch.device("meta"):
         model = config.build()
-    return float(config.get_nparams_and_flops(model, seq(tiny))[1])
+    return float(config.get_nparams_and_flops(model, seq_len)[1])

@@ -199,7 +199,7 @@ def main(argv=None) -> None:
 
     def build_titan():
         torch.manual_seed(0)
-        return titan(config, args, world, tp, backend, device, compiled=args.compile and not args.titan_eager)
+        return titan(source, config, args, world, tp, backend, device, compiled=args.compile and not args.titan_eager)
 
     built = {}
     for side in ("shardlang", "torchtitan") if args.order == "shardlang-first" else ("torchtitan", "shardlang"):
@@ -345,10 +345,10 @@ def kinds(counts: dict[str, int]) -> dict[str, int]:
     return merged
 
 
-def titan(config, args, world: int, tp: int, backend: str, device, compiled: bool):
-    """torchtitan's side: its own ParallelDims and parallelize_llama (parallelize_qwen3 for --config ep, with
-    expert_parallel_degree EP), as its trainer calls them, then `to_empty` on the device and its own
-    initialisation (see the docstring)."""
+def titan(source, config, args, world: int, tp: int, backend: str, device, compiled: bool):
+    """torchtitan's side, of `source`'s model (benchmarks/titan_1b or titan_moe) built from `config`: its own
+    ParallelDims and parallelize_llama (parallelize_qwen3 for the MoE, with expert_parallel_degree EP), as
+    its trainer calls them, then `to_empty` on the device and its own initialisation (see the docstring)."""
     import torch
     import torchtitan.distributed.parallel_dims as parallel_dims
     from torch.distributed.fsdp import FSDPModule
@@ -356,9 +356,9 @@ def titan(config, args, world: int, tp: int, backend: str, device, compiled: boo
     from torchtitan.models.llama3.parallelize import parallelize_llama
     from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 
-    from benchmarks import titan_1b, titan_moe
+    from benchmarks import titan_moe
 
-    moe = args.config == "ep"
+    moe = source is titan_moe
     if device.type == "cpu":  # dry run: torchtitan's device_type is "cuda" wherever no accelerator is found
         parallel_dims.device_type = "cpu"
     parallelism = ParallelismConfig(
@@ -370,7 +370,7 @@ def titan(config, args, world: int, tp: int, backend: str, device, compiled: boo
     )
     training = TrainingConfig(
         local_batch_size=args.batch,
-        seq_len=(titan_moe if moe else titan_1b).seq(args.dry_run),
+        seq_len=source.seq(args.dry_run),
         mixed_precision_param="bfloat16",
         mixed_precision_reduce="float32",
     )

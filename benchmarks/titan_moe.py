@@ -29,6 +29,8 @@ from examples.field import titan_qwen3_moe as field  # first: torchtitan's stand
 # isort: split
 from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
+from benchmarks.titan_1b import titan_flops_per_token
+
 SEQ, VOCAB = 2048, 32000
 SIZE = dict(layers=16, dim=1024, heads=16, kv_heads=8, head_dim=64, experts=8, expert_width=2816, top_k=2)
 
@@ -68,7 +70,4 @@ loss = field.loss
 def flops_per_token(tiny: bool = False) -> float:
     """Training FLOPs per token as torchtitan's trainer counts them for MFU (its `get_nparams_and_flops`
     for MoE models: the active parameters, the top-k experts, plus attention)."""
-    config = configure(tiny)
-    with torch.device("meta"):
-        model = config.build()
-    return float(config.get_nparams_and_flops(model, seq(tiny))[1])
+    return titan_flops_per_token(configure(tiny), seq(tiny))

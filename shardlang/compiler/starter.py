@@ -124,12 +124,7 @@ def attention_patterns(model: nn.Module, stacks: tuple[str, ...]) -> tuple[tuple
             "scaled_dot_product_attention (build it with attn_implementation='sdpa')"
         )
     patterns = []
-    for stack in stacks:
-        first = next(iter(model.get_submodule(stack).named_children()), None)
-        if first is None:
-            continue
-        found = [n for n, m in first[1].named_modules() if n and type(m).__name__.endswith("Attention")]
-        outermost = [n for n in found if not any(within(n, other) and n != other for other in found)]
+    for stack, outermost in _outermost_in_first_blocks(model, stacks, lambda m: type(m).__name__.endswith("Attention")):
         patterns += [f"{stack}.*.{path}" for path in outermost[:1]]
     if not patterns:
         return (), "no block of the model holds a module whose class name ends in Attention"
@@ -198,15 +193,24 @@ def _stacked_expert_rules(model: nn.Module, stacks: tuple[str, ...]) -> list[tup
     """For a model without transformers' ep_plan (torchtitan's, a model's own): each module of a stack's
     first block holding experts stacked on dim 0 (torchtitan's grouped experts), as `stack.*.path` rules
     of `expert_parallel`, in _ep_rules' form; the outermost such modules only."""
-    rules = []
+    return [
+        (f"{stack}.*.{path}", "stacked experts", "expert_parallel", "")
+        for stack, outermost in _outermost_in_first_blocks(model, stacks, stacked_experts)
+        for path in outermost
+    ]
+
+
+def _outermost_in_first_blocks(model: nn.Module, stacks: tuple[str, ...], matches) -> list[tuple[str, list[str]]]:
+    """For each stack with a block, (stack, the paths inside its first block of the outermost modules that
+    `matches`, in module order): what a `stack.*.path` pattern names in every block."""
+    found_in = []
     for stack in stacks:
         first = next(iter(model.get_submodule(stack).named_children()), None)
         if first is None:
             continue
-        found = [n for n, m in first[1].named_modules() if n and stacked_experts(m)]
-        outermost = [n for n in found if not any(within(n, other) and n != other for other in found)]
-        rules += [(f"{stack}.*.{path}", "stacked experts", "expert_parallel", "") for path in outermost]
-    return rules
+        found = [n for n, m in first[1].named_modules() if n and matches(m)]
+        found_in.append((stack, [n for n in found if not any(within(n, other) and n != other for other in found)]))
+    return found_in
 
 
 #: The methods with which a model that is not transformers' initialises itself whole, which `init meta
@@ -253,7 +257,8 @@ def init_plan(
     (`attention_patterns`); the cp ranks reduce with the data-parallel ones."""
     stacks = block_stacks(model, order)
     experts = _ep_rules(model) if ep > 1 else []
-    if ep > 1 and not any(ours is not None for _, _, ours, _ in experts):
+    from_ep_plan = any(ours is not None for _, _, ours, _ in experts)
+    if ep > 1 and not from_ep_plan:
         experts = _stacked_expert_rules(model, stacks) or experts
     keeps_ep = any(ours is not None for _, _, ours, _ in experts)
     split = [key for key, _, ours, _ in experts if ours is not None]
@@ -298,7 +303,7 @@ def init_plan(
         lines += [
             "",
             "# Expert parallelism, from the model's own ep_plan (transformers): each layer's experts split over"
-            if hf_tp_plan(model, "ep")
+            if from_ep_plan
             else "# Expert parallelism on the modules holding experts stacked on dim 0: each layer's experts split over",
             "# ep, each rank's tokens sent to their experts' ranks and back. The ep ranks train on their own data:",
             "# fully_shard below spreads over dp*ep, and the experts get their own unit over dp.",

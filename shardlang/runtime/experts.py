@@ -123,7 +123,6 @@ def _member_expert_parallel_forward(mine, experts, mesh):
 
     def forward(self, hidden_states, routing, routing_weights, *args, **kwargs):
         import torch
-        import torch.distributed as dist
 
         index, goes = _routing_choices(routing, experts)
         tokens, k = index.shape
@@ -132,20 +131,11 @@ def _member_expert_parallel_forward(mine, experts, mesh):
         chosen = torch.where(goes, index, experts).reshape(-1)
         order = torch.argsort(chosen, stable=True)
         token_of = torch.arange(tokens, device=device).repeat_interleave(k)[order]
-        if is_fake(hidden_states):
-            # A simulated step has no routing to read: as many pairs to every expert (uniform routing).
-            counts = [tokens * k // experts + (e < tokens * k % experts) for e in range(experts)]
-            send = counts
-            receive = [counts[rank * per_rank + e] for _ in range(ep) for e in range(per_rank)]
-            received_counts = torch.tensor(receive, device=device)
-        else:
-            # how many rows of each of this rank's experts every rank sends
-            sent_counts = torch.bincount(chosen, minlength=experts + 1)[:experts]
-            received_counts = torch.empty_like(sent_counts)
-            dist.all_to_all_single(received_counts, sent_counts, group=group)
-            send, receive = torch.stack([sent_counts, received_counts]).tolist()  # the layer's one host sync
-        send_sizes = [sum(send[r * per_rank : (r + 1) * per_rank]) for r in range(ep)]
-        receive_sizes = [sum(receive[r * per_rank : (r + 1) * per_rank]) for r in range(ep)]
+        # how many pairs of each expert this rank sends (none to read in a simulated step)
+        sent_counts = None if is_fake(hidden_states) else torch.bincount(chosen, minlength=experts + 1)[:experts]
+        received_counts, receive, send_sizes, receive_sizes = _exchange_counts(
+            sent_counts, tokens * k, experts, rank, ep, group, device
+        )
         sent = sum(send_sizes)
         rows = all_to_all_autograd(hidden_states[token_of[:sent]], receive_sizes, send_sizes, group)
         # The rows arrive rank by rank, each rank's by expert: grouped by expert, each member runs its own
@@ -159,6 +149,29 @@ def _member_expert_parallel_forward(mine, experts, mesh):
         return _bring_back(out, hidden_states, routing_weights, order[:sent], token_of[:sent], sizes, group)
 
     return forward
+
+
+def _exchange_counts(sent_counts, pairs: int, experts: int, rank: int, ep: int, group, device):
+    """How many rows of each expert this rank sends (`sent_counts` [experts], its experts in contiguous
+    blocks of experts / ep per rank) and receives of its own experts from every rank (an all-to-all, and the
+    layer's one host sync). `sent_counts` None (a simulated step, with no routing to read): its `pairs` rows
+    as evenly over the experts as they go (uniform routing). Returns the received counts [ep x per_rank,
+    rank-major] as a tensor and as a list, and the rows sent to and received from each rank."""
+    import torch
+    import torch.distributed as dist
+
+    per_rank = experts // ep
+    if sent_counts is None:
+        send = [pairs // experts + (e < pairs % experts) for e in range(experts)]
+        receive = [send[rank * per_rank + e] for _ in range(ep) for e in range(per_rank)]
+        received_counts = torch.tensor(receive, device=device)
+    else:
+        received_counts = torch.empty_like(sent_counts)
+        dist.all_to_all_single(received_counts, sent_counts, group=group)
+        send, receive = torch.stack([sent_counts, received_counts]).tolist()
+    send_sizes = [sum(send[r * per_rank : (r + 1) * per_rank]) for r in range(ep)]
+    receive_sizes = [sum(receive[r * per_rank : (r + 1) * per_rank]) for r in range(ep)]
+    return received_counts, receive, send_sizes, receive_sizes
 
 
 def _expert_major(received_counts, per_rank: int, ep: int, rows: int):
@@ -331,26 +344,14 @@ def _counted_expert_parallel_forward(local_forward, experts, mesh):
     rank = mesh.get_local_rank()
 
     def forward(self, rows, counts, *args, **kwargs):
-        import torch
-        import torch.distributed as dist
-
         if counts.dim() != 1 or counts.shape[0] != experts:
             raise ValueError(
                 f"expert_parallel: the experts' forward took rows grouped by expert and their counts, which must "
                 f"be one per expert ({experts}); it was given counts of shape {list(counts.shape)}"
             )
-        if is_fake(rows):
-            # A simulated step has no routing to read: as many rows to every expert (uniform routing).
-            n = rows.shape[0]
-            send = [n // experts + (e < n % experts) for e in range(experts)]
-            receive = [send[rank * per_rank + e] for _ in range(ep) for e in range(per_rank)]
-            received_counts = torch.tensor(receive, device=rows.device)
-        else:
-            received_counts = torch.empty_like(counts)
-            dist.all_to_all_single(received_counts, counts, group=group)
-            send, receive = torch.stack([counts, received_counts]).tolist()  # the layer's one host sync
-        send_sizes = [sum(send[r * per_rank : (r + 1) * per_rank]) for r in range(ep)]
-        receive_sizes = [sum(receive[r * per_rank : (r + 1) * per_rank]) for r in range(ep)]
+        received_counts, _, send_sizes, receive_sizes = _exchange_counts(
+            None if is_fake(rows) else counts, rows.shape[0], experts, rank, ep, group, rows.device
+        )
         arrived = all_to_all_autograd(rows, receive_sizes, send_sizes, group)
         by_expert = _expert_major(received_counts, per_rank, ep, arrived.shape[0])
         local_counts = received_counts.view(ep, per_rank).sum(0)
