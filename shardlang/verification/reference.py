@@ -109,8 +109,8 @@ def worst_slice(
         if size < 2 or values < SLICE_VALUES:
             continue
         others = [d for d in range(truth.dim()) if d != dim]
-        error = difference.norm(dim=others)
-        rounding = torch.maximum((same - truth).norm(dim=others), relative * truth.norm(dim=others))
+        error = _norms(difference, others)
+        rounding = torch.maximum(_norms(same - truth, others), relative * _norms(truth, others))
         floor = K * torch.finfo(torch.float32).eps * scale * math.sqrt(values)
         allowed = K * (rounding + own) + own + floor
         ratios = error / allowed.clamp_min(torch.finfo(torch.float64).tiny)
@@ -119,6 +119,12 @@ def worst_slice(
             over = tuple(int(i) for i in (ratios > 1.0).nonzero().flatten())
             worst = SliceError(dim, size, at, float(error[at]), float(allowed[at]), float(ratios[at]), over)
     return worst
+
+
+def _norms(tensor: torch.Tensor, dims: list[int]) -> torch.Tensor:
+    """The 2-norm of each slice over `dims`, for a tensor of any rank: `Tensor.norm(dim=...)` takes a 2-tuple
+    of dims as a matrix norm and refuses three (a Conv2d's 4-D weight)."""
+    return torch.linalg.vector_norm(tensor, dim=dims) if dims else tensor.abs()
 
 
 #: The coarser copy that measures a float32 truth's own error, and how much less float32 rounds than it.
