@@ -23,10 +23,10 @@ def build_model() -> ViTForImageClassification:
     return ViTForImageClassification(config)
 
 
-def example_input(batch_size: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    return {"pixel_values": torch.randn(batch_size, 3, 16, 16, generator=generator)}
+def example_input(batch_size: int, generator: torch.Generator) -> torch.Tensor:
+    return torch.randn(batch_size, 3, 16, 16, generator=generator)  # pixel values
 
 
-def loss(output, inputs) -> torch.Tensor:
-    labels = (inputs["pixel_values"].flatten(1).sum(1) > 0).long()  # a label each image's pixels decide
+def loss(output, pixels: torch.Tensor) -> torch.Tensor:
+    labels = (pixels.flatten(1).sum(1) > 0).long()  # a label each image's pixels decide
     return F.cross_entropy(output.logits, labels)
