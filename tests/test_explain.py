@@ -674,3 +674,33 @@ def test_explain_a_pipelined_plan():
         assert {c.op: c.count for c in e.collectives}["_reduce_scatter_base_"] == units
         data = json.loads(json.dumps(explanation_data(e, None)))
         assert data["pipeline"]["stages"][0]["send"] == p.stages[0].send
+
+
+def _linear(base: int, per: int):
+    return lambda n: base + per * n
+
+
+@pytest.mark.parametrize(
+    "base, per, limit",
+    [(145_000, 4_000, 80 << 30), (140_000, 3_900, 10 << 30), (1_000, 3, 5_000_000), (10_000, 1 << 20, 80 << 30)],
+    ids=["80GiB-small-model", "10GiB-small-model", "slow-growth", "fast-growth"],
+)
+def test_largest_fitting_ends_with_b_fitting_and_b_plus_1_not(base, per, limit):
+    """The issue 39 case: from batch 4 on a small model whose peak barely grows, the first guess overshoots
+    the cap; the search must still close the bracket (b fits, b + 1 does not, both simulated), not answer 4."""
+    from shardlang.explain.stepping import FIT_CAP, largest_fitting
+
+    peak_at = _linear(base, per)
+    tried = {4: peak_at(4)}
+    b = largest_fitting(limit, tried, peak_at)
+    assert b == min(FIT_CAP, (limit - base) // per)
+    assert tried[b] <= limit and (b == FIT_CAP or tried[b + 1] > limit)
+    assert len(tried) < 60
+
+
+def test_largest_fitting_stops_at_the_cap_and_the_answer_says_so():
+    from shardlang.explain.stepping import FIT_CAP, largest_fitting
+
+    tried = {1: 1_000}
+    assert largest_fitting(1 << 40, tried, _linear(1_000, 1)) == FIT_CAP
+    assert max(tried) == FIT_CAP and largest_fitting(100, {1: 1_000}, _linear(1_000, 1)) == 0

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from .layouts import TensorInfo
 from .simulate import Explanation, select
+from .stepping import FIT_CAP
 
 #: Block symbols of the terminal grid, and fill colours of the SVG (colour-blind-safe, then more).
 SYMBOLS = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
@@ -297,6 +298,8 @@ def render_peak(e: Explanation, console: Console) -> None:
             if f.batch
             else f"nothing: batch 1 already needs {size(f.peak)}"
         )
+        if f.batch == FIT_CAP:
+            answer += ", where the search stops: larger batches were not tried"
         console.print(f"\nlargest batch that fits {size(f.limit)}: [bold]{answer}[/bold] (tried {tried})")
 
 

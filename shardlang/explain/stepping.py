@@ -143,12 +143,18 @@ class Stepper:
         return Fit(limit, first.batch, tried[chunks] if chunks else tried[1], found, chunks * step)
 
 
+#: The largest batch (or count of sequence chunks) --fit tries: a fake-tensor step of 2^24 sequences still
+#: simulates in a moment, and a plan that fits more than that per replica is not limited by memory.
+FIT_CAP = 1 << 24
+
+
 def largest_fitting(limit: int, tried: dict[int, int], peak_at) -> int:
-    """The largest n >= 1 whose peak (`peak_at(n)`, noted in `tried`, which holds a first point) is at
-    most `limit`, 0 if not even 1 fits, by a bracketed search: the peak grows with n (about linearly),
-    so each guess is where the line through the two nearest known points meets the limit, and its
-    neighbour is simulated too; a guess that does not close the bracket is followed by a bisection step.
-    It ends with n fitting and n + 1 not, both simulated."""
+    """The largest n in 1..FIT_CAP whose peak (`peak_at(n)`, noted in `tried`, which holds a first point)
+    is at most `limit`, 0 if not even 1 fits, by a bracketed search: the peak grows with n (about
+    linearly), so each guess is where the line through the two nearest known points meets the limit, and
+    its neighbour is simulated too; a guess that does not close the bracket is followed by a bisection
+    step. It ends with n fitting and n + 1 not, both simulated, or with n = FIT_CAP fitting (the caller
+    says the search stopped there)."""
 
     def peak(n: int) -> int:
         if n not in tried:
@@ -159,28 +165,34 @@ def largest_fitting(limit: int, tried: dict[int, int], peak_at) -> int:
         return 0
     bisect = False
     while True:
-        fits = sorted(n for n, bytes_ in tried.items() if bytes_ <= limit)
-        over = sorted(n for n, bytes_ in tried.items() if bytes_ > limit)
-        low, high = fits[-1], (over[0] if over else None)
-        if high is not None and high - low <= 1:
+        low = max(n for n, bytes_ in tried.items() if bytes_ <= limit and n <= FIT_CAP)
+        high = min((n for n, bytes_ in tried.items() if bytes_ > limit and n > low), default=None)
+        if high is not None and high - low <= 1 or high is None and low == FIT_CAP:
             return low
         if high is not None and bisect:
             peak((low + high) // 2)
             bisect = False
             continue
-        near = fits[-2] if high is None and len(fits) > 1 else high
-        if near is None or tried[near] == tried[low]:
-            guess = low * 2 if high is None else (low + high) // 2
-        else:
-            slope = (tried[near] - tried[low]) / (near - low)
-            guess = low + math.floor((limit - tried[low]) / slope) if slope > 0 else low * 2
-        guess = max(guess, low + 1) if high is None else min(max(guess, low + 1), high - 1)
-        guess = min(guess, 1 << 24)
-        peak(guess)
-        peak(guess + 1 if tried[guess] <= limit else guess - 1)
+        guess = _guess(limit, tried, low, high)
+        guess = min(max(guess, low + 1), FIT_CAP if high is None else high - 1)
+        neighbour = guess + 1 if peak(guess) <= limit else guess - 1
+        if neighbour <= FIT_CAP:
+            peak(neighbour)
         bisect = high is not None
-        if guess >= 1 << 24:
-            return max(n for n, bytes_ in tried.items() if bytes_ <= limit)
+
+
+def _guess(limit: int, tried: dict[int, int], low: int, high: int | None) -> int:
+    """Where the line through `low` (the largest n known to fit) and its nearest known neighbour (`high`,
+    or the next largest that fits while nothing is known not to) meets `limit`; twice `low` (or the middle
+    of the bracket) where the peak did not grow between them."""
+    below = [n for n in tried if n < low and tried[n] <= limit]
+    near = high if high is not None else (max(below) if below else None)
+    if near is None or tried[near] == tried[low]:
+        return low * 2 if high is None else (low + high) // 2
+    slope = (tried[near] - tried[low]) / (near - low)
+    if slope <= 0:
+        return low * 2 if high is None else (low + high) // 2
+    return low + math.floor((limit - tried[low]) / slope)
 
 
 def _peak(m: _Measure) -> Peak:
