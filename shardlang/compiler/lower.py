@@ -15,6 +15,7 @@ from collections import defaultdict
 from ..frontend import ir
 from . import program as p
 from .devices import mesh_device
+from .float32 import FLOAT32, Float32Unit, float32_units
 from .predict import owned, packs_for_fsdp
 from .resolve import Resolution, UnitMatch
 from .styles import OURS, Constructor, Reference, constructor
@@ -46,7 +47,7 @@ def lower(plan: ir.Plan, resolution: Resolution | None, world_size: int | None) 
     if resolution is not None:
         steps += [p.Checkpoint(fqn, origin) for fqn in resolution.checkpoint]
         steps += [p.Compile(fqn, c.options, c.span) for fqn, c in resolution.compiled]
-        steps += [_unit(plan, plan.units[u.block], u.unit, u.fqn, u.also) for u in resolution.units]
+        steps += _units(plan, resolution)
     else:
         steps += [p.Checkpoint(p.Matching(str(target)), target.span) for target in plan.checkpoint]
         steps += [p.Compile(p.Matching(str(c.target)), c.options, c.span) for c in plan.compiles]
@@ -138,6 +139,31 @@ def _ties(resolution: Resolution) -> tuple[tuple[str, ...], ...]:
     for fqn, _, _, tensor in owned(resolution.modules, buffers=False):
         groups[id(tensor)].append(fqn)
     return tuple(tuple(names) for names in groups.values() if len(names) > 1)
+
+
+def _units(plan: ir.Plan, resolution: Resolution) -> list[p.Step]:
+    """The fully_shard and replicate units, each after the float32 units of the modules inside it that the
+    model keeps in float32 (compiler.float32), which FSDP2 must see first to leave out of it."""
+    kept = float32_units(plan, resolution)
+    steps: list[p.Step] = []
+    for u in resolution.units:
+        steps += [_float32_unit(plan, k) for k in kept if k.unit is u]
+        steps.append(_unit(plan, plan.units[u.block], u.unit, u.fqn, u.also))
+    return steps
+
+
+def _float32_unit(plan: ir.Plan, kept: Float32Unit) -> p.Step:
+    """A float32 unit inside `kept.unit`: its options, but parameters in float32, gradients reduced in its
+    `reduce`, and inputs taken as they come (in the outer unit's compute dtype)."""
+    block = plan.units[kept.unit.block]
+    outer = kept.unit.option(block, "mixed_precision")
+    policy = ir.MixedPrecision(param=FLOAT32, reduce=outer.reduce, cast_forward_inputs=False)
+
+    def get(name: str):
+        return policy if name == "mixed_precision" else kept.unit.option(block, name)
+
+    origin = kept.unit.unit.span if kept.unit.unit is not None else block.span
+    return p.FullyShard(kept.module, block.mesh, _fsdp_kwargs(plan, block, get), origin, why=kept.why())
 
 
 def _unit(

@@ -132,6 +132,8 @@ class FullyShard:
     together: bool = False
     #: Gradients divided by this mesh's size instead of the unit's own (set_gradient_divide_factor).
     divide_by: ir.MeshRef | None = None
+    #: Why the lowering added this unit, which no statement wrote (compiler.float32): printed above it.
+    why: str = ""
 
 
 @frozen

@@ -263,9 +263,10 @@ def write_fully_shard(step: p.FullyShard, program: p.Program, module: str) -> li
     if _may_be_container(step, program):
         module = f"unit_of({module})"
     call = f"fully_shard({module}, mesh={mesh}{_kwargs(step.kwargs)})"
+    note = [f"# {step.why}"] if step.why else []
     if step.divide_by is not None:
-        return [f"divide_gradients({call}, {mesh_expr(step.divide_by, program)}.size(), {mesh})"]
-    return [call]
+        return [*note, f"divide_gradients({call}, {mesh_expr(step.divide_by, program)}.size(), {mesh})"]
+    return [*note, call]
 
 
 def run_context_parallel(step: p.ContextParallel, ctx: Running) -> None:
