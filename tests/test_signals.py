@@ -58,3 +58,47 @@ def test_workers_and_fresh_processes_take_the_launchers_environment(monkeypatch,
     with WorkerPool(2, timeout_s=300) as pool:
         assert pool.run(_seen, "SHARDLANG_TEST_MARK") == [expected, expected]
     assert os.environ["SHARDLANG_TEST_MARK"]  # the launcher's own is untouched
+
+
+def _in_session(sid: int) -> list[int]:
+    """The processes of session `sid` (a command started in a new session, and all it started)."""
+    from pathlib import Path
+
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc"), reason="reads /proc")
+@pytest.mark.parametrize("fault", ["none", "raise"])
+def test_the_command_returns_with_nothing_it_started_still_running(fault):
+    """Issue 40: after apply (passing, or a rank that raises), no process the command started outlives it:
+    its workers are joined and its forkserver, which otherwise tears torch down for seconds after its
+    parent is gone, is stopped and reaped (on a GPU box a straggler still holds its device)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from .conftest import ROOT
+
+    model = "examples/mlp.py" if fault == "none" else "tests/faults/dies.py"
+    env = {**os.environ, "SHARDLANG_TEST_FAULT": "raise"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardlang", "apply", "plans/mlp_tp.sl", model, "--nproc", "2"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    assert proc.wait(timeout=600) == (0 if fault == "none" else 2)
+    left = {p: Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ")[:120] for p in _in_session(proc.pid)}
+    assert not left, left

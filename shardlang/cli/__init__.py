@@ -1,5 +1,5 @@
 """The `shardlang` command: argument parsing and rendering only; the stages do the work."""
 
-from .main import main
+from .main import command, main
 
-__all__ = ["main"]
+__all__ = ["command", "main"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 from .arguments import build_parser
 from .commands.apply import run_apply
@@ -54,5 +55,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 128 + e.signum
 
 
+def command() -> NoReturn:
+    """The `shardlang` console script and `python -m shardlang`: `main`, then the processes multiprocessing
+    started for the workers (the forkserver, the resource tracker) stopped and reaped before the shell gets
+    its prompt back. `main` itself leaves them running for the next call in the same process (a library's,
+    a test's). A command that started no worker imports nothing more."""
+    status = main()
+    if "shardlang.launch.workers" in sys.modules:
+        from ..launch.workers import stop_servers
+
+        stop_servers()
+    sys.exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    command()

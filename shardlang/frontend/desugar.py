@@ -29,7 +29,7 @@ def borrowed_dims(plan: ir.Plan) -> dict[str, set[str]]:
     found: dict[str, set[str]] = {}
     for block in plan.parallelize:
         dim = block.mesh.dims[0] if block.mesh.dims else None
-        if dim in flat.get(block.mesh.mesh, ()) and any(r.style.name == "expert_parallel" for r in block.rules):
+        if dim in flat.get(block.mesh.mesh, ()) and any(r.style.builtin == "expert_parallel" for r in block.rules):
             found.setdefault(block.mesh.mesh, set()).add(dim)
     return found
 
@@ -45,7 +45,7 @@ def expert_units(plan: ir.Plan) -> tuple[ir.Plan, list[Diagnostic]]:
     parallelize = []
     for block in plan.parallelize:
         if block.mesh.dims and block.mesh.dims[0] in borrowed.get(block.mesh.mesh, ()):
-            rules = tuple(_own_tokens(r) if r.style.name == "expert_parallel" else r for r in block.rules)
+            rules = tuple(_own_tokens(r) if r.style.builtin == "expert_parallel" else r for r in block.rules)
             block = attrs.evolve(block, rules=rules)
         parallelize.append(block)
     units = []
@@ -69,7 +69,7 @@ def _experts_blocks(plan: ir.Plan, block: ir.Units, ep_dims: set[str], found: li
             continue
         rest = tuple(d for d in block.mesh.dims if d != dim)
         mesh = ir.MeshRef(block.mesh.mesh, rest, block.mesh.span, flat=len(rest) > 1)
-        experts = [r for r in parallel.rules if r.style.name == "expert_parallel"]
+        experts = [r for r in parallel.rules if r.style.builtin == "expert_parallel"]
         targets = [_joined(parallel.scope, r.target) for r in experts]
         for rule, target in zip(experts, targets):
             if target is None:

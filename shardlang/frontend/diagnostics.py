@@ -32,6 +32,7 @@ class Code(enum.Enum):
     SL105 = (Severity.ERROR, "mesh shape does not fit the world size, or more than one `auto` dim")
     SL106 = (Severity.ERROR, "fully_shard / replicate mesh is not 1-D or 2-D, or hybrid_shard on a 1-D mesh")
     SL107 = (Severity.ERROR, "parallelize mesh is not 1-D")
+    SL108 = (Severity.WARNING, "a `use` takes a built-in style's name: the plan's own style is used instead")
     SL200 = (Severity.ERROR, "pattern matches no module")
     SL201 = (Severity.ERROR, "module matched by two rules, or made a unit of one kind twice")
     SL202 = (Severity.ERROR, "style does not apply to this module type")
@@ -117,6 +118,7 @@ class Code(enum.Enum):
     SL105,
     SL106,
     SL107,
+    SL108,
     SL200,
     SL201,
     SL202,

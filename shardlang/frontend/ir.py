@@ -178,6 +178,12 @@ class Style:
     def get(self, name: str, default: Any = None) -> Any:
         return next((v for k, v in self.kwargs if k == name), default)
 
+    @property
+    def builtin(self) -> str | None:
+        """The built-in style this is, by name; None for a `use` style, whose alias may be a built-in's
+        name (SL108): code that acts on what a built-in does asks this, never `name`."""
+        return None if self.use is not None else self.name
+
 
 @frozen
 class Rule:
@@ -362,7 +368,7 @@ class Plan:
 
     def has_style(self, name: str) -> bool:
         """Whether any `parallelize` rule uses the style `name`."""
-        return any(r.style.name == name for b in self.parallelize for r in b.rules)
+        return any(r.style.builtin == name for b in self.parallelize for r in b.rules)
 
     def fixed_world_size(self) -> int:
         """The world the meshes fix when none of their dims is `auto`; ValueError otherwise."""

@@ -1,4 +1,4 @@
-"""Static checks that need no model (SL101-SL107), building the typed plan IR from the syntax tree.
+"""Static checks that need no model (SL101-SL108), building the typed plan IR from the syntax tree.
 
 Every statement is checked and every problem collected, so one run reports them all. Values are given
 their types (layouts, dtypes, booleans...) by the schema of the place they stand in (schema.py).
@@ -23,6 +23,7 @@ from .diagnostics import (
     SL105,
     SL106,
     SL107,
+    SL108,
     SL215,
     SL216,
     Code,
@@ -252,11 +253,12 @@ class _Checker:
                 f"the first is at line {self.uses[alias].span.line}",
             )
         elif alias in STYLES:
+            # SPEC §12: a plan written before a built-in of this name existed keeps its meaning.
             self.error(
-                SL103,
-                f"'{alias}' is a built-in style; a use cannot redefine it",
+                SL108,
+                f"'{alias}' is also a built-in style; this plan's rules naming it run `{use.path}`, not the built-in",
                 use.alias.span,
-                "pick another name after `as`",
+                f"to use the built-in {alias}, remove this `use`; to keep this style, rename it after `as` to silence this",
             )
         if not all(part.isidentifier() for part in use.path.replace(":", ".").split(".")):
             self.error(
@@ -364,13 +366,13 @@ class _Checker:
 
     def style(self, call: s.Call) -> ir.Style:
         name = call.name.text
+        if name in self.uses:  # before the built-ins: a `use` may take a built-in's name (SL108)
+            return ir.Style(name, self.kwargs(call.args, None, "style", name), call.span, self.uses[name])
         if name in STYLES:
             style = ir.Style(name, self.kwargs(call.args, STYLES[name], "style", name), call.span)
             if name == "mla_kv_a_proj" and style.get("rope") is None:
                 self.error(SL102, "mla_kv_a_proj needs rope=N", call.span, "N: the model config's qk_rope_head_dim")
             return style
-        if name in self.uses:
-            return ir.Style(name, self.kwargs(call.args, None, "style", name), call.span, self.uses[name])
         hint = did_you_mean(name, [*STYLES, *self.uses]) or (
             f"built-in styles: {', '.join(STYLES)}; declare others with `use package.module.Style as {name}`",
         )

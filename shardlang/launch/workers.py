@@ -250,6 +250,29 @@ def start_forkserver(also: tuple[str, ...] = (), quiet: bool = False) -> None:
                 os.environ["PYTHONPATH"] = saved
 
 
+def stop_servers() -> None:
+    """Stop the processes multiprocessing started for this one, and wait until they are gone: for a command
+    about to exit, so that nothing it started outlives it. The forkserver is killed: left to itself, an
+    orphaned server tears its interpreter (torch, transformers) down for seconds after its parent is gone,
+    and it holds no device, file or state of ours; any worker of its still alive dies with it (the
+    parent-death signal each takes, `die_with`). Then the resource tracker is asked to stop (it frees what
+    a killed worker left behind) and waited for. Both through multiprocessing's own `_stop`, which stops,
+    reaps and cleans up after them (Python 3.10-3.13)."""
+    import multiprocessing.forkserver as forkserver
+    import multiprocessing.resource_tracker as resource_tracker
+
+    server = getattr(forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is not None:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    for running in (server, getattr(resource_tracker, "_resource_tracker", None)):
+        stop = getattr(running, "_stop", None)
+        if stop is not None:
+            with contextlib.suppress(OSError, ChildProcessError):
+                stop()
+
+
 @contextlib.contextmanager
 def _stdio_to_null(on: bool) -> Iterator[None]:
     """File descriptors 1 and 2 on /dev/null for the block (what a process started in it inherits)."""

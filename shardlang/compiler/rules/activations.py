@@ -37,8 +37,10 @@ AS_TORCH = {"colwise_conv1d": "colwise", "rowwise_conv1d": "rowwise", "packed_co
 def _as_torch(style: ir.Style) -> ir.Style:
     """The torch style whose inputs and outputs this style's are: `colwise_gather_output` is colwise with
     `output=replicate`, `colwise_conv1d` and `packed_colwise` move activations as colwise does."""
+    if style.use is not None:  # a `use` style, whatever its name (SL108): nothing is known of it
+        return style
     style = expand(style)
-    return ir.Style(AS_TORCH.get(style.name, style.name), style.kwargs, style.span, style.use)
+    return ir.Style(AS_TORCH.get(style.name, style.name), style.kwargs, style.span)
 
 
 def partial_gradients(
@@ -55,7 +57,7 @@ def partial_gradients(
             block = plan.parallelize[match.block]
             if block.mesh.mesh == mesh and dim in block.mesh.dims:
                 rules.setdefault(match.fqn, match.rule)
-        placed = [fqn for fqn, rule in rules.items() if rule.style.name not in MOVERS]
+        placed = [fqn for fqn, rule in rules.items() if rule.style.builtin not in MOVERS]
         flagged: dict[tuple, list[str]] = {}
         state, cause, pending = UNKNOWN, None, []
         for fqn, module in _in_order(resolution):
@@ -199,7 +201,7 @@ def _declares_sharded(style: ir.Style) -> bool:
     """The style says in words that its input arrives sharded (`input=shard(1)`); sequence_parallel only
     assumes it."""
     style = _as_torch(style)
-    return style.name in ("colwise", "rowwise", "prepare_input") and _sharded(style.get("input"))
+    return style.builtin in ("colwise", "rowwise", "prepare_input") and _sharded(style.get("input"))
 
 
 def _first(layout):
@@ -210,7 +212,7 @@ def _after(style: ir.Style) -> str | None:
     """The layout of activations after a module with this style: SHARDED, REPLICATED, OTHER, or None
     (unchanged: its children's styles decide)."""
     style = _as_torch(style)
-    name = style.name
+    name = style.builtin
     if name in ("replicated_with_grad_allreduce", "mla_kv_a_proj"):  # activations unchanged
         return None
     if name in ("expert_parallel", "expert_tensor_parallel"):  # tokens whole on every rank

@@ -70,7 +70,7 @@ def tensor_and_data_dims(
         key
         for key in split
         if all(
-            r.style.name == "expert_parallel"
+            r.style.builtin == "expert_parallel"
             for b in plan.parallelize
             if (b.mesh.mesh, *b.mesh.dims[:1]) == key
             for r in b.rules
