@@ -342,3 +342,23 @@ def counted_ep_matches_whole_experts(shared: bool, tokens: int = 5, only_first_r
         error = (getattr(split, name).grad.to_local() - block).abs().max().item()
         errors["experts_grad"] = max(errors.get("experts_grad", 0.0), error)
     return errors
+
+
+def run_with_one_rank_units_divided_twice(job):
+    """`launch.job.run(job)` with the experts' units divided as before issue 39: the factor set and, on gloo,
+    the reduction forced to a sum whatever the unit's size. On a unit over one rank (dp of size 1) FSDP2
+    then divides by the factor twice: a planted fault."""
+    from shardlang.launch.job import run
+    from shardlang.runtime import helpers
+
+    def divided_twice(unit, factor, mesh):
+        unit = unit[0] if isinstance(unit, list) else unit
+        unit.set_gradient_divide_factor(float(factor))
+        unit.set_force_sum_reduction_for_comms(True)
+
+    kept = helpers.divide_gradients
+    helpers.divide_gradients = divided_twice
+    try:
+        return run(job)
+    finally:
+        helpers.divide_gradients = kept

@@ -102,11 +102,17 @@ def submesh(mesh, dims):
 def divide_gradients(unit, factor: int, mesh) -> None:
     """An FSDP unit over `mesh` whose gradients are reduced as a sum divided by `factor` instead of the mesh's
     size (experts that borrow data-parallel ranks: frontend.desugar). gloo has no PreMulSum: there the sum
-    is reduced and divided after. `unit`: what fully_shard returned (a list of modules for a unit over
+    is reduced and divided after. A unit over one rank reduces nothing, and FSDP2 divides its copy of the
+    gradient by the factor and then again by the post-division that a summed (or fp16) reduction sets, so
+    there the unit keeps FSDP's own (no) division and a hook after its reduction divides once (dp of size
+    1: every data rank is an ep rank). `unit`: what fully_shard returned (a list of modules for a unit over
     several, which share one state: any of them sets it)."""
     import torch.distributed as dist
 
     unit = unit[0] if isinstance(unit, list) else unit
+    if mesh.size() == 1:
+        unit.set_all_reduce_hook(lambda reduced: reduced.div_(float(factor)))
+        return
     unit.set_gradient_divide_factor(float(factor))
     if dist.get_backend(mesh.get_group()) == "gloo":
         unit.set_force_sum_reduction_for_comms(True)
