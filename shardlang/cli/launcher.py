@@ -13,7 +13,7 @@ from rich.console import Console
 
 from ..frontend.source import Source
 from .output import Out, emit_diagnostics
-from .status import FOUND, OK, UNUSABLE
+from .status import FOUND, UNUSABLE
 
 
 def prepare_workers(args: argparse.Namespace) -> None:
@@ -119,7 +119,7 @@ def show_report(report, warnings: list[str], sources: dict[str, Source], args: a
     """Print the report (table or JSON) and return the exit status it calls for."""
     from ..launch.report import render
 
-    status = UNUSABLE if not report.usable else OK if report.ok else FOUND
+    status = report.exit_code
     report = attrs.evolve(report, warnings=report.warnings + tuple(warnings), exit_status=status)
     if args.json:
         out.report(report)

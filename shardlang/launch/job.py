@@ -25,10 +25,10 @@ from ..frontend.read import read_file
 from ..frontend.source import Span
 from ..runtime.apply import apply_plan, build_for_plan
 from ..runtime.modelfile import ModelFile, ModelFileError, check_module, load_model_file, user_code
-from ..verification import FAIL, PASS, SKIPPED, Context, combine, gather, run_checks
+from ..verification import FAIL, PASS, Context, combine, gather, run_checks
 from ..verification.layout import layout
 from . import raised
-from .report import Report
+from .report import Report, unanswered
 from .workers import progress
 
 
@@ -148,11 +148,7 @@ def _run(job: Job) -> Report:
         raise _raised(ctx, running[-1] if running else "?", job.checks, e, finished) from e
     checks = tuple(combine(gather(results)))
     failures = tuple(d for c in checks if c.status == FAIL for d in _failure(c, job.checks))
-    # `init` has nothing to compare after --load (the weights were loaded, not initialised): that was the
-    # user's choice, shown as skipped, not a request that went unanswered.
-    unrun = (
-        tuple(c for c in checks if c.status == SKIPPED and not (c.check == "init" and job.load)) if job.explicit else ()
-    )
+    unrun = unanswered(checks, job.explicit, job.load is not None)
     warnings = tuple(d for d in applied.linted.diagnostics if not d.is_error) + plan.diagnostics
     where = layout(ctx)
     shape = f"{where.replicas} replica{'s' if where.replicas > 1 else ''}"
@@ -183,7 +179,7 @@ def _run(job: Job) -> Report:
         ("total", total),
     )
     seconds = {name: getattr(t, "seconds", t) for name, t in stages if t is not None}
-    notes += tuple(unanswered(c) for c in unrun)
+    notes += tuple(_unanswered_note(c) for c in unrun)
     return Report(
         ok=not failures and not unrun,
         world_size=world,
@@ -198,7 +194,7 @@ def _run(job: Job) -> Report:
     )
 
 
-def unanswered(result) -> str:
+def _unanswered_note(result) -> str:
     """The note on a check that was asked for and compared nothing: its reason said once (the checks'
     messages themselves start `nothing compared: ...`)."""
     why = result.message.removeprefix("nothing compared: ")

@@ -25,8 +25,8 @@ class Report:
     checks: tuple[CheckResult, ...] = ()
     diagnostics: tuple[Diagnostic, ...] = ()  # lint warnings, and errors when the plan or a check failed
     warnings: tuple[str, ...] = ()  # not diagnostics of the plan: e.g. a worker's abnormal teardown
-    #: What the run says about itself, which is no warning: a check asked for that compared nothing (why the
-    #: run exits 2), a --save not done because a check failed. In the JSON's `warnings`, ahead of the warnings.
+    #: What the run says about itself, which is no warning: a check asked for that compared nothing where that
+    #: leaves the request unanswered (why the run exits 2), a --save not done because a check failed. In the JSON's `warnings`, ahead of the warnings.
     notes: tuple[str, ...] = ()
     seconds: dict[str, float] = field(factory=dict)  # apply, checks, total
     layout: str = ""
@@ -47,6 +47,12 @@ class Report:
     @property
     def skipped(self) -> tuple[CheckResult, ...]:
         return tuple(c for c in self.checks if c.status == SKIPPED)
+
+    @property
+    def exit_code(self) -> int:
+        """The status `apply` exits with for this report (docs/commands.md): 2 when the run could not be
+        used (a requested check left unanswered among them), 1 when a check failed, else 0."""
+        return 2 if not self.usable else 0 if self.ok else 1
 
     @property
     def summary(self) -> str:
@@ -75,6 +81,20 @@ class Report:
 
     def json(self) -> str:
         return json.dumps(self.to_json(), indent=2)
+
+
+def unanswered(checks: tuple[CheckResult, ...], explicit: bool, loaded: bool) -> tuple[CheckResult, ...]:
+    """The requested checks that ended `skipped` and so leave the run without an answer (exit 2). Not
+    among them: `init` after `--load` (the weights were loaded, not initialised: the user's choice), and a
+    moot skip (the plan gives the check nothing to compare, e.g. module_states where nothing has replicas)
+    while some other requested check ran (SPEC §12); a run where no requested check ran answers nothing.
+    Without `explicit` (the plan has no `verify`, no --verify) the default checks answer no request."""
+    if not explicit:
+        return ()
+    ran = any(c.status != SKIPPED for c in checks)
+    return tuple(
+        c for c in checks if c.status == SKIPPED and not (c.check == "init" and loaded) and not (c.moot and ran)
+    )
 
 
 def render(report: Report, sources: dict[str, Source], console: Console) -> None:

@@ -122,8 +122,9 @@ def run_checks(
             progress(name)
         start = time.perf_counter()
         outcome = CHECKS[name](ctx, by_name[name])
+        seconds = time.perf_counter() - start
         results[name] = CheckResult(
-            name, outcome.status, outcome.message, time.perf_counter() - start, outcome.data, outcome.worst
+            name, outcome.status, outcome.message, seconds, outcome.data, outcome.worst, outcome.moot
         )
     return [results[c.name] for c in checks]
 
@@ -132,7 +133,7 @@ def combine(per_rank: Sequence[Sequence[CheckResult]]) -> list[CheckResult]:
     """One result per check from every rank's: failed anywhere is failed; otherwise skipped anywhere is
     skipped (a rank compared nothing), then reported, then passed; the slowest rank's time. The message is
     the first such rank's, or of a failure the worst failing rank's, so that it tells of the error the
-    table shows (the largest over the ranks)."""
+    table shows (the largest over the ranks). A skip is moot only if it is moot on every rank that skipped."""
     merged = []
     for results in zip(*per_rank):
         status = next(s for s in (FAIL, SKIPPED, REPORTED, PASS) if any(r.status == s for r in results))
@@ -150,6 +151,7 @@ def combine(per_rank: Sequence[Sequence[CheckResult]]) -> list[CheckResult]:
                 max(res.seconds for res in results),
                 first.data,
                 max(worsts) if worsts else None,
+                status == SKIPPED and all(res.moot for res in results if res.status == SKIPPED),
             )
         )
     return merged

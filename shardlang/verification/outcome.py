@@ -10,7 +10,10 @@ from attrs import field, frozen
 
 #: How a check ends. `skipped`: it compared nothing (the message says why); `reported`: it measured and
 #: shows something but was given nothing to compare it with (comms without expected counts). Neither is
-#: a pass.
+#: a pass. A skip is `moot` where the plan leaves the check nothing to compare (module_states where no
+#: tensor has replicas): the run's verdict then rests on the other checks (SPEC §12). A skip for want of
+#: what the check needed (no example_input, no prediction, no truth) is not moot: it leaves a request
+#: unanswered.
 PASS, FAIL, SKIPPED, REPORTED = "pass", "fail", "skipped", "reported"
 STATUSES = (PASS, FAIL, SKIPPED, REPORTED)
 
@@ -24,6 +27,7 @@ class Outcome:
     message: str
     data: dict[str, Any] = field(factory=dict)
     worst: float | None = None
+    moot: bool = False  # skipped: the plan gives the check nothing to compare (see above)
 
 
 def _known(status: str) -> None:
@@ -39,6 +43,7 @@ class CheckResult:
     seconds: float
     data: dict[str, Any] = field(factory=dict)
     worst: float | None = None
+    moot: bool = False  # skipped on every rank that skipped because the plan gave it nothing to compare
 
     @property
     def ok(self) -> bool | None:
