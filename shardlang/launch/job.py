@@ -28,7 +28,7 @@ from ..runtime.modelfile import ModelFile, ModelFileError, check_module, load_mo
 from ..verification import FAIL, PASS, Context, combine, gather, run_checks
 from ..verification.layout import layout
 from . import raised
-from .report import Report, unanswered
+from .report import Report, unanswered_checks
 from .workers import progress
 
 
@@ -148,7 +148,7 @@ def _run(job: Job) -> Report:
         raise _raised(ctx, running[-1] if running else "?", job.checks, e, finished) from e
     checks = tuple(combine(gather(results)))
     failures = tuple(d for c in checks if c.status == FAIL for d in _failure(c, job.checks))
-    unrun = unanswered(checks, job.explicit, job.load is not None)
+    unrun = unanswered_checks(checks, job.explicit, job.load is not None)
     warnings = tuple(d for d in applied.linted.diagnostics if not d.is_error) + plan.diagnostics
     where = layout(ctx)
     shape = f"{where.replicas} replica{'s' if where.replicas > 1 else ''}"
@@ -179,7 +179,7 @@ def _run(job: Job) -> Report:
         ("total", total),
     )
     seconds = {name: getattr(t, "seconds", t) for name, t in stages if t is not None}
-    notes += tuple(_unanswered_note(c) for c in unrun)
+    notes += tuple(unanswered(c) for c in unrun)
     return Report(
         ok=not failures and not unrun,
         world_size=world,
@@ -194,7 +194,7 @@ def _run(job: Job) -> Report:
     )
 
 
-def _unanswered_note(result) -> str:
+def unanswered(result) -> str:
     """The note on a check that was asked for and compared nothing: its reason said once (the checks'
     messages themselves start `nothing compared: ...`)."""
     why = result.message.removeprefix("nothing compared: ")

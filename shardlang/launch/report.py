@@ -83,7 +83,7 @@ class Report:
         return json.dumps(self.to_json(), indent=2)
 
 
-def unanswered(checks: tuple[CheckResult, ...], explicit: bool, loaded: bool) -> tuple[CheckResult, ...]:
+def unanswered_checks(checks: tuple[CheckResult, ...], explicit: bool, loaded: bool) -> tuple[CheckResult, ...]:
     """The requested checks that ended `skipped` and so leave the run without an answer (exit 2). Not
     among them: `init` after `--load` (the weights were loaded, not initialised: the user's choice), and a
     moot skip (the plan gives the check nothing to compare, e.g. module_states where nothing has replicas)
