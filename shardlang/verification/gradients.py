@@ -38,6 +38,7 @@ plan statements that govern it.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -46,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from ..frontend import ir
 from . import layout as lay
-from . import localise
+from . import localise, routing
 from .outcome import FAIL, PASS, SKIPPED, Outcome
 from .reference import (
     K,
@@ -86,6 +87,8 @@ def run(ctx, check: ir.Check) -> Outcome:
     lr = optim.param_groups[0]["lr"]  # the check's, or the checkpoint's when it resumed
     tally = Tally()
     localised = None
+    replayable = routing.replayable(ctx.plan)
+    notes: dict[str, str] = {}
 
     pipeline = ctx.pipeline
     pp_group = ctx.applied.mesh(ctx.plan.pipeline.mesh).get_group() if pipeline else None
@@ -101,7 +104,11 @@ def run(ctx, check: ir.Check) -> Outcome:
             # The schedule runs forward and backward on every microbatch; the last stage has the loss.
             sharded_loss = pipeline.step(*inputs)
         else:
-            output = model(*inputs)
+            record = routing.Record()
+            with record if replayable else contextlib.nullcontext():
+                output = model(*inputs)
+            if replayable:  # every rank: the choices are gathered
+                references.replay.start(routing.by_replica(record.choices, where.replica), where.replica)
             whole = lay.full_output(ctx, where, output, args.get("output"))
             with lay.loss_context(ctx.plan):
                 sharded_loss = lay.loss(ctx, whole, batches[where.replica], sharded=True)
@@ -114,6 +121,17 @@ def run(ctx, check: ir.Check) -> Outcome:
         grads = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
 
         failed_before = len(tally.failures)
+        if replayable:
+            judged = references.replay.judge(K)
+            if judged.wrong:
+                tally.failures.append(f"step {step}: {judged.failure()}")
+                tally.worst[f"routing {judged.worst[0]}"] = (
+                    judged.worst[1],
+                    judged.worst[2],
+                    judged.worst[1] / judged.worst[2],
+                )
+            elif judged.note():
+                notes[f"step {step}"] = judged.note()
         truth, same = (torch.tensor([float(x[where.replica])], dtype=torch.float64) for x in losses)
         if sharded_loss is not None:  # (a pipeline's other stages have no loss)
             mine = torch.tensor([lay.value(sharded_loss)], dtype=torch.float64)
@@ -191,6 +209,7 @@ def run(ctx, check: ir.Check) -> Outcome:
         "resumed": resumed,
         "worst": table[:20],
         "failures": tally.failures[:20],
+        "routing": notes,
     }
     top = table[0] if table else {"tensor": "-", "ratio": 0.0}
     if tally.failures:
@@ -206,10 +225,15 @@ def run(ctx, check: ir.Check) -> Outcome:
         f"{args['steps']} steps on {replicas} match the unsharded model: loss, every gradient and the "
         f"{args['optimizer']} update ({references.precision}, truth {data['truth']}, {data['rule']}); "
         f"worst {top['ratio']:.2f} of the "
-        f"allowed error ({top['tensor']})" + (f"; {resumed}" if resumed else ""),
+        f"allowed error ({top['tensor']})" + (f"; {resumed}" if resumed else "") + _routing_note(notes),
         data,
         top["ratio"],
     )
+
+
+def _routing_note(notes: dict[str, str]) -> str:
+    """The replayed routing, for the message: the last step's note (each step's is in the data)."""
+    return f"; {list(notes.items())[-1][1]}" if notes else ""
 
 
 def one_kind(model) -> dict:

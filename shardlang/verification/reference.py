@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from ..runtime.helpers import whole
 from . import layout as lay
+from .routing import Replay, replay_under
 from .truth import Float64Kernels, run_forward_under
 
 #: How many times the reference's own rounding error a sharded result may be off by. A sharded run
@@ -148,6 +149,10 @@ class References:
         self.coarse: torch.nn.Module | None = None
         self.own_errors: dict[str, float] = {}
         self.own_loss_errors: list[float] = []
+        #: The sharded run's routing, which the computing references replay (routing.py).
+        self.replay = Replay()
+        for role, model in (("truth", truth), ("same", same)):
+            replay_under(model, self.replay, role)
 
     @classmethod
     def build(cls, ctx) -> References:
@@ -194,17 +199,18 @@ class References:
         """The computing references on every replica's inputs; each replica's loss, truth's then same's.
         With `microbatches`, a replica's loss is the mean of its microbatches' losses, as a pipeline's.
         A truth that fails in float64 becomes a float32 one, measured by a bfloat16 copy from then on."""
+        own = self.replay.replica
         try:
-            truth = _losses(ctx, self.truth, full, microbatches)
+            truth = _losses(ctx, self.truth, full, microbatches, replay=self.replay)
         except (RuntimeError, NotImplementedError) as error:
             if self.fallback is not None:
                 raise
             self._fall_back(error)
-            truth = _losses(ctx, self.truth, full, microbatches)
-        same = _losses(ctx, self.same, full, microbatches, cast=False)
+            truth = _losses(ctx, self.truth, full, microbatches, replay=self.replay)
+        same = _losses(ctx, self.same, full, microbatches, cast=False, replay=self.replay)
         if self.coarse is not None:
             try:
-                coarse = _losses(ctx, self.coarse, full, microbatches)
+                coarse = _losses(ctx, self.coarse, full, microbatches, replay=self.replay)
             except (RuntimeError, NotImplementedError) as error:
                 raise TruthUnavailable(
                     f"the truth is float32 ({self.fallback}), and its {COARSE} copy, which measures its "
@@ -216,6 +222,7 @@ class References:
                 for (name, t), c in zip(self.truth.named_parameters(), self.coarse.parameters())
                 if t.grad is not None and c.grad is not None
             }
+        self.replay.replica = own  # a later rerun (localise) runs this rank's own replica
         return truth, same
 
     def _fall_back(self, error: BaseException) -> None:
@@ -224,6 +231,8 @@ class References:
         self.fallback = f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
         self.truth = copy.deepcopy(self.optimizer).float()
         self.coarse = copy.deepcopy(self.optimizer).to(COARSE)
+        replay_under(self.truth, self.replay, "truth")
+        replay_under(self.coarse, self.replay, "coarse")
 
     def own_error(self, name: str) -> float:
         """The truth's own measured error in the gradient of `name` this step (0 for the float64 truth)."""
@@ -254,14 +263,17 @@ class TruthUnavailable(Exception):
     """No truth whose error is known: float64 failed, and so did the copy that measures float32's error."""
 
 
-def _losses(ctx, reference, full: list[tuple], microbatches: int, cast: bool = True) -> list[float]:
+def _losses(ctx, reference, full: list[tuple], microbatches: int, cast: bool = True, replay=None) -> list[float]:
     """Forward and backward of `reference` on every replica's inputs; each replica's loss. Each replica's
     share of the mean is a backward of its own, so its gradient is accumulated into `.grad` by itself, as
     each rank's gradient enters the reduction (the `reduce` hooks of emulate_mixed_precision round there).
-    `cast`: floating inputs in the reference's own dtype (the truths); else as they are (the sharded model's)."""
+    `cast`: floating inputs in the reference's own dtype (the truths); else as they are (the sharded model's).
+    `replay` is told which replica runs, so that its routing is that replica's (routing.py)."""
     reference.zero_grad(set_to_none=True)
     losses = []
-    for x in full:
+    for replica, x in enumerate(full):
+        if replay is not None:
+            replay.replica = replica
         loss = torch.stack(
             [
                 lay.loss(ctx, reference(*inputs_for(reference, mb, cast)), mb).to(torch.float64)
@@ -286,9 +298,14 @@ def emulate_mixed_precision(ctx, model) -> str:
     """Make `model` compute as the plan's fully_shard units do: parameter dtype per unit, inputs cast to it,
     outputs to `output`, and gradients reduced in `reduce` (each replica's gradient added to the sum so far
     and the sum rounded to `reduce`, as a reduction in that dtype rounds); the precision, in words."""
+    from ..compiler.float32 import float32_units
     from ..compiler.predict import units_by_module
 
     resolution = ctx.applied.linted.resolution
+    # Parameters the model keeps in float32, which the lowering gave float32 units of their own (their
+    # gradients reduced in the outer unit's `reduce`, and their inputs not cast: as those units do).
+    kept = float32_units(ctx.plan, resolution)
+    float32 = {id(t) for k in kept for t in model.get_submodule(k.module).parameters()}
     computes, reduces = set(), {}
     # Parents first, so a child unit's own policy wins over its parent's, as FSDP applies them.
     for fqn, unit in sorted(units_by_module(resolution).items(), key=lambda item: item[0].count(".") + bool(item[0])):
@@ -301,7 +318,8 @@ def emulate_mixed_precision(ctx, model) -> str:
             dtype = getattr(torch, policy.param.name)
             computes.add(dtype)
             for param in module.parameters():  # FSDP casts parameters, not buffers
-                param.data = param.data.to(dtype)
+                if id(param) not in float32:
+                    param.data = param.data.to(dtype)
             if policy.cast_forward_inputs:
                 module.register_forward_pre_hook(_cast_hook(dtype), with_kwargs=True)
         for param in module.parameters():
@@ -320,6 +338,8 @@ def emulate_mixed_precision(ctx, model) -> str:
         words = f"mixed precision: {', '.join(sorted(str(d).removeprefix('torch.') for d in computes))} compute"
     if coarser:
         words += f", {', '.join(sorted(str(d).removeprefix('torch.') for d in coarser))} reduce"
+    if kept:
+        words += f"; {len(kept)} module{'s' if len(kept) > 1 else ''} kept in float32 ({kept[0].why()})"
     return words
 
 

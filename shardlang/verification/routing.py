@@ -1,0 +1,229 @@
+"""The gradients check's routing replay (docs/checks.md, "Mixtures of experts"): the references send each
+token to the experts the sharded run sent it to, and a choice rounding cannot explain fails.
+
+A mixture of experts picks each token's experts with torch.topk over its router's scores (Mixtral, OLMoE,
+Qwen2-MoE, ERNIE-4.5-MoE, DeepSeek's two-stage group choice, torchtitan's). Where two experts' scores lie
+within rounding of each other, the sharded run (bfloat16, each rank's partial sums rounded) and an unsharded
+reference can choose differently, and a token sent to another expert moves whole rows of both experts'
+gradients, and the router's, by far more than rounding: on 2 x H200, ERNIE-4.5-MoE's correct plan failed so.
+So the check compares like with like: while the sharded model runs forward, each topk's indices are recorded
+(each replica's by its ranks), and while a reference runs forward on that replica's inputs, each topk
+returns those indices, its values gathered from the reference's own scores (gradients still flow through
+the reference's own router).
+
+Replaying could hide a router that scores wrong, so each forced choice is judged against the truth's own:
+where they differ, the truth scores its own choice above the forced one by `gap`. The sharded run's scores
+may be K times as far from the truth's as the same-precision reference's are (the check's rule), and a
+choice that far off can cost at most 2 k times that: a token whose gap is larger was routed wrong, and the
+check fails naming the module that called topk. A topk whose shape differs from the recorded one (a
+sequence split over ranks) is not replayed, and the report says how many were not.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from attrs import define, field, frozen
+from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
+
+TOPK = frozenset({torch.topk, torch.Tensor.topk})
+
+
+def replayable(plan) -> bool:
+    """Whether the sharded run's choices can be paired with the references' call by call: not when ranks hold
+    parts of the sequence or of the model (context parallelism, pipelines), nor under torch.compile (a mode
+    over a compiled region changes what it compiles). The same on every rank: the plan decides."""
+    return plan.pipeline is None and plan.context_parallel is None and not plan.compiles
+
+
+class Record(TorchFunctionMode):
+    """While active, the indices of every topk, in call order (None for a DTensor's: not replayed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.choices: list[torch.Tensor | None] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in TOPK:
+            indices = out[1]
+            self.choices.append(None if isinstance(indices, DTensor) else indices.detach().cpu())
+        return out
+
+
+def by_replica(choices: list, replica: int) -> dict[int, list]:
+    """Every replica's recorded choices, from the first rank computing it (ranks of one replica route alike:
+    their router's inputs are whole and equal after the reductions)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {replica: choices}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (replica, choices))
+    found: dict[int, list] = {}
+    for r, c in everyone:
+        found.setdefault(r, c)
+    return found
+
+
+@frozen
+class Seen:
+    """One replayed topk in one reference: the module that called it, its scores (the topk's input, on the
+    CPU), the forced indices and its own, along `dim`, `largest` as asked."""
+
+    module: str
+    scores: torch.Tensor
+    forced: torch.Tensor
+    own: torch.Tensor
+    dim: int
+    largest: bool
+
+
+@frozen
+class Judged:
+    """A step's replayed routing against the truth's own: tokens routed otherwise (`flipped`), those past
+    what rounding explains (`wrong`), the worst of those as (module, gap, allowed), and topk calls not
+    replayed (`unmatched`)."""
+
+    tokens: int
+    flipped: int
+    wrong: int
+    worst: tuple[str, float, float] | None
+    unmatched: int
+
+    def failure(self) -> str:
+        module, gap, allowed = self.worst
+        return (
+            f"{self.wrong} of {self.tokens} tokens routed by {module} to experts the unsharded model scores "
+            f"lower than its own choice by more than rounding explains (by {gap:.3g}, {gap / allowed:.3g} x the "
+            f"allowed {allowed:.3g}): the router's inputs or its scores differ"
+        )
+
+    def note(self) -> str:
+        """What the report says of a replay that passed ("" if every choice was the truth's own)."""
+        parts = []
+        if self.flipped:
+            parts.append(
+                f"{self.flipped} of {self.tokens} tokens routed otherwise than the truth would, within rounding "
+                "of a tie, replayed in the references"
+            )
+        if self.unmatched:
+            parts.append(f"{self.unmatched} topk calls not replayed (their shape differs from the sharded run's)")
+        return "; ".join(parts)
+
+
+@define
+class Replay:
+    """The sharded run's choices by replica, forced on the references' topk calls; what each reference saw."""
+
+    choices: dict[int, list] = field(factory=dict)
+    #: The replica whose inputs the references run on next (the check's loop sets it; localise runs this rank's).
+    replica: int = 0
+    seen: dict[tuple[str, int, int], Seen] = field(factory=dict)
+    unmatched: int = 0
+
+    def start(self, choices: dict[int, list], replica: int) -> None:
+        self.choices, self.replica, self.seen, self.unmatched = choices, replica, {}, 0
+
+    def forced(self, call: int) -> torch.Tensor | None:
+        mine = self.choices.get(self.replica, [])
+        return mine[call] if call < len(mine) else None
+
+    def judge(self, k_times: float) -> Judged:
+        """The truth's replayed choices, each against the truth's own and the same-precision reference's scores."""
+        tokens = flipped = wrong = 0
+        worst = None
+        for (role, replica, call), truth in sorted(self.seen.items()):
+            same = self.seen.get(("same", replica, call))
+            if role != "truth" or same is None:
+                continue
+            t, s = _rows(truth.scores, truth.dim, truth.largest), _rows(same.scores, truth.dim, truth.largest)
+            forced, own = _rows(truth.forced, truth.dim), _rows(truth.own, truth.dim)
+            differs = (forced.sort(-1).values != own.sort(-1).values).any(-1)
+            gap = t.gather(-1, own).sum(-1) - t.gather(-1, forced).sum(-1)
+            eps = torch.finfo(torch.float32).eps
+            allowed = 2 * forced.size(-1) * k_times * ((s - t).abs().amax(-1) + eps * t.abs().amax(-1))
+            bad = differs & (gap > allowed)
+            tokens, flipped, wrong = tokens + differs.numel(), flipped + int(differs.sum()), wrong + int(bad.sum())
+            if bool(bad.any()):
+                ratios = torch.where(bad, gap / allowed.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
+                at = int(ratios.argmax())
+                if worst is None or float(ratios[at]) > worst[1] / worst[2]:
+                    worst = (truth.module, float(gap[at]), float(allowed[at]))
+        return Judged(tokens, flipped, wrong, worst, self.unmatched)
+
+
+def _rows(tensor: torch.Tensor, dim: int, largest: bool = True) -> torch.Tensor:
+    """`tensor` with the topk's dim last and every other dim flattened into rows (scores as float64, negated
+    for a smallest-k choice so that a larger score is always the better)."""
+    rows = tensor.movedim(dim, -1).reshape(-1, tensor.size(dim))
+    if rows.is_floating_point():
+        rows = rows.double() if largest else -rows.double()
+    return rows
+
+
+class Forcing(TorchFunctionMode):
+    """While a reference runs forward: each topk returns the recorded indices, its values gathered from the
+    reference's own scores; what it saw is kept in the replay under `role`."""
+
+    def __init__(self, replay: Replay, role: str, names: dict[int, str]):
+        super().__init__()
+        self.replay, self.role, self.names = replay, role, names
+        self.calls = 0
+        self.stack: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func not in TOPK:
+            return out
+        call, self.calls = self.calls, self.calls + 1
+        forced = self.replay.forced(call)
+        if forced is None or tuple(forced.shape) != tuple(out[1].shape):
+            self.replay.unmatched += self.role == "truth"
+            return out
+        scores, dim, largest = _topk_args(args, kwargs)
+        forced = forced.to(out[1].device)
+        module = self.stack[-1] if self.stack else ""
+        seen = Seen(module, scores.detach().cpu(), forced.cpu(), out[1].detach().cpu(), dim, largest)
+        self.replay.seen[self.role, self.replay.replica, call] = seen
+        return torch.return_types.topk((torch.gather(scores, dim, forced), forced))
+
+    def enter(self, module, args) -> None:
+        self.stack.append(self.names.get(id(module), type(module).__name__))
+
+    def leave(self, module, args, output) -> None:
+        if self.stack:
+            self.stack.pop()
+
+
+def _topk_args(args, kwargs) -> tuple[torch.Tensor, int, bool]:
+    """topk(input, k, dim=-1, largest=True, sorted=True): its input, dim and largest."""
+    scores = args[0] if args else kwargs["input"]
+    dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+    largest = args[3] if len(args) > 3 else kwargs.get("largest", True)
+    return scores, dim % scores.dim(), largest
+
+
+def replay_under(model: torch.nn.Module, replay: Replay, role: str) -> None:
+    """Every call of `model` (its root forward) replays `replay`'s choices for its current replica, as `role`."""
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    forward = model.forward
+    names = {id(m): n for n, m in model.named_modules()}
+
+    @functools.wraps(forward)
+    def wrapped(*args, **kwargs):
+        if not replay.choices:
+            return forward(*args, **kwargs)
+        mode = Forcing(replay, role, names)
+        before, after = register_module_forward_pre_hook(mode.enter), register_module_forward_hook(mode.leave)
+        try:
+            with mode:
+                return forward(*args, **kwargs)
+        finally:
+            before.remove()
+            after.remove()
+
+    model.forward = wrapped
