@@ -189,3 +189,54 @@ def test_checkpoint_of_cuda_shards_loads_bitwise_under_other_plans(tmp_path):
     optimizer = torch.optim.Adam(model.parameters())
     load_checkpoint(model, directory, optimizer)
     assert_bitwise(jobs.full_state(model, optimizer), want, "one CPU process")
+
+
+# --- issue 39: a mixture of experts under bf16 on GPUs --------------------------------------------------------
+#
+# ERNIE-4.5-MoE with attention and its shared expert tensor parallel, its routed experts split by expert
+# (expert_parallel) and FSDP2 in bf16 passed on gloo CPU workers and failed on 2 x H200 at its routers
+# (1.53 x the allowed error) and experts (1.17 to 1.37 x), twice alike: tokens sent to other experts than
+# the reference sent them to. Its routers now stay float32 as transformers keeps them (compiler/float32.py)
+# and the references replay the sharded run's routing (verification/routing.py); a router gradient
+# summed over tp must still fail.
+ERNIE = "examples/families/ernie4_5_moe.py"
+ERNIE_PLAN = "tests/fixtures/families/ernie4_5_moe_ep_bf16.sl"
+ERNIE_ROUTER_FAULT = "tests/fixtures/families/ernie4_5_moe_router_allreduced.sl"
+needs_transformers = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("transformers") is None, reason="needs transformers: pip install -e '.[hf]'"
+)
+
+
+def apply_json(plan: str, model: str, checks: str = ALL_CHECKS) -> dict:
+    """`apply --json` on 2 GPUs, whatever its verdict: the report (a crash fails the test, saying why)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "shardlang", "apply", plan, model, "--device", "cuda", "--nproc", "2"]
+        + ["--verify", checks, "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    try:
+        return json.loads(done.stdout)
+    except json.JSONDecodeError:
+        pytest.fail(f"no report (exit {done.returncode}): {done.stdout[-2000:]}{done.stderr[-3000:]}")
+
+
+@needs_transformers
+def test_ernie_moe_tp_ep_bf16_passes_every_check_on_gpus():
+    report = apply_on_gpus(ERNIE_PLAN, ERNIE)
+    statuses = {c["check"]: c["status"] for c in report["checks"]}
+    assert report["device"] == "cuda (nccl)" and report["ok"], statuses
+    assert all(s == "pass" or (c, s) == ("comms", "reported") for c, s in statuses.items()), statuses
+    gradients = next(c for c in report["checks"] if c["check"] == "gradients")
+    assert "2 modules kept in float32" in gradients["message"], gradients["message"]
+    print(gradients["message"], gradients["data"].get("routing"))  # the replayed tokens, for the record (-s)
+
+
+@needs_transformers
+def test_ernie_moe_router_gradient_summed_over_tp_fails_on_gpus():
+    report = apply_json(ERNIE_ROUTER_FAULT, ERNIE, "gradients")
+    (check,) = report["checks"]
+    assert check["status"] == "fail", check["message"]
+    assert "(grad model.layers." in check["message"] and ".mlp.gate.weight)" in check["message"], check["message"]
