@@ -184,13 +184,14 @@ def test_the_plan_explains_with_its_all_to_alls():
 
 
 def test_fsdp_over_the_dim_the_experts_are_split_on_is_sl218(tmp_path):
-    """A dim that splits the experts cannot also shard units: said before any run, at the fully_shard block."""
+    """A dim that splits the experts cannot also shard units over a 2-D mesh (HSDP): said before any run, at
+    the fully_shard block. (`world.ep` alone or `world[dp*ep]` borrows it: tests/test_expert_layouts.py.)"""
     out = _lint_without_step(
         tmp_path,
-        "shardlang 1\nmesh world = cpu[ep=2]\nparallelize on world.ep {\n    model.layers.*.mlp.experts : expert_parallel\n}\n"
-        "fully_shard on world.ep {\n    each model.layers.*\n}\n",
+        "shardlang 1\nmesh world = cpu[dp=2, ep=2]\nparallelize on world.ep {\n    model.layers.*.mlp.experts : expert_parallel\n}\n"
+        "fully_shard on world[dp, ep] {\n    each model.layers.*\n}\n",
     )
-    assert "plan.sl:6:16: error[SL218] fully_shard on world.ep spreads over world.ep" in out, out
+    assert "plan.sl:6:16: error[SL218] fully_shard on world[dp, ep] spreads over world.ep" in out, out
     assert "the parallelize block: " in out and "plan.sl:3:16" in out
 
 

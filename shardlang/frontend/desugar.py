@@ -8,6 +8,11 @@ is already split on. So each such experts module gets its own unit, as torchtita
 gradients divided by the size of dp*ep instead of dp (the experts' gradients arrive summed over the ep
 ranks' tokens by the all-to-all's backward; the other parameters' are averaged over all dp*ep ranks). And
 the ep ranks train on different data: the style routes each rank's own tokens (`shared_batch=False`).
+
+`fully_shard on world.ep` beside the same rule, with ep the only data dim (torchtitan's `dp_shard = ep`),
+means what `world[dp*ep]` means with dp of size 1 (SPEC §12): nothing is left of the block's dims for the
+experts, so the mesh gets a dim of size 1 (`dp`, or a free name), outermost, as torchtitan's `efsdp` of
+size 1, and the experts' unit is over it with gradients divided by ep.
 """
 
 from __future__ import annotations
@@ -20,18 +25,27 @@ from .diagnostics import SL102, Diagnostic
 
 
 def borrowed_dims(plan: ir.Plan) -> dict[str, set[str]]:
-    """By mesh, the dims an `expert_parallel` rule splits that a flattened fully_shard or replicate mesh
-    also names: the ep dims whose ranks train on different data."""
-    flat = {}
+    """By mesh, the dims an `expert_parallel` rule splits that a fully_shard block also names, over a
+    flattened mesh (`world[dp*ep]`) or over that dim alone (`world.ep`, ep the only data dim): the ep dims
+    whose ranks train on different data. (A replicate block cannot borrow them: SL218.)"""
+    data = {}
     for block in plan.units:
-        if block.mesh.flat:
-            flat.setdefault(block.mesh.mesh, set()).update(block.mesh.dims)
+        if _borrows(block, set(block.mesh.dims)):
+            data.setdefault(block.mesh.mesh, set()).update(block.mesh.dims)
     found: dict[str, set[str]] = {}
     for block in plan.parallelize:
         dim = block.mesh.dims[0] if block.mesh.dims else None
-        if dim in flat.get(block.mesh.mesh, ()) and any(r.style.builtin == "expert_parallel" for r in block.rules):
+        if dim in data.get(block.mesh.mesh, ()) and any(r.style.builtin == "expert_parallel" for r in block.rules):
             found.setdefault(block.mesh.mesh, set()).add(dim)
     return found
+
+
+def _borrows(block: ir.Units, ep_dims: set[str]) -> bool:
+    """Whether a data-parallel block's mesh takes an ep dim's ranks: flattened with it, or a fully_shard
+    block over it alone."""
+    if block.kind != "fully_shard" or not set(block.mesh.dims) & ep_dims:
+        return False
+    return block.mesh.flat or len(block.mesh.dims) == 1
 
 
 def expert_units(plan: ir.Plan) -> tuple[ir.Plan, list[Diagnostic]]:
@@ -49,10 +63,12 @@ def expert_units(plan: ir.Plan) -> tuple[ir.Plan, list[Diagnostic]]:
             block = attrs.evolve(block, rules=rules)
         parallelize.append(block)
     units = []
+    meshes = {m.name: m for m in plan.meshes}
     for block in plan.units:
-        if block.kind == "fully_shard" and block.mesh.flat:
-            units += _experts_blocks(plan, block, borrowed.get(block.mesh.mesh, set()), found)
+        if _borrows(block, borrowed.get(block.mesh.mesh, set())):
+            units += _experts_blocks(plan, block, borrowed[block.mesh.mesh], meshes, found)
         units.append(block)
+    plan = attrs.evolve(plan, meshes=tuple(meshes.values()))
     return attrs.evolve(plan, parallelize=tuple(parallelize), units=tuple(units)), found
 
 
@@ -61,13 +77,15 @@ def _own_tokens(rule: ir.Rule) -> ir.Rule:
     return attrs.evolve(rule, style=style)
 
 
-def _experts_blocks(plan: ir.Plan, block: ir.Units, ep_dims: set[str], found: list) -> list[ir.Units]:
+def _experts_blocks(plan: ir.Plan, block: ir.Units, ep_dims: set[str], meshes: dict, found: list) -> list[ir.Units]:
+    """The experts' units for one data-parallel block that borrows the ep dims; `meshes` (by name) gets a
+    dim of size 1 where nothing is left of the block's dims for the experts."""
     made = []
     for parallel in plan.parallelize:
         dim = parallel.mesh.dims[0] if parallel.mesh.dims else None
         if parallel.mesh.mesh != block.mesh.mesh or dim not in ep_dims or dim not in block.mesh.dims:
             continue
-        rest = tuple(d for d in block.mesh.dims if d != dim)
+        rest = tuple(d for d in block.mesh.dims if d != dim) or (_one_rank_dim(meshes, block.mesh.mesh),)
         mesh = ir.MeshRef(block.mesh.mesh, rest, block.mesh.span, flat=len(rest) > 1)
         experts = [r for r in parallel.rules if r.style.builtin == "expert_parallel"]
         targets = [_joined(parallel.scope, r.target) for r in experts]
@@ -86,6 +104,22 @@ def _experts_blocks(plan: ir.Plan, block: ir.Units, ep_dims: set[str], found: li
         if units:
             made.append(ir.Units("fully_shard", mesh, units, block.options, False, block.span, divide_by=block.mesh))
     return made
+
+
+def _one_rank_dim(meshes: dict, name: str) -> str:
+    """The name of a dim of size 1 of mesh `name` for the experts' unit where ep is the only data dim (as
+    torchtitan's `efsdp` of size 1): its own `dp` of size 1, else one added outermost (`dp`, or a free
+    name), once a mesh."""
+    mesh = meshes[name]
+    ones = [d.name for d in mesh.dims if d.size == 1 and d.name in _ONE_RANK_NAMES]
+    if ones:
+        return ones[0]
+    free = next(n for n in _ONE_RANK_NAMES if n not in mesh.dim_names)
+    meshes[name] = attrs.evolve(mesh, dims=(ir.MeshDim(free, 1, mesh.span), *mesh.dims))
+    return free
+
+
+_ONE_RANK_NAMES = ("dp", "efsdp", "dp_experts")
 
 
 def _joined(scope, target):

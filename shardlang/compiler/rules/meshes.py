@@ -63,8 +63,9 @@ def tensor_and_data_dims(
     share their batch) and a `fully_shard` or `replicate` block also names (its ranks train on different
     data). FSDP2 and DDP cannot spread over a dim the tensors are already split on; torch fails at the first
     `fully_shard` ("Cannot concatenate overlapping meshes"). One diagnostic per data-parallel block.
-    The exception: a flattened mesh (`world[dp*ep]`) over a dim that only `expert_parallel` rules split,
-    whose experts get their own unit over the other dims (frontend.desugar)."""
+    The exception: a flattened mesh (`world[dp*ep]`), or a fully_shard block over that dim alone (ep the
+    only data dim, SPEC §12), over a dim that only `expert_parallel` rules split, whose experts get their
+    own unit over the other dims (frontend.desugar)."""
     split = {(b.mesh.mesh, dim): b for b in plan.parallelize for dim in b.mesh.dims}
     experts_only = {
         key
@@ -81,27 +82,46 @@ def tensor_and_data_dims(
         both = [
             dim
             for dim in unit.mesh.dims
-            if (unit.mesh.mesh, dim) in split and not (unit.mesh.flat and (unit.mesh.mesh, dim) in experts_only)
+            if (unit.mesh.mesh, dim) in split and not (_may_borrow(unit) and (unit.mesh.mesh, dim) in experts_only)
         ]
-        if not both:
-            continue
-        block = split[(unit.mesh.mesh, both[0])]
-        names = ", ".join(f"{unit.mesh.mesh}.{dim}" for dim in both)
-        found.append(
-            Diagnostic(
-                SL218,
-                f"{unit.kind} on {unit.mesh} spreads over {names}, which a parallelize block already splits the "
-                "tensors over",
-                unit.mesh.span,
-                (
-                    f"the parallelize block: {block.mesh.span.file}:{block.mesh.span.line}:{block.mesh.span.col}",
-                    "give data parallelism its own dim (`mesh world = auto[dp=auto, tp=2]`: parallelize on world.tp, "
-                    "fully_shard on world.dp); for experts that borrow data-parallel ranks, flatten the dims "
-                    "(`fully_shard on world[dp*ep]`)",
-                ),
-            )
-        )
+        if both:
+            found.append(_split_and_data(unit, both, split[(unit.mesh.mesh, both[0])], experts_only))
     return found
+
+
+def _split_and_data(unit: ir.Units, both: list[str], block: ir.Parallelize, experts_only: set) -> Diagnostic:
+    """SL218 for one data-parallel block; a replicate block over an ep dim says why it cannot borrow it."""
+    names = ", ".join(f"{unit.mesh.mesh}.{dim}" for dim in both)
+    where = f"the parallelize block: {block.mesh.span.file}:{block.mesh.span.line}:{block.mesh.span.col}"
+    if unit.kind == "replicate" and unit.mesh.flat and all((unit.mesh.mesh, d) in experts_only for d in both):
+        return Diagnostic(
+            SL218,
+            f"replicate on {unit.mesh} cannot borrow {names}, which expert_parallel splits the experts over: "
+            "DDP would average the gradients of different experts across its ranks",
+            unit.mesh.span,
+            (
+                where,
+                f"shard with FSDP instead (`fully_shard on {unit.mesh}`: the experts get their own unit, their "
+                "gradients averaged over every data rank), or replicate over the data dims alone",
+            ),
+        )
+    return Diagnostic(
+        SL218,
+        f"{unit.kind} on {unit.mesh} spreads over {names}, which a parallelize block already splits the tensors over",
+        unit.mesh.span,
+        (
+            where,
+            "give data parallelism its own dim (`mesh world = auto[dp=auto, tp=2]`: parallelize on world.tp, "
+            "fully_shard on world.dp); for experts that borrow data-parallel ranks, flatten the dims "
+            "(`fully_shard on world[dp*ep]`)",
+        ),
+    )
+
+
+def _may_borrow(unit: ir.Units) -> bool:
+    """A data-parallel block whose experts may borrow an ep dim's ranks: a fully_shard block over a
+    flattened mesh or over one dim (frontend.desugar)."""
+    return unit.kind == "fully_shard" and (unit.mesh.flat or len(unit.mesh.dims) == 1)
 
 
 def context_dims(plan: ir.Plan, resolution: Resolution, predictions: Predictions, shapes: Shapes) -> list[Diagnostic]:
