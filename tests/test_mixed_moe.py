@@ -155,7 +155,10 @@ def test_a_router_that_routes_wrong_fails_naming_it():
     """Every token sent to its two lowest-scored experts: no rounding explains that."""
     judged, recorded, _ = _routed(_others)
     assert judged.wrong > 0 and judged.worst[0] in ROUTERS, judged
-    assert re.search(r"routed by model\.layers\.\d\.mlp\.gate to experts", judged.failure())
+    assert re.search(
+        r"token routings \(tokens x routers\) wrong, worst by model\.layers\.\d\.mlp\.gate: to experts",
+        judged.failure(),
+    )
 
 
 def test_a_tie_within_rounding_is_replayed_not_failed():
@@ -208,8 +211,6 @@ def test_ernie_router_gradient_summed_over_tp_fails_naming_the_router(pools):
     report = _apply(pools, PLANTED)
     (check,) = report.checks
     assert check.status == "fail", check.message
-    assert re.match(
-        r"worst [\d.]+ x the allowed error \(grad model\.layers\.\d\.mlp\.gate\.weight\)", check.message
-    )
+    assert re.match(r"worst [\d.]+ x the allowed error \(grad model\.layers\.\d\.mlp\.gate\.weight\)", check.message)
     failing = {re.search(r"gradient of (\S+):", f).group(1) for f in check.data["failures"] if "gradient of" in f}
     assert failing == {f"{router}.weight" for router in ROUTERS}, check.data["failures"]

@@ -95,7 +95,8 @@ class Judged:
     def failure(self) -> str:
         module, gap, allowed = self.worst
         return (
-            f"{self.wrong} of {self.tokens} tokens routed by {module} to experts the unsharded model scores "
+            f"{self.wrong} of {self.tokens} token routings (tokens x routers) wrong, worst by {module}: to experts "
+            "the unsharded model scores "
             f"lower than its own choice by more than rounding explains (by {gap:.3g}, {gap / allowed:.3g} x the "
             f"allowed {allowed:.3g}): the router's inputs or its scores differ"
         )
@@ -105,8 +106,8 @@ class Judged:
         parts = []
         if self.flipped:
             parts.append(
-                f"{self.flipped} of {self.tokens} tokens routed otherwise than the truth would, within rounding "
-                "of a tie, replayed in the references"
+                f"{self.flipped} of {self.tokens} token routings (tokens x routers) otherwise than the truth's, "
+                "within rounding of a tie, replayed in the references"
             )
         if self.unmatched:
             parts.append(f"{self.unmatched} topk calls not replayed (their shape differs from the sharded run's)")
