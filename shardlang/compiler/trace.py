@@ -57,17 +57,7 @@ CPU_LIMIT = 2**28
 def _run(model: nn.Module, example_input: Callable, device: str) -> tuple[str, ...]:
     inputs = example_input(BATCH, torch.Generator().manual_seed(0))
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
-    with torch.device("meta"):
-        copy_ = copy.deepcopy(model).to("meta")
-    if device != "meta":
-        copy_ = copy_.to_empty(device=device)
-        generator = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for tensor in [*copy_.parameters(), *copy_.buffers()]:
-                if tensor.is_floating_point():
-                    tensor.normal_(0, 0.02, generator=generator)
-                else:
-                    tensor.zero_()
+    copy_ = random_copy(model, device)
     seen: dict[str, None] = {}
     hooks = [
         module.register_forward_pre_hook(lambda _m, _a, name=name: seen.setdefault(name))
@@ -80,6 +70,24 @@ def _run(model: nn.Module, example_input: Callable, device: str) -> tuple[str, .
         for hook in hooks:
             hook.remove()
     return tuple(seen)
+
+
+def random_copy(model: nn.Module, device: str) -> nn.Module:
+    """A copy of `model` (which may be on meta) on `device`: on meta as it is, elsewhere with random values
+    (floating tensors drawn from N(0, 0.02) under a fixed seed, the others zero)."""
+    with torch.device("meta"):
+        copy_ = copy.deepcopy(model).to("meta")
+    if device == "meta":
+        return copy_
+    copy_ = copy_.to_empty(device=device)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for tensor in [*copy_.parameters(), *copy_.buffers()]:
+            if tensor.is_floating_point():
+                tensor.normal_(0, 0.02, generator=generator)
+            else:
+                tensor.zero_()
+    return copy_
 
 
 def _describe(error: Exception) -> str:

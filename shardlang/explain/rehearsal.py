@@ -36,6 +36,7 @@ from ..launch import raised
 from ..runtime.apply import SIMULATED, apply_plan
 from ..runtime.modelfile import ModelFile
 from ..runtime.simulated import in_fork, placed_as, simulated_world
+from .mixing import with_context_mixing
 from .simulate import named_mesh_dims, on_cpu
 from .stepping import cut_stack, repeated_stack
 
@@ -69,7 +70,7 @@ def rehearse(
     status, result = in_fork(lambda: _rehearse_here(plan, model, model_file, world_size, stack), timeout_s)
     if status != "ok":
         return Rehearsal((), f"the training step could not be simulated: {result}")
-    return result
+    return with_context_mixing(result, plan, model, model_file, resolution, timeout_s)  # SL223
 
 
 def _rehearse_here(plan, model, model_file, world_size, stack) -> Rehearsal:

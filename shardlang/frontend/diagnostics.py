@@ -80,6 +80,10 @@ class Code(enum.Enum):
         Severity.ERROR,
         "lint's simulated training step hands a module with whole plain parameters a piece of its input: partial gradients nothing sums",
     )
+    SL223 = (
+        Severity.ERROR,
+        "context parallelism over a model with a module that mixes positions outside the attention it splits",
+    )
     SL300 = (Severity.ERROR, "apply failed (the model is left exactly as it was)")
     SL301 = (
         Severity.ERROR,
@@ -142,6 +146,7 @@ class Code(enum.Enum):
     SL220,
     SL221,
     SL222,
+    SL223,
     SL300,
     SL301,
     SL400,
