@@ -222,7 +222,10 @@ def _failure(result, checks) -> tuple[Diagnostic, ...]:
                 SL400,
                 f"first disagreement: module '{where['module']}' ({where['class']}){call}, its {where['what']}",
                 spans[0] if spans else None,
-                tuple(f"{s['what']}: {s['file']}:{s['line']}:{s['col']}: {s['text']}" for s in statements[1:])
+                (
+                    *where.get("help", ()),
+                    *(f"{s['what']}: {s['file']}:{s['line']}:{s['col']}: {s['text']}" for s in statements[1:]),
+                )
                 or ("no plan statement governs this module itself; look at the rules around it",),
                 label=statements[0]["what"] if statements else "",
             )

@@ -24,12 +24,20 @@ first record over CLEAR is named. Forward is looked at first, in the order modul
 backward, in the order its gradients arrived. When every activation and activation gradient agrees,
 the module holding the parameter with the worst gradient is named: its parameter's gradient is wrong
 although everything flowing through it is right (a missing reduction).
+
+Two findings name another module than the record's. Where the record named is an input made by code that
+is no module's, from the output of a module a parallelize rule places that agrees gathered whole, the
+model's own code split that output (a packed weight's `chunk` or `view`) and each rank's slice is not
+the part the split expects: that rule's module is named, and `packed_colwise(parts=N)` suggested where a
+replay with the output so laid out makes the input agree (`_split_after`). Under context parallelism,
+where module outputs hold shards of the sequence and are not compared, a module outside the split
+attention whose output at a position depends on others (compiler.rules.positions, on the truth) is
+named before any parameter (`_mixing_positions`).
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
 from typing import Any
 
 import torch
@@ -37,7 +45,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from . import layout as lay
+from .recording import Recording, plain_name, record
 from .reference import K, inputs_for
+
+__all__ = ["governing", "localise", "plain_name"]
 
 #: How far beyond the gradients check's tolerance a record must be for a fault to be evident in its
 #: direction: activations of a correct plan sit near the tolerance more often than parameters'
@@ -48,8 +59,8 @@ CLEAR = 4.0
 #: for the module to have added an error of its own rather than passed one on (each tensor's tolerance
 #: is its own reference's rounding, so an error a module merely carries keeps about its ratio).
 GROWTH = 2.0
-#: Module names that wrappers insert and the unsharded model does not have.
-WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
+#: The part counts a packed output is tried with, when the model's own code splits a rule's output.
+PARTS = (2, 3, 4)
 
 
 def localise(ctx, references, inputs: tuple, where, args: dict, failing_params: list[str]) -> dict[str, Any] | None:
@@ -59,12 +70,16 @@ def localise(ctx, references, inputs: tuple, where, args: dict, failing_params: 
     if ctx.pipeline is not None:
         return _by_parameter(ctx, failing_params)
     if ctx.plan.context_parallel is not None:
-        # each rank's modules see its shard of the sequence, the reference's the whole: not comparable
+        # each rank's modules see its shard of the sequence, the reference's the whole: not comparable; a
+        # module outside the split attention that mixes positions computes from part of the sequence
+        mixing = _mixing_positions(ctx, references.truth, inputs)
+        if mixing is not None:
+            return mixing
         return _by_parameter(ctx, failing_params, "(context parallelism: module outputs hold shards of the sequence)")
     try:
-        sharded = _record(ctx.model, lambda m, stop: _sharded_step(ctx, m, inputs, where, args, stop))
-        truth = _record(references.truth, lambda m, stop: _reference_step(ctx, m, inputs, stop))
-        same = _record(references.same, lambda m, stop: _reference_step(ctx, m, inputs, stop))
+        sharded = record(ctx.model, lambda m, stop: _sharded_step(ctx, m, inputs, where, args, stop))
+        truth = record(references.truth, lambda m, stop: _reference_step(ctx, m, inputs, stop))
+        same = record(references.same, lambda m, stop: _reference_step(ctx, m, inputs, stop))
     finally:
         ctx.model.zero_grad(set_to_none=True)
     group = _tp_group(ctx, where)
@@ -85,6 +100,11 @@ def localise(ctx, references, inputs: tuple, where, args: dict, failing_params: 
         if named is not None:
             key, ratio = named
             call, _, role = key.partition(" ")
+            if not backward and role.startswith("in"):
+                agreeing = {k for (k, _), r in zip(records, ratios) if r is not None and r <= 1.0}
+                split = _split_after(ctx, sharded, key, agreeing, (want, rounding), (inputs, where, args, group))
+                if split is not None:
+                    return split
             what = _WHAT[backward, role.split()[0]]
             if backward and role == "out":
                 # A gradient given wrong, that no module sent back wrong: the loss's (where it is the first
@@ -169,6 +189,108 @@ def _by_parameter(ctx, failing_params: list[str], why: str = "") -> dict[str, An
     return found
 
 
+def _split_after(ctx, sharded: Recording, key: str, agreeing: set[str], wanted, step) -> dict[str, Any] | None:
+    """Where a module's input, made by code that is no module's, is the first record that disagrees, and
+    that code made it from the output of a module a parallelize rule places, which agrees as a whole: the
+    model's own code splits that output (a `chunk` of packed [gate; up], a `view` of packed [q; k; v]) and
+    each rank's slice is not the part the split expects. That rule is named (not the module its pieces
+    reach, whose own rules are not at fault), and `packed_colwise(parts=N)` suggested where replaying the
+    forward with the output so laid out makes the input agree. None when no such rule made it."""
+    resolution = ctx.applied.linted.resolution
+    ruled = {m.fqn for m in resolution.rules}
+    made_from = [c for c in sharded.sources(key) if c.rpartition("#")[0] in ruled and f"{c} out" in agreeing]
+    if not made_from:
+        return None
+    call = made_from[-1]  # the nearest
+    consumer = key.partition(" ")[0].rpartition("#")[0]
+    what = (
+        f"output, which agrees gathered whole, but which the model's own code splits before it reaches "
+        f"'{consumer}', whose input disagrees: each rank's slice of it is not the part that split expects"
+    )
+    found = _found(ctx, call, what, None)
+    parts = _packed_parts(ctx, call.rpartition("#")[0], key, wanted, step)
+    found["help"] = [
+        f"packed_colwise(parts={parts}) gives each rank its slice of every one of the {parts} parts: replayed "
+        f"with its output so laid out, the input of '{consumer}' agrees"
+        if parts is not None
+        else f"laid out as packed_colwise(parts={', '.join(map(str, PARTS))}) lays it out, the input of '{consumer}' "
+        "disagrees too: the code that splits it expects another layout of each rank's slice, or the whole output "
+        "(a head count read from the model's config, say)"
+    ]
+    return found
+
+
+def _packed_parts(ctx, fqn: str, key: str, wanted, step) -> int | None:
+    """The part count N (of PARTS) for which the forward, replayed with module `fqn`'s output laid out as
+    `packed_colwise(parts=N)` lays it out (each TP rank's slice of every part, from its output gathered),
+    gives the input recorded as `key` that agrees with the truth; None if none does. Every rank replays."""
+    inputs, where, args, group = step
+    module = next((m for name, m in ctx.model.named_modules() if plain_name(name) == fqn), None)
+    want, rounding = wanted
+    if group is None or module is None or key not in want:
+        return None
+    for parts in PARTS:
+        handle = module.register_forward_hook(lambda _m, _a, out, parts=parts: _as_packed(out, parts, group))
+        try:
+            replayed = record(ctx.model, lambda m, stop: _forward_only(ctx, m, inputs, where, args))
+        finally:
+            handle.remove()
+        got = [t for k, t in replayed.flows if k == key]
+        if not _same_everywhere(len(got)) or not got:
+            return None
+        (ratio,) = _largest_anywhere([_ratio(_all_readings(got, group)[0], want[key], rounding.get(key), K)])
+        if ratio is not None and ratio <= 1.0:
+            return parts
+    return None
+
+
+def _as_packed(output, parts: int, group):
+    """A module's local output as `packed_colwise(parts)` would leave it on this rank: gathered whole over
+    `group` (along its last dim) and cut into this rank's slice of each part; as it is where it cannot be."""
+    ranks = dist.get_world_size(group)
+    if isinstance(output, DTensor) or not isinstance(output, torch.Tensor):
+        return output
+    pieces = [torch.empty_like(output) for _ in range(ranks)]
+    dist.all_gather(pieces, output.contiguous(), group=group)
+    whole = torch.cat(pieces, dim=-1)
+    if whole.shape[-1] % (parts * ranks):
+        return output
+    cut = whole.unflatten(-1, (parts, ranks, whole.shape[-1] // (parts * ranks)))
+    return cut.select(-2, dist.get_rank(group)).flatten(-2)
+
+
+def _forward_only(ctx, model, inputs, where, args) -> None:
+    with torch.no_grad(), lay.modules_eagerly(ctx.plan):
+        model(*lay.local_inputs(inputs, where, args.get("input")))
+
+
+def _mixing_positions(ctx, truth, inputs: tuple) -> dict[str, Any] | None:
+    """Under context parallelism, the first module outside the attention it splits whose output at a
+    position depends on other positions (compiler.rules.positions, run on the truth: every rank finds the
+    same), at the context_parallel statement and the rules governing it; None when there is none."""
+    from ..compiler.rules.positions import position_mixers
+
+    split = ctx.applied.linted.resolution.context
+    mixers = position_mixers(truth, inputs_for(truth, inputs), split)
+    if not mixers:
+        return None
+    what = (
+        "output, which at each position depends on other positions of the sequence: context_parallel splits "
+        "the sequence, and only the attention it names sees the whole of it"
+    )
+    found = _found(ctx, f"{mixers[0]}#1", what, None)
+    cp = ctx.plan.context_parallel
+    found["statements"].insert(
+        0,
+        _statement(
+            ctx.plan,
+            cp.span,
+            f"context_parallel, which runs it on each rank's shard alone (it splits only {', '.join(split)})",
+        ),
+    )
+    return found
+
+
 def _same_everywhere(count: int) -> bool:
     largest, negated = lay.largest_everywhere([count, -count])
     return int(largest) == -int(negated)
@@ -179,104 +301,6 @@ def _largest_anywhere(ratios: list[float | None]) -> list[float | None]:
     rank that returned early while another went on reading would leave it waiting forever)."""
     values = lay.largest_everywhere([-1.0 if r is None else min(r, 1e300) for r in ratios])
     return [None if v < 0 else v for v in values]
-
-
-class _Recording:
-    def __init__(self):
-        self.flows: list[tuple[str, torch.Tensor]] = []  # forward: what each call was given, and its output
-        self.grads: list[tuple[str, torch.Tensor]] = []  # backward: in the order the gradients arrived
-        self.forward = True
-        self.calls: Counter = Counter()
-        self.running: dict[int, list[str]] = {}  # id(module) -> the keys of its calls still running
-        self.made: dict[int, tuple[str, torch.Tensor]] = {}  # id(output view) -> (the call, the view)
-        self.passes: dict[str, str] = {}  # a call -> the call whose output it returned unchanged
-
-    def innermost(self, call: str) -> str:
-        """The innermost call whose output `call` returned unchanged (a model's root returning its output
-        layer's), or `call` itself."""
-        while call in self.passes:
-            call = self.passes[call]
-        return call
-
-    def flow(self, key: str, tensor: torch.Tensor, replace: bool = True) -> torch.Tensor:
-        """Record `tensor` under `key` and return it as a new identity view whose gradient is recorded as it
-        passes: the view is what flows on, so its gradient is this path's alone (a tensor that feeds two
-        modules gets two views) and arrives before any hook downstream of it changes it. Where it cannot
-        replace the tensor (`replace` false), the gradient is recorded at the tensor itself."""
-        tapped = tensor.view_as(tensor) if replace else tensor
-        if self.forward:
-            self.flows.append((key, tensor.detach()))
-            if tapped.requires_grad:
-                tapped.register_hook(lambda grad: self.grads.append((key, grad.detach())))
-        return tapped
-
-
-def _record(model, step) -> _Recording:
-    """Run `step(model, stop)` with hooks at both ends of every module call (see the module's docstring);
-    `stop()` ends the forward phase (a recomputation under activation checkpointing is not recorded, but
-    takes the same views, so that it replays the same operations)."""
-    recording = _Recording()
-    handles = []
-    for name, module in model.named_modules():
-        name = plain_name(name)
-        # First of its pre-hooks (before a style's or FSDP's change the inputs), last of its hooks.
-        handles.append(module.register_forward_pre_hook(_given(recording, name), prepend=True, with_kwargs=True))
-        handles.append(module.register_forward_hook(_made(recording)))
-    try:
-        step(model, lambda: setattr(recording, "forward", False))
-    finally:
-        for handle in handles:
-            handle.remove()
-    return recording
-
-
-def _given(recording: _Recording, name: str):
-    """The pre-hook: each floating-point tensor the call was given (positional or keyword) is recorded."""
-
-    def hook(module, args, kwargs):
-        key = name
-        if recording.forward:
-            recording.calls[name] += 1
-            key = f"{name}#{recording.calls[name]}"
-        recording.running.setdefault(id(module), []).append(key)
-        slots = [*enumerate(args), *kwargs.items()]
-        floats = [(slot, v) for slot, v in slots if isinstance(v, torch.Tensor) and v.is_floating_point()]
-        if not floats:
-            return None
-        args, kwargs = list(args), dict(kwargs)
-        for slot, value in floats:
-            tapped = recording.flow(f"{key} in {slot}", value)
-            if isinstance(slot, int):
-                args[slot] = tapped
-            else:
-                kwargs[slot] = tapped
-        return tuple(args), kwargs
-
-    return hook
-
-
-def _made(recording: _Recording):
-    """The forward hook: the call's output (its first floating-point tensor) is recorded."""
-
-    def hook(module, args, output):
-        key = recording.running[id(module)].pop()
-        tensor = _first_tensor(output)
-        if tensor is None:
-            return None
-        if recording.forward and id(tensor) in recording.made:
-            recording.passes[key] = recording.made[id(tensor)][0]
-        if output is tensor:
-            tapped = recording.flow(f"{key} out", tensor)
-            recording.made[id(tapped)] = (key, tapped)  # kept alive with it: ids are not reused meanwhile
-            return tapped
-        if type(output) in (tuple, list) and any(item is tensor for item in output):
-            tapped = recording.flow(f"{key} out", tensor)
-            recording.made[id(tapped)] = (key, tapped)
-            return type(output)(tapped if item is tensor else item for item in output)
-        recording.flow(f"{key} out", tensor, replace=False)  # a dict, a ModelOutput, a nested tensor
-        return None
-
-    return hook
 
 
 def _sharded_step(ctx, model, inputs, where, args, stop) -> None:
@@ -298,24 +322,6 @@ def _reference_step(ctx, model, inputs, stop) -> None:
     stop()
     lay.loss(ctx, output, inputs).backward()
     model.zero_grad(set_to_none=True)
-
-
-def plain_name(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
-
-
-def _first_tensor(value) -> torch.Tensor | None:
-    """The first floating-point tensor of a module's output (a tensor, a tuple, a dict or a ModelOutput)."""
-    if isinstance(value, torch.Tensor):
-        return value if value.is_floating_point() else None
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (tuple, list)):
-        for item in value:
-            found = _first_tensor(item)
-            if found is not None:
-                return found
-    return None
 
 
 def _tp_group(ctx, where):
