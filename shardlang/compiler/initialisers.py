@@ -3,10 +3,13 @@
 Without METHOD, each module that has one gets the model's own per-module initialiser, children before
 parents: a Hugging Face model's `_init_weights(module)`, else `reset_parameters`, else `_reset_parameters`.
 With `init meta with METHOD`, METHOD is called once on each outermost module that defines it (the root, for
-transformers' `init_weights` or torchtitan's `init_states`), and must initialise that module's whole
+transformers' `init_weights` or torchtitan's `init_states`), which initialises that module's whole
 subtree: such methods recurse into their children, and calling them again on a descendant would only
-repeat the work (on a CPU mesh, on shards it cannot tell apart). Descendants of a module METHOD is called
-on are not called again.
+repeat the work (on a CPU mesh, on shards it cannot tell apart). What the call did decides whether it is
+called again below: where it left parameters of the subtree unwritten (a per-module method, such as
+torchtitan's `_init_self_parameters`, which every module of its tree defines, the root too), it is called
+on each descendant that defines it and still holds unwritten parameters, parents before children
+(`calls_below`; the runtime tells what a call wrote from the parameters' version counters).
 
 Lint (SL209), apply (runtime.helpers.init_on_mesh, which the printed program pastes with this) ask the
 same questions here. Duck-typed: no torch import.
@@ -23,7 +26,7 @@ def initialiser(root, module, method=None):
         found = getattr(module, method, None)
         if not callable(found):
             return None
-        return (lambda: (forget_initialised(module.modules()), found())) if hugging_face else found
+        return (lambda: as_built(module, found)) if hugging_face else found
     if hugging_face:
         # A transformers PreTrainedModel: its _init_weights(module) initialises each module as
         # from_config would (normal(0, initializer_range) for linears and embeddings, ones for norms,
@@ -61,6 +64,38 @@ def initialisation_calls(root, method=None):
 
     visit(root)
     return calls
+
+
+def calls_below(root, module, method, unwritten):
+    """After METHOD on `module` left parameters below it unwritten (a method that sets only its module's own
+    parameters, such as torchtitan's `_init_self_parameters`, is defined on every module of the tree, the
+    root too): METHOD on each module below that defines it, parents before children, each called only if
+    `unwritten(descendant)` still holds when its turn comes. A generator: the caller makes each call before
+    asking for the next. (module, call, True) as initialisation_calls gives them."""
+    for child in module.children():
+        if not unwritten(child):
+            continue
+        call = initialiser(root, child, method)
+        if call is not None:
+            yield child, call, True
+        yield from calls_below(root, child, method, unwritten)
+
+
+def as_built(module, method) -> None:
+    """Call a transformers module's `method` as on the model as it was built. Its flags of modules initialised
+    are forgotten (forget_initialised), and it is told it is the code it was built as: fully_shard makes a
+    unit's class a subclass of its own, defined in torch (FSDPModernBertForMaskedLM), which transformers'
+    `is_custom_code()` reads as a user's code, and then skips initialising every module with no parameters of
+    its own (ModernBERT's attention, whose `_init_weights` sets its linears' std)."""
+    forget_initialised(module.modules())
+    built = next(c for c in type(module).__mro__ if not c.__module__.startswith("torch."))
+    if built is type(module) or not callable(getattr(built, "is_custom_code", None)):
+        return method()
+    module.is_custom_code = built.is_custom_code
+    try:
+        return method()
+    finally:
+        del module.is_custom_code
 
 
 def is_hugging_face(root) -> bool:
