@@ -71,6 +71,25 @@ def test_fully_shard_over_the_ep_dim_alone_borrows_it_as_world_dp_times_ep_with_
     assert len(shared.units) == 1 and shared.parallelize[0].rules[0].style.get("shared_batch") is None
 
 
+def test_experts_get_one_unit_whatever_the_number_of_blocks_that_borrow_their_dim(tmp_path):
+    """Two fully_shard blocks over the ep dim (or `world[dp*ep]`), the first for the model's ends: the experts
+    get one unit, with the options of the block whose unit is above them (not one each, SL201); lint passes."""
+    import shardlang
+
+    for mesh, data in (("ep=4", "world.ep"), ("dp=1, ep=4", "world[dp*ep]")):
+        ends = f"fully_shard on {data} {{\n    unit model.norm, lm_head\n    root = false\n}}\n\n"
+        text = _plan(mesh, f"fully_shard on {data}").replace(
+            "    each model.layers.*\n", "    each model.layers.*\n    reshard_after_forward = false\n"
+        )
+        text = text.replace(f"fully_shard on {data}", ends + f"fully_shard on {data}", 1)
+        plan = shardlang.loads(text)
+        experts = [b for b in plan.units if b.divide_by is not None]
+        assert len(experts) == 1 and [str(u.target) for u in experts[0].units] == ["model.layers.*.mlp.experts"]
+        assert dict(experts[0].options)["reshard_after_forward"] is False, experts[0].options
+        done = _lint(tmp_path, text)
+        assert done.returncode == 0 and "SL201" not in done.stdout, done.stdout + done.stderr
+
+
 def test_lint_takes_fully_shard_over_the_ep_dim_alone_and_keeps_sl218_where_it_cannot_borrow(tmp_path):
     """Not SL218 with only expert_parallel on ep (nor for Mixtral's tp beside it); SL218 at the block's mesh
     where a non-expert rule splits ep too, and for replicate over a flattened mesh with ep in it (DDP would

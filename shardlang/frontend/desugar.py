@@ -64,9 +64,10 @@ def expert_units(plan: ir.Plan) -> tuple[ir.Plan, list[Diagnostic]]:
         parallelize.append(block)
     units = []
     meshes = {m.name: m for m in plan.meshes}
+    borrowing = [b for b in plan.units if _borrows(b, borrowed.get(b.mesh.mesh, set()))]
     for block in plan.units:
-        if _borrows(block, borrowed.get(block.mesh.mesh, set())):
-            units += _experts_blocks(plan, block, borrowed[block.mesh.mesh], meshes, found)
+        if any(b is block for b in borrowing):
+            units += _experts_blocks(plan, block, borrowing, borrowed[block.mesh.mesh], meshes, found)
         units.append(block)
     plan = attrs.evolve(plan, meshes=tuple(meshes.values()))
     return attrs.evolve(plan, parallelize=tuple(parallelize), units=tuple(units)), found
@@ -77,20 +78,24 @@ def _own_tokens(rule: ir.Rule) -> ir.Rule:
     return attrs.evolve(rule, style=style)
 
 
-def _experts_blocks(plan: ir.Plan, block: ir.Units, ep_dims: set[str], meshes: dict, found: list) -> list[ir.Units]:
-    """The experts' units for one data-parallel block that borrows the ep dims; `meshes` (by name) gets a
-    dim of size 1 where nothing is left of the block's dims for the experts."""
+def _experts_blocks(
+    plan: ir.Plan, block: ir.Units, borrowing: list[ir.Units], ep_dims: set[str], meshes: dict, found: list
+) -> list[ir.Units]:
+    """The experts' units that one data-parallel block borrowing the ep dims owns (of all the `borrowing`
+    blocks, each experts target gets one unit: _owner); `meshes` (by name) gets a dim of size 1 where
+    nothing is left of the block's dims for the experts."""
     made = []
     for parallel in plan.parallelize:
         dim = parallel.mesh.dims[0] if parallel.mesh.dims else None
         if parallel.mesh.mesh != block.mesh.mesh or dim not in ep_dims or dim not in block.mesh.dims:
             continue
+        candidates = [b for b in borrowing if b.mesh.mesh == block.mesh.mesh and dim in b.mesh.dims]
         rest = tuple(d for d in block.mesh.dims if d != dim) or (_one_rank_dim(meshes, block.mesh.mesh),)
         mesh = ir.MeshRef(block.mesh.mesh, rest, block.mesh.span, flat=len(rest) > 1)
         experts = [r for r in parallel.rules if r.style.builtin == "expert_parallel"]
         targets = [_joined(parallel.scope, r.target) for r in experts]
         for rule, target in zip(experts, targets):
-            if target is None:
+            if target is None and candidates[0] is block:
                 found.append(
                     Diagnostic(
                         SL102,
@@ -100,10 +105,26 @@ def _experts_blocks(plan: ir.Plan, block: ir.Units, ep_dims: set[str], meshes: d
                         help=(f"scope the parallelize block with a pattern, or fully_shard them over {mesh} yourself",),
                     )
                 )
-        units = tuple(ir.Unit(t, block.options, t.span) for t in targets if t is not None)
+        mine = [t for t in targets if t is not None and _owner(candidates, t) is block]
+        units = tuple(ir.Unit(t, block.options, t.span) for t in mine)
         if units:
             made.append(ir.Units("fully_shard", mesh, units, block.options, False, block.span, divide_by=block.mesh))
     return made
+
+
+def _owner(blocks: list[ir.Units], target: s.Pattern) -> ir.Units:
+    """Of the blocks that borrow an ep dim, the one whose options the experts' unit of `target` takes: the
+    first with a unit over a module above the experts (a pattern whose segments start theirs, `*` standing
+    for any), else the first with a root unit, else the first. (A unit of the experts for each block would
+    make them a unit twice, SL201.)"""
+
+    def above(unit: ir.Unit) -> bool:
+        head = unit.target.segments if isinstance(unit.target, s.Pattern) else None
+        if head is None or len(head) > len(target.segments):
+            return False
+        return all(a == b or a == "*" for a, b in zip(head, target.segments))
+
+    return next((b for b in blocks if any(above(u) for u in b.units)), next((b for b in blocks if b.root), blocks[0]))
 
 
 def _one_rank_dim(meshes: dict, name: str) -> str:
