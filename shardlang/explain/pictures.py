@@ -44,13 +44,25 @@ def ranks_text(ranks: Sequence[int]) -> str:
     return ",".join(parts)
 
 
+def _starred(name: str) -> str:
+    """`name` with its integer path segments as `*` (layers.0.attention.wq -> layers.*.attention.wq)."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", name)
+
+
+def _unit(t: TensorInfo, n: int) -> str:
+    """The fully_shard unit that gathers `t` (for a collapsed row, its name starred as the row's is)."""
+    if t.unit is None:
+        return "-"
+    return _starred(t.unit) if n > 1 else t.unit
+
+
 def grouped(tensors: Sequence[TensorInfo]) -> list[tuple[str, TensorInfo, int]]:
     """Rows for the table: tensors that differ only in integer path segments (layers.0, layers.1, ...)
     collapse into one row named with `*`, with how many it stands for."""
     rows: dict[tuple, list] = {}
     for t in tensors:
         key = (
-            re.sub(r"(?<=\.)\d+(?=\.)|^\d+(?=\.)", "*", t.name),
+            _starred(t.name),
             t.kind,
             t.shape,
             t.dtype,
@@ -76,6 +88,7 @@ def render_text(e: Explanation, console: Console, pattern: str | None = None) ->
         ("placements", "left"),
         ("local", "right"),
         ("bytes", "right"),
+        ("unit", "left"),
     ):
         table.add_column(column, justify=justify)
     for name, t, n in grouped(tensors):
@@ -86,6 +99,7 @@ def render_text(e: Explanation, console: Console, pattern: str | None = None) ->
             t.layout,
             shape_text(t.local_shape),
             size(t.local_bytes),
+            _unit(t, n),
         )
     console.print(table)
 
