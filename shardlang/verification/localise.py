@@ -26,7 +26,7 @@ the module holding the parameter with the worst gradient is named: its parameter
 although everything flowing through it is right (a missing reduction).
 
 Two findings name another module than the record's. Where the record named is an input made by code that
-is no module's, from the output of a module a parallelize rule places that agrees gathered whole, the
+is no module's, cut from the output of a module a parallelize rule places that agrees gathered whole, the
 model's own code split that output (a packed weight's `chunk` or `view`) and each rank's slice is not
 the part the split expects: that rule's module is named, and `packed_colwise(parts=N)` suggested where a
 replay with the output so laid out makes the input agree (`_split_after`). Under context parallelism,

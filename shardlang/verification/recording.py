@@ -18,6 +18,8 @@ import torch
 
 #: The most autograd nodes walked back from a module's input to the module outputs it was made from.
 SOURCES_WALKED = 100_000
+#: The autograd nodes of ops that take part of a tensor (by the start of their names).
+CUTS = ("Split", "UnsafeSplit", "Unbind", "Slice", "Select", "Narrow", "Chunk", "Index")
 #: Module names that wrappers insert and the unsharded model does not have.
 WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
 
@@ -38,18 +40,22 @@ class Recording:
         self.given_nodes: dict[str, Any] = {}  # an input's key -> the autograd node that made it
 
     def sources(self, key: str) -> list[str]:
-        """The calls whose outputs the input recorded as `key` was made from by code that is no module's
-        (the autograd graph from it back to the nearest recorded outputs), in flow order."""
-        seen, found, stack = set(), set(), [self.given_nodes.get(key)]
+        """The calls whose outputs the input recorded as `key` was cut from by code that is no module's: in
+        the autograd graph from it back to the nearest recorded outputs, those reached through an op that
+        takes part of a tensor (a `chunk`, `split`, `unbind`, slice or index: CUTS), in flow order. An
+        output that reaches the input only through whole-tensor ops (a residual sum) is not one."""
+        seen, found, stack = set(), set(), [(self.given_nodes.get(key), False)]
         while stack and len(seen) < SOURCES_WALKED:
-            node = stack.pop()
-            if node is None or node in seen:
+            node, cut = stack.pop()
+            if node is None or (node, cut) in seen:
                 continue
-            seen.add(node)
+            seen.add((node, cut))
             if node in self.producers:
-                found.add(self.producers[node])
+                if cut:
+                    found.add(self.producers[node])
                 continue
-            stack += [next_ for next_, _ in node.next_functions]
+            cut = cut or node.name().startswith(CUTS)
+            stack += [(next_, cut) for next_, _ in node.next_functions]
         return [call for call in dict.fromkeys(self.producers.values()) if call in found]
 
     def innermost(self, call: str) -> str:
