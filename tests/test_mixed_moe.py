@@ -244,3 +244,44 @@ def test_a_tie_routed_otherwise_moves_gradients_far_beyond_rounding_unless_repla
             errors[replayed, name] = float((sharded.get_parameter(name).grad.double() - want).norm() / want.norm())
     assert all(errors[False, name] > 0.1 for _, name in errors), errors
     assert all(errors[True, name] < 0.03 for _, name in errors), errors
+
+
+def dtypes_in_forward(plan_text: str) -> dict[str, dict[str, str]]:
+    """Run on every rank: ERNIE under the plan, applied by shardlang and by its printed program, one forward
+    each; the dtype the router's and an attention projection's weights had while they ran."""
+    from examples.families.common import example_input
+    from examples.families.ernie4_5_moe import build_model
+    from shardlang.runtime.apply import apply_plan
+
+    plan = shardlang.loads(plan_text)
+    with torch.device("meta"):
+        code = plan.to_python(build_model(), 2)
+    namespace: dict = {}
+    exec(compile(code, "<emitted>", "exec", dont_inherit=True), namespace)
+    torch.manual_seed(0)
+    applied = plan.build(build_model)
+    apply_plan(plan, applied)
+    torch.manual_seed(0)
+    printed = namespace["build"](build_model)
+    namespace["apply_plan"](printed)
+    found = {}
+    for how, model in (("apply", applied), ("printed", printed)):
+        seen = found.setdefault(how, {})
+        for name in ("model.layers.0.mlp.gate", "model.layers.0.self_attn.o_proj"):
+            model.get_submodule(name).register_forward_pre_hook(_note_dtype(seen, name))
+        model(example_input(2, torch.Generator().manual_seed(0)))
+    return found
+
+
+def _note_dtype(seen: dict, name: str):
+    def hook(module, args) -> None:
+        seen[name] = str(module.weight.dtype)
+
+    return hook
+
+
+@pytest.mark.distributed
+def test_the_router_computes_in_float32_applied_and_printed(pools):
+    found = pools(2).run(dtypes_in_forward, PLAN.read_text())[0]
+    want = {"model.layers.0.mlp.gate": "torch.float32", "model.layers.0.self_attn.o_proj": "torch.bfloat16"}
+    assert found == {"apply": want, "printed": want}, found
