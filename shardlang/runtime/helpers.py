@@ -341,11 +341,18 @@ def parameter_versions(owners, originals):
     """What a call may write among `owners`' parameters: (store, name, tensor there now, its version, the
     parameter it stands for: the DTensor in `originals`, else itself)."""
     return [
-        (owner._parameters, name, tensor, tensor._version, originals.get(id(tensor), tensor))
+        (owner._parameters, name, tensor, versions(tensor), originals.get(id(tensor), tensor))
         for owner in owners
         for name, tensor in owner._parameters.items()
         if tensor is not None
     ]
+
+
+def versions(tensor):
+    """A tensor's version counter, and a DTensor's shard's too: a call that writes `to_local()` moves only
+    the shard's."""
+    local = getattr(tensor, "_local_tensor", None)
+    return tensor._version, None if local is None else local._version
 
 
 def written_since(before):
@@ -353,7 +360,7 @@ def written_since(before):
     return {
         id(original)
         for store, name, tensor, version, original in before
-        if store.get(name) is not tensor or tensor._version != version
+        if store.get(name) is not tensor or versions(tensor) != version
     }
 
 

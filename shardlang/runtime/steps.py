@@ -447,6 +447,7 @@ STEPS: dict[type, StepType] = {
             helpers.shard_on_cpu,
             helpers.shards_on_cpu,
             helpers.made_whole,
+            helpers.versions,
             helpers.parameter_versions,
             helpers.written_since,
             helpers.run_initialiser,
