@@ -149,3 +149,26 @@ def test_lint_command_reports_sl223_from_its_step(capsys, monkeypatch):
     status = main(["lint", plan, "examples/families/jamba.py", "--world", "4", "--format", "json"])
     found = [(d["code"], d["line"]) for d in json.loads(capsys.readouterr().out)]
     assert (status, found) == (1, [("SL223", 11)])
+
+
+def test_an_input_is_traced_to_the_outputs_it_was_cut_from_not_those_it_sums_whole():
+    """Recording.sources, which the split finding rests on: an input made by a `chunk` of a module's output
+    is traced to that module; one that only adds that output whole (a residual) is not, so that a rule
+    whose output merely flows into a wrong sum is not blamed for it."""
+    from torch import nn
+
+    from shardlang.verification.recording import record
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.packed, self.act, self.proj, self.norm = nn.Linear(4, 8), nn.SiLU(), nn.Linear(4, 4), nn.LayerNorm(4)
+
+        def forward(self, x):
+            gate, up = self.packed(x).chunk(2, dim=-1)
+            return self.norm(x + self.proj(self.act(gate) * up))
+
+    recording = record(Block(), lambda model, stop: model(torch.randn(2, 4)).sum().backward())
+    assert recording.sources("act#1 in 0") == ["packed#1"]
+    assert recording.sources("proj#1 in 0") == ["packed#1"]  # up cut from packed; act's output only multiplied
+    assert recording.sources("norm#1 in 0") == []  # proj's output and x, summed whole
