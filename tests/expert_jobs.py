@@ -362,3 +362,17 @@ def run_with_one_rank_units_divided_twice(job):
         return run(job)
     finally:
         helpers.divide_gradients = kept
+
+
+def run_with_experts_blind_to_replicate(job):
+    """`launch.job.run(job)` with the experts' forward blind to the DTensors DDP's replicate rebuilds from
+    their local parameters for each forward (left as DTensors beside the local rows): a planted fault."""
+    from shardlang.launch.job import run
+    from shardlang.runtime import experts
+
+    kept = experts._rebuilt_by_replicate
+    experts._rebuilt_by_replicate = lambda module: {}
+    try:
+        return run(job)
+    finally:
+        experts._rebuilt_by_replicate = kept

@@ -107,7 +107,7 @@ def test_lint_takes_fully_shard_over_the_ep_dim_alone_and_keeps_sl218_where_it_c
         "plan.sl:9:14: error[SL218] replicate on world[dp*ep] cannot borrow world.ep, which expert_parallel "
         "splits the experts over" in replicated.stdout
     ), replicated.stdout
-    assert "`fully_shard on world[dp*ep]`" in replicated.stdout
+    assert "`fully_shard on world[dp*ep]`" in replicated.stdout and "replicate over world.dp alone" in replicated.stdout
 
 
 def _job(tmp_path, name: str, text: str, model: str):
@@ -176,3 +176,21 @@ def test_mixtral_borrows_every_data_rank_beside_tensor_parallelism(tmp_path, poo
         mesh = "dp=1, ep=2, tp=2" if name == "flat" else "ep=2, tp=2"
         job = _job(tmp_path, name, _plan(mesh, data, tp=True), MIXTRAL)
         _passes(pools(4).run(run, job)[0], 2)
+
+
+@pytest.mark.distributed
+def test_experts_under_replicate_over_the_data_dim_beside_them(tmp_path, pools):
+    """`replicate on world.dp` beside expert_parallel on world.ep (the alternative SL218 names for a
+    flattened replicate) at world 4 on Qwen2-MoE: the ep ranks share their batch, DDP averages each
+    expert's gradient over its dp replicas, and every check passes. Planted: the experts' forward blind to
+    the DTensors DDP rebuilds for each forward, which raised at apply before (mixed torch.Tensor and
+    DTensor): the run raises there, at the experts' rule."""
+    from shardlang.launch.failures import WorkerError
+    from shardlang.launch.job import run
+
+    job = _job(tmp_path, "replicate", _plan("dp=2, ep=2", "replicate on world.dp"), QWEN2_MOE)
+    _passes(pools(4).run(run, job)[0], 2)
+    with pytest.raises(WorkerError, match="mixed torch.Tensor and DTensor") as raised:
+        pools(4).run(expert_jobs.run_with_experts_blind_to_replicate, job)
+    where = [d.message for d in raised.value.diagnostics]
+    assert any("raised in module 'model.layers.0.mlp.experts'" in m for m in where), where

@@ -312,15 +312,19 @@ def _on_local_experts(module, per_rank: int, rows, local_forward, *args, **kwarg
     from torch.distributed.tensor import DTensor
 
     kept = {name: p for name, p in module._parameters.items() if isinstance(p, DTensor)}
+    loose = _rebuilt_by_replicate(module)
     count = getattr(module, "num_experts", None)
-    local = dict(zip(kept, LocalViews.apply(*kept.values()))) if kept else {}
+    both = [*kept.values(), *loose.values()]
+    local = dict(zip([*kept, *loose], LocalViews.apply(*both))) if both else {}
     try:
-        module._parameters.update(local)
+        module._parameters.update({name: local[name] for name in kept})
+        module.__dict__.update({name: local[name] for name in loose})
         if count is not None:
             module.num_experts = per_rank
         out = local_forward(rows, *args, **kwargs)
     finally:
         module._parameters.update(kept)
+        module.__dict__.update(loose)
         if count is not None:
             module.num_experts = count
     if not rows.shape[0] and torch.is_grad_enabled():
@@ -329,6 +333,15 @@ def _on_local_experts(module, per_rank: int, rows, local_forward, *args, **kwarg
         # would reduce with the other ranks' real ones).
         out = out + rows.sum() * 0 + sum(p.sum() * 0 for p in local.values() if p.requires_grad)
     return out
+
+
+def _rebuilt_by_replicate(module) -> dict:
+    """The DTensors set as plain attributes of `module` in place of its parameters: DDP's replicate keeps
+    DTensor parameters as local ones and, for each forward, sets DTensors rebuilt from them as attributes
+    (torch.distributed.tensor.parallel.ddp), which the experts' own forward must see as their local shards."""
+    from torch.distributed.tensor import DTensor
+
+    return {name: t for name, t in vars(module).items() if isinstance(t, DTensor)}
 
 
 def _counted_expert_parallel_forward(local_forward, experts, mesh):

@@ -102,7 +102,8 @@ def _split_and_data(unit: ir.Units, both: list[str], block: ir.Parallelize, expe
             (
                 where,
                 f"shard with FSDP instead (`fully_shard on {unit.mesh}`: the experts get their own unit, their "
-                "gradients averaged over every data rank), or replicate over the data dims alone",
+                f"gradients averaged over every data rank), or replicate over {_others(unit.mesh, both)} alone "
+                "(the ep ranks then share their batch)",
             ),
         )
     return Diagnostic(
@@ -116,6 +117,12 @@ def _split_and_data(unit: ir.Units, both: list[str], block: ir.Parallelize, expe
             "(`fully_shard on world[dp*ep]`)",
         ),
     )
+
+
+def _others(ref: ir.MeshRef, dims: list[str]) -> str:
+    """The mesh ref of `ref`'s dims but `dims`, as a plan writes it (`world.dp`, `world[dp*cp]`)."""
+    rest = tuple(d for d in ref.dims if d not in dims)
+    return str(ir.MeshRef(ref.mesh, rest, ref.span, flat=len(rest) > 1)) if rest else "the other data dims"
 
 
 def _may_borrow(unit: ir.Units) -> bool:
