@@ -47,10 +47,16 @@ class Peak:
         return dict(self.categories).get(name, 0)
 
 
-def recording_fake_mode(recorder):
+def recording_fake_mode(recorder, stand_ins: StandIns | None = None):
     """A FakeTensorMode (non-fake inputs allowed) that also notes each collective on `recorder` (a
-    verification.comms.Calls): one dispatch mode instead of two."""
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    verification.comms.Calls): one dispatch mode instead of two. With `stand_ins` (lint's step), an op
+    fake tensors cannot run runs on stand-ins instead of raising (StandIns)."""
+    from torch._subclasses.fake_tensor import (
+        DataDependentOutputException,
+        DynamicOutputShapeException,
+        FakeTensor,
+        FakeTensorMode,
+    )
 
     plain = (FakeTensor, torch.Tensor, nn.Parameter)  # the types FakeTensorMode runs itself
 
@@ -62,9 +68,107 @@ def recording_fake_mode(recorder):
                 # such misses in the 80-layer step).
                 return NotImplemented
             recorder.note(func, args)
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            if stand_ins is not None and func in GROUPED_MM and stand_ins.refused_dtype(args):
+                run = super().__torch_dispatch__
+                return stand_ins.in_bf16(lambda a, k: run(func, types, a, k), args, kwargs or {})
+            try:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            except (DynamicOutputShapeException, DataDependentOutputException):
+                if stand_ins is None:
+                    raise
+                return stand_ins.run(self, func, args, kwargs or {})
 
     return RecordingFakeMode(allow_non_fake_inputs=True)
+
+
+#: The ops whose output's size depends on their input's values where a stand-in of ones (a mask all true)
+#: is a value the input may have: what follows is a run the model could make. Every other data-dependent op
+#: (`.item()`, `unique`, `bincount`, ...) gets a value the model may never see, and what follows is a guess.
+WHOLE_MASK = frozenset({"aten::nonzero", "aten::masked_select", "aten::argwhere"})
+GROUPED_MM = frozenset({torch.ops.aten._grouped_mm.default})
+
+
+@frozen
+class StandIn:
+    """One op that fake tensors could not run, run on stand-ins by module `module` (its name, None
+    outside every module); `sound`: on values its input may have (WHOLE_MASK)."""
+
+    op: str
+    module: str | None
+    sound: bool
+
+
+class StandIns:
+    """Lint's step runs through what fake tensors cannot run, rather than reporting the model's code as the
+    plan's fault: an op whose output depends on its input's values (`nonzero` in transformers' experts loop,
+    `.item()`) runs on real tensors of ones of its inputs' shapes, its output made fake again (so every
+    expert is hit, by every token); `torch._grouped_mm` in float32, which the meta kernel refuses as CUDA's
+    does (CPU's takes it), runs in bf16 and is cast back. Each is kept (`seen`) for the step's note, and
+    `guessed` tells whether one gave a value the model may never see, after which a failure is no finding.
+    `where()` names the module running."""
+
+    def __init__(self, where=None):
+        self.where = where or (lambda: None)
+        self.seen: list[StandIn] = []
+        self.float32_grouped_mm: list[str | None] = []
+
+    @property
+    def guessed(self) -> bool:
+        return any(not s.sound for s in self.seen)
+
+    def clear(self) -> None:
+        self.seen.clear()
+        self.float32_grouped_mm.clear()
+
+    def run(self, mode, func, args, kwargs):
+        """`func` on real tensors: each fake argument's values where fake tensors kept them (a constant),
+        else ones of its shape and dtype; its tensors made fake again, keeping their values (nonzero's
+        indices, which the experts loop reads back), as fake tensors keep a small tensor's."""
+        from torch.utils._pytree import tree_map
+
+        name = func._schema.name
+        self.seen.append(StandIn(name, self.where(), name in WHOLE_MASK))
+
+        def real(x):
+            if not _fake(x):
+                return x
+            return x.constant if x.constant is not None else torch.ones(x.shape, dtype=x.dtype)
+
+        result = func(*tree_map(real, args), **tree_map(real, kwargs))
+        converter = mode.fake_tensor_converter
+        return tree_map(
+            lambda x: converter.from_real_tensor(mode, x, make_constant=True) if isinstance(x, torch.Tensor) else x,
+            result,
+        )
+
+    @staticmethod
+    def refused_dtype(args) -> bool:
+        return any(t.is_floating_point() and t.dtype != torch.bfloat16 for t in _tensors(args))
+
+    def in_bf16(self, call, args, kwargs):
+        """`call(args, kwargs)` with their floating tensors in bf16, its output cast back to the first's
+        dtype (where `out_dtype` names none)."""
+        from torch.utils._pytree import tree_map
+
+        self.float32_grouped_mm.append(self.where())
+        dtype = kwargs.get("out_dtype") or next(t.dtype for t in _tensors(args) if t.is_floating_point())
+        return call(tree_map(_bf16, args), tree_map(_bf16, kwargs)).to(dtype)
+
+
+def _bf16(x):
+    return x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+
+def _tensors(args) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    return [a for a in tree_leaves(args) if isinstance(a, torch.Tensor)]
+
+
+def _fake(x) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor)
 
 
 def warm_adamw(model: nn.Module) -> torch.optim.Optimizer:
