@@ -9,14 +9,20 @@ hit, at the plan line of the rule governing the module where it happens.
   layer's output left sharded), or the loss raises.
 - SL222: a module that no rule governs, with whole plain parameters, receives a piece of what the unsharded
   model hands it (a sequence or head shard): its parameters' gradients are each rank's share of a sum that
-  nothing adds up. (A DTensor parameter's Partial gradient is not one: DTensor sums it where it is used.)
+  nothing adds up. (A DTensor parameter's Partial gradient is not one: DTensor sums it where it is used. Nor
+  is a cp rank's shard of the sequence under context_parallel where a fully_shard or replicate unit over the
+  cp dim holds the module: it sums the shards' shares, SPEC §11; such a module is compared with what the
+  unsharded model hands it on that shard.)
 
 It runs in a forked child (runtime.simulated.in_fork: the command's process stays without a process group,
 and a step that hangs costs its diagnostics, not the command), as rank 0 of the world, on the model cut to
 two blocks of its longest stack of identical blocks (explain's cut) when it has one; a failure there is
 confirmed on the whole model before it is reported. A pipelined plan is applied once per pp rank and
 stepped stage by stage from the meta model, as explain steps it (SL220 only). The fake tensors hold no values: what depends on them
-(a label out of range, a NaN) is left to apply's checks.
+(a label out of range, a NaN) is left to apply's checks. What fake tensors cannot run is not the plan's fault:
+an op whose output depends on values (transformers' experts loop, `nonzero`; a model's own `.item()`) and
+torch._grouped_mm in float32 run on stand-ins (fakestep.StandIns), said in the note; a failure after a
+stand-in gave a value the model may never see is a note too, left to apply's checks.
 """
 
 from __future__ import annotations
@@ -83,12 +89,12 @@ def _rehearse_here(plan, model, model_file, world_size, stack) -> Rehearsal:
         model = _as_apply_builds_it(plan, model, model_file)
         if stack is not None and len(stack[1]) > BLOCKS:
             path, keys = stack
-            found, ran = _step(simulated, cut_stack(model, path, keys[:BLOCKS]), model_file)
+            found, ran, notes = _step(simulated, cut_stack(model, path, keys[:BLOCKS]), model_file)
             if not found:
                 note = f"one training step simulated at {whole} on {BLOCKS} of the {len(keys)} blocks of `{path}`"
-                return Rehearsal((), note, ran)
-        found, ran = _step(simulated, copy.deepcopy(model), model_file)  # confirmed on the whole model
-    return Rehearsal(tuple(found), f"one training step simulated at {whole}", ran)
+                return Rehearsal((), "; ".join((note, *notes)), ran)
+        found, ran, notes = _step(simulated, copy.deepcopy(model), model_file)  # confirmed on the whole model
+    return Rehearsal(tuple(found), "; ".join((f"one training step simulated at {whole}", *notes)), ran)
 
 
 def _pipelined(plan: ir.Plan, model: nn.Module, model_file: ModelFile, world_size: int) -> Rehearsal:
@@ -140,58 +146,155 @@ def _as_apply_builds_it(plan: ir.Plan, model: nn.Module, model_file: ModelFile) 
         return model
 
 
-def _step(plan: ir.Plan, model: nn.Module, model_file: ModelFile) -> tuple[list[Diagnostic], bool]:
-    """Apply `plan` to `model` and run one forward, loss and backward on fake tensors: what went wrong, and
-    whether the backward ran."""
+def _step(plan: ir.Plan, model: nn.Module, model_file: ModelFile) -> tuple[list[Diagnostic], bool, tuple[str, ...]]:
+    """Apply `plan` to `model` and run one forward, loss and backward on fake tensors: what went wrong,
+    whether the backward ran, and notes on what fake tensors could not run (StandIns)."""
     from ..verification import Context
     from ..verification import layout as lay
     from ..verification.comms import Calls
-    from .fakestep import idle_conversions, quiet, recording_fake_mode
+    from .fakestep import StandIns, idle_conversions, quiet, recording_fake_mode
 
     reference = copy.deepcopy(model)
     try:
         applied = apply_plan(plan, model, mode=SIMULATED)
     except PlanError as e:  # what lint finds once `use` styles are run (SL203/SL204), or a step that fails
-        return list(e.diagnostics), False
+        return list(e.diagnostics), False, ()
     ctx = Context(plan, applied, model_file)
-    gradients = next((c for c in plan.checks if c.name == "gradients"), None)
-    input_layout = gradients.get("input") if gradients is not None else None
-    output_layout = gradients.get("output") if gradients is not None else None
-    with quiet("torch._subclasses.fake_tensor"), recording_fake_mode(Calls()), idle_conversions():
+    stand_ins = StandIns()
+    with quiet("torch._subclasses.fake_tensor"), recording_fake_mode(Calls(), stand_ins), idle_conversions():
         where = lay.layout(ctx)
         full = lay.replica_inputs(ctx, -1, where.replica, 2 * max(where.tp_size, 1))
-        if _on_meta(reference):
-            reference.to_empty(device="cpu")
-        try:  # the unsharded model's shapes, for what SL221 and SL222 compare with
-            with Watch(reference) as unsharded, torch.no_grad():
-                expected = reference(*full)
-            shapes = {n: tuple(t.shape) for n, t in reference.named_parameters()}
-        except Exception:  # noqa: BLE001 - a kernel fake tensors cannot run unsharded (grouped_mm in float32)
-            expected, shapes, unsharded = None, {}, Watch(reference)
+        expected, shapes, unsharded = _unsharded(ctx, reference, full)
+        stand_ins.clear()  # the reference's own
         sharded = applied.model
         if _on_meta(sharded):
             sharded.to_empty(device="cpu")
-        inputs = lay.local_inputs(full, where, input_layout)
-        with Watch(sharded, unsharded.received, shapes) as watch:
-            try:
-                output = sharded(*inputs)
-            except Exception as e:  # noqa: BLE001 - the step's failure is the finding
-                return [_raised_in(ctx, watch, e, "forward")], False
-            mismatch = _shard_of(output, expected)
-            if mismatch is not None and not isinstance(output_layout, ir.Shard):
-                return [_loss_diagnostic(ctx, watch, f"the loss is handed {mismatch}")], False
-            try:
-                whole = lay.full_output(ctx, where, output, output_layout)
-                with lay.loss_context(plan):
-                    loss = lay.loss(ctx, whole, full)
-            except Exception as e:  # noqa: BLE001
-                return [_loss_diagnostic(ctx, watch, f"the loss raises: {raised.summary(e)}")], False
-            try:
-                with lay.loss_context(plan):
-                    loss.backward()
-            except Exception as e:  # noqa: BLE001
-                return [_raised_in(ctx, watch, e, "backward")], False
-    return _partial_gradients(ctx, watch), True
+        with Watch(sharded, unsharded, shapes) as watch:
+            stand_ins.where = watch.running
+            found, ran = _forward_backward(ctx, watch, full, expected)
+    if found and stand_ins.guessed:  # what raised may come of a value the model never sees
+        return [], False, (_after_guess(stand_ins, found[0]),)
+    return (_partial_gradients(ctx, watch) if ran else found), ran, _stood_in(stand_ins)
+
+
+def _gradients(plan: ir.Plan, option: str):
+    """The gradients check's `input=` or `output=` layout (None where it gives none)."""
+    gradients = next((c for c in plan.checks if c.name == "gradients"), None)
+    return gradients.get(option) if gradients is not None else None
+
+
+def _forward_backward(ctx, watch: Watch, full: tuple, expected: Any) -> tuple[list[Diagnostic], bool]:
+    """The sharded model's forward on this rank's share of the whole inputs `full`, the loss and the
+    backward, inside `watch`: what went wrong, and whether the backward ran."""
+    from ..verification import layout as lay
+
+    plan, where = ctx.plan, lay.layout(ctx)
+    output_layout = _gradients(plan, "output")
+    try:
+        output = ctx.model(*lay.local_inputs(full, where, _gradients(plan, "input")))
+    except Exception as e:  # noqa: BLE001 - the step's failure is the finding
+        return [_raised_in(ctx, watch, e, "forward")], False
+    mismatch = _shard_of(output, expected)
+    if mismatch is not None and not isinstance(output_layout, ir.Shard):
+        return [_loss_diagnostic(ctx, watch, f"the loss is handed {mismatch}")], False
+    try:
+        whole = lay.full_output(ctx, where, output, output_layout)
+        with lay.loss_context(plan):
+            loss = lay.loss(ctx, whole, full)
+    except Exception as e:  # noqa: BLE001
+        return [_loss_diagnostic(ctx, watch, f"the loss raises: {raised.summary(e)}")], False
+    try:
+        with lay.loss_context(plan):
+            loss.backward()
+    except Exception as e:  # noqa: BLE001
+        return [_raised_in(ctx, watch, e, "backward")], False
+    return [], True
+
+
+def _unsharded(ctx, reference: nn.Module, full: tuple) -> tuple[Any, dict[str, tuple], dict[str, tuple]]:
+    """The unsharded model's output, its parameters' shapes, and what each of its modules received, for
+    what SL221 and SL222 compare with. Under context_parallel a module whose gradients a data-parallel block
+    over the cp dim reduces is compared with what the unsharded model hands it on this rank's shard of the
+    sequence (each cp rank's gradient is its shard's share, and that block sums the shares), any other with
+    the whole sequence's; the output with the shard's under `output = local`."""
+    if _on_meta(reference):
+        reference.to_empty(device="cpu")
+    try:
+        with Watch(reference) as unsharded, torch.no_grad():
+            expected = reference(*full)
+        shapes = {n: tuple(t.shape) for n, t in reference.named_parameters()}
+    except Exception:  # noqa: BLE001 - a kernel fake tensors cannot run unsharded
+        return None, {}, {}
+    cp = ctx.plan.context_parallel
+    if cp is None:
+        return expected, shapes, unsharded.received
+    try:
+        with Watch(reference) as sharded, torch.no_grad():
+            on_shard = reference(*_sequence_shard(ctx, full))
+    except Exception:  # noqa: BLE001 - compared with the whole sequence's, as without context_parallel
+        return expected, shapes, unsharded.received
+    summed = _reduced_over(ctx, cp.mesh)
+    received = {n: sharded.received.get(n, got) if summed(n) else got for n, got in unsharded.received.items()}
+    return (expected if cp.whole_output else on_shard), shapes, received
+
+
+def _sequence_shard(ctx, full: tuple) -> tuple:
+    """This rank's shard of every sequence-shaped input, as context_parallel's hook cuts it."""
+    from ..runtime.context import along_sequence, split_sequence
+
+    cp = ctx.plan.context_parallel
+    mesh = ctx.applied.mesh(cp.mesh)
+    ranks, rank = mesh.size(), mesh.get_local_rank()
+    cut, _ = along_sequence(full, lambda x: split_sequence(x, 1, ranks, rank, cp.balanced))
+    return cut
+
+
+def _reduced_over(ctx, mesh: ir.MeshRef):
+    """fqn -> whether the fully_shard or replicate unit holding module `fqn` reduces its gradients over the
+    (one) dim of `mesh`."""
+    from ..compiler.predict import enclosing, units_by_module
+
+    units = units_by_module(ctx.applied.linted.resolution)
+
+    def summed(fqn: str) -> bool:
+        unit = enclosing(fqn, units)
+        block = ctx.plan.units[unit.block].mesh if unit is not None else None
+        return block is not None and block.mesh == mesh.mesh and mesh.dims[0] in block.dims
+
+    return summed
+
+
+def _stood_in(stand_ins) -> tuple[str, ...]:
+    """The step's notes on what it ran on stand-ins (fakestep.StandIns)."""
+    notes = []
+    for sound, how in ((True, "masks all true"), (False, "tensors of ones where fake tensors held no value")):
+        seen = [s for s in stand_ins.seen if s.sound == sound]
+        if seen:
+            ops = ", ".join(sorted({s.op.removeprefix("aten::") for s in seen}))
+            notes.append(f"{ops} {_in_modules(s.module for s in seen)} read tensor values: the step ran on {how}")
+    if stand_ins.float32_grouped_mm:
+        notes.append(
+            f"torch._grouped_mm ran in float32 {_in_modules(stand_ins.float32_grouped_mm)}, as CPU's kernel takes "
+            "it (CUDA's takes only bf16: mixed_precision(param=bf16) on their units, or "
+            "config._experts_implementation = 'eager')"
+        )
+    return tuple(notes)
+
+
+def _in_modules(names) -> str:
+    """`in a, b` for the modules named (None: in a backward, outside every module's forward)."""
+    named = sorted({n for n in names if n is not None})
+    return f"in {_listed(named)}" if named else "in the backward"
+
+
+def _after_guess(stand_ins, found: Diagnostic) -> str:
+    """The note that stands for a failure after a stand-in gave a value the model may never see."""
+    guess = next(s for s in stand_ins.seen if not s.sound)
+    return (
+        f"the step stopped: after {guess.op.removeprefix('aten::')} {_in_modules([guess.module])} read a value "
+        f"fake tensors do not hold (it was given ones), {found.message}; that may come of the value it was given, "
+        "so it is left to apply's checks"
+    )
 
 
 def _on_meta(model: nn.Module) -> bool:
@@ -217,6 +320,7 @@ class Watch:
         self.finished: dict[str, int] = {}
         self.backward: list[str] = []
         self.split: dict[str, tuple[str, ...]] = {}
+        self._running: list[str] = []
         self._ticks = itertools.count()
         self._handles: list = []
 
@@ -236,11 +340,14 @@ class Watch:
         name = self.names.get(id(module))
         if name is not None:
             self.received[name] = tuple(a for a in args if isinstance(a, torch.Tensor))
+            self._running.append(name)
 
     def _after(self, module, args, output) -> None:
         name = self.names.get(id(module))
         if name is None:
             return
+        if name in self._running:
+            del self._running[len(self._running) - 1 - self._running[::-1].index(name) :]
         self.finished[name] = next(self._ticks)
         if isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(lambda grad, name=name: self.backward.append(name))
@@ -268,6 +375,10 @@ class Watch:
             for i, (t, w) in enumerate(zip(got, want))
             if not isinstance(t, DTensor) and t.dim() == w.dim() and tuple(t.shape) != tuple(w.shape)
         )
+
+    def running(self) -> str | None:
+        """The innermost module whose forward is running (None outside every module)."""
+        return self._running[-1] if self._running else None
 
     def inputs(self, fqn: str) -> tuple[str, ...]:
         """What module `fqn` received, one line per tensor argument."""
