@@ -97,7 +97,7 @@ def start_forkserver() -> None:
     transformers models."""
     import importlib.util
 
-    from shardlang.launch.workers import start_forkserver
+    from shardlang.launch.servers import start_forkserver
 
     start_forkserver(("transformers",) if importlib.util.find_spec("transformers") else ())
 

@@ -48,7 +48,8 @@ def test_workers_and_fresh_processes_take_the_launchers_environment(monkeypatch,
     import os
     import sys
 
-    from shardlang.launch.workers import WorkerPool, context, in_fresh_process
+    from shardlang.launch.servers import context
+    from shardlang.launch.workers import WorkerPool, in_fresh_process
 
     context()  # the server runs from here on, with this environment
     monkeypatch.setenv("SHARDLANG_TEST_MARK", "set after the server started")

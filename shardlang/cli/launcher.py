@@ -17,11 +17,11 @@ from .status import FOUND, UNUSABLE
 
 
 def prepare_workers(args: argparse.Namespace) -> None:
-    """Start the workers' forkserver (launch.workers.context) now, so that it imports torch and shardlang
+    """Start the workers' forkserver (launch.servers.context) now, so that it imports torch and shardlang
     while this process loads the model and lints the plan, not after: a command that starts workers then
     waits for no import. It and the workers write nothing to this process's stdout or stderr (the workers
     log to files), so a command that fails before starting them ends as soon as it exits."""
-    from ..launch.workers import start_forkserver
+    from ..launch.servers import start_forkserver
 
     model = Path(args.model) if getattr(args, "model", None) else None
     try:

@@ -61,8 +61,8 @@ def command() -> NoReturn:
     its prompt back. `main` itself leaves them running for the next call in the same process (a library's,
     a test's). A command that started no worker imports nothing more."""
     status = main()
-    if "shardlang.launch.workers" in sys.modules:
-        from ..launch.workers import stop_servers
+    if "shardlang.launch.servers" in sys.modules:
+        from ..launch.servers import stop_servers
 
         stop_servers()
     sys.exit(status)

@@ -16,18 +16,15 @@ import pickle
 import queue
 import signal
 import socket
-import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch.multiprocessing as mp
-
 from ..runtime.lifetime import die_with
 from .failures import WorkerError, failure_of, worker_error
+from .servers import context, deathsig, sigint_ignored
 
 #: Set in a pool worker while a job runs: sends a progress message to the launcher.
 _progress = None
@@ -169,7 +166,7 @@ def in_fresh_process(fn: Callable[..., Any], *args: Any, timeout_s: float = 600.
     """`fn(*args)` in a new process (no state of this one: see `context`), its result or its exception."""
     ctx = context()
     results = ctx.Queue()
-    proc = ctx.Process(target=_fresh, args=(fn, args, results, dict(os.environ), _deathsig(ctx)), daemon=True)
+    proc = ctx.Process(target=_fresh, args=(fn, args, results, dict(os.environ), deathsig(ctx)), daemon=True)
     proc.start()
     deadline, returned = time.monotonic() + timeout_s, False
     try:
@@ -197,110 +194,6 @@ def in_fresh_process(fn: Callable[..., Any], *args: Any, timeout_s: float = 600.
     return value
 
 
-#: What a forkserver imports once for every process it forks: torch and the modules a worker's job and a
-#: fresh explain run. A spawned process imports them itself, seconds of CPU each (most of a small job's
-#: time on a loaded machine, and most of the test suite's).
-PRELOAD = ("torch", "torch.distributed", "shardlang.launch.job", "shardlang.explain.simulate")
-
-_starting = threading.Lock()
-
-
-def context():
-    """The multiprocessing context workers and fresh processes start from: a forkserver preloaded with
-    `PRELOAD` where the platform has one (Linux, macOS), else spawn. A forkserver's child is a fork of a
-    process that has imported those modules and done nothing else (no CUDA, no process group, no thread):
-    as clean as a spawned one, without the imports. It takes its working directory and `sys.path` from
-    the process that asked for it (multiprocessing sends them), and its environment from the arguments
-    (`_take_environment`): the forkserver's is the one it was started with."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    start_forkserver()
-    return ctx
-
-
-def start_forkserver(also: tuple[str, ...] = (), quiet: bool = False) -> None:
-    """Start the forkserver now, if it is not running, so that its imports overlap whatever this process
-    does next (its first child waits for them). It finds this copy of shardlang first on its path: it is
-    started as `python -c`, and the path of the process asking (a test's, a script's) is not passed to it.
-
-    `also`: more modules for it to import (a model file's library); transformers where this process has
-    imported it. `quiet`: it, and so every child, gets /dev/null for stdout and stderr instead of this
-    process's, for a launcher whose workers write to log files: a server still importing when such a
-    launcher exits early then holds no pipe that a caller reads to its end. Only while this process runs
-    no other thread that writes to them."""
-    import multiprocessing.forkserver as forkserver
-
-    if "forkserver" not in mp.get_all_start_methods():
-        return
-    extra = [*also, *(["transformers"] if "transformers" in sys.modules else [])]
-    with _starting:
-        forkserver.set_forkserver_preload(list(dict.fromkeys([*PRELOAD, *extra])))
-        root = str(Path(__file__).resolve().parents[2])
-        saved = os.environ.get("PYTHONPATH")
-        os.environ["PYTHONPATH"] = os.pathsep.join([root, saved] if saved else [root])
-        try:
-            # SIGINT ignored is inherited through exec, and by every child: Ctrl-C is the launcher's
-            with _sigint_ignored(), _stdio_to_null(quiet):
-                forkserver.ensure_running()
-        finally:
-            if saved is None:
-                del os.environ["PYTHONPATH"]
-            else:
-                os.environ["PYTHONPATH"] = saved
-
-
-def stop_servers() -> None:
-    """Stop the processes multiprocessing started for this one, and wait until they are gone: for a command
-    about to exit, so that nothing it started outlives it. The forkserver is killed: left to itself, an
-    orphaned server tears its interpreter (torch, transformers) down for seconds after its parent is gone,
-    and it holds no device, file or state of ours; any worker of its still alive dies with it (the
-    parent-death signal each takes, `die_with`). Then the resource tracker is asked to stop (it frees what
-    a killed worker left behind) and waited for. Both through multiprocessing's own `_stop`, which stops,
-    reaps and cleans up after them (Python 3.10-3.13)."""
-    import multiprocessing.forkserver as forkserver
-    import multiprocessing.resource_tracker as resource_tracker
-
-    server = getattr(forkserver, "_forkserver", None)
-    pid = getattr(server, "_forkserver_pid", None)
-    if pid is not None:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-    for running in (server, getattr(resource_tracker, "_resource_tracker", None)):
-        stop = getattr(running, "_stop", None)
-        if stop is not None:
-            with contextlib.suppress(OSError, ChildProcessError):
-                stop()
-
-
-@contextlib.contextmanager
-def _stdio_to_null(on: bool) -> Iterator[None]:
-    """File descriptors 1 and 2 on /dev/null for the block (what a process started in it inherits)."""
-    if not on:
-        yield
-        return
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    saved = [os.dup(1), os.dup(2)]
-    null = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(null, 1)
-        os.dup2(null, 2)
-        yield
-    finally:
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for fd in (null, *saved):
-            os.close(fd)
-
-
-def _deathsig(ctx) -> bool:
-    """Whether a child of `ctx` may take the kernel's parent-death signal (see die_with): a forkserver's
-    children are forked by its main thread; a spawned one by this thread, which must be the main one."""
-    return ctx.get_start_method() == "forkserver" or threading.current_thread() is threading.main_thread()
-
-
 def _take_environment(env: dict[str, str]) -> None:
     """The environment of the process that asked for this one (a forkserver's child has the forkserver's)."""
     if dict(os.environ) != env:
@@ -323,20 +216,6 @@ def error_of(rank: int, error: BaseException) -> WorkerError:
     found = worker_error(rank, failure)
     found.ranks = [{"rank": rank, "said": _said, "state": "raised", "error": failure["message"]}]
     return found
-
-
-@contextlib.contextmanager
-def _sigint_ignored() -> Iterator[None]:
-    """SIGINT ignored while workers are started: an ignored signal stays ignored across exec, and Python
-    then installs no KeyboardInterrupt handler, so the terminal's Ctrl-C reaches the launcher only."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 class WorkerPool:
@@ -380,7 +259,7 @@ class WorkerPool:
                     dict(os.environ),
                     self._said[r],
                     None if log_dir is None else str(Path(log_dir) / f"rank{r}.log"),
-                    _deathsig(ctx),
+                    deathsig(ctx),
                 ),
                 daemon=True,
             )
@@ -390,7 +269,7 @@ class WorkerPool:
         self.broken = False
         try:
             deadline = time.monotonic() + self.start_timeout_s
-            with _sigint_ignored():  # inherited through exec: a worker never sees the terminal's Ctrl-C
+            with sigint_ignored():  # inherited through exec: a worker never sees the terminal's Ctrl-C
                 for proc in self._procs:
                     proc.start()  # a forkserver's first child waits for its imports: part of the start-up time
             self._collect(None, deadline, self.start_timeout_s)
