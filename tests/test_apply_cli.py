@@ -48,21 +48,32 @@ def model_of(plan) -> str:
     return re.search(r"Model: (\S+\.py)", plan.read_text()).group(1)
 
 
-@pytest.mark.parametrize(
-    "plan",
+#: Every example plan, as the every-plan test applies it (and tests/test_lint_step.py lints it, at the same world).
+EXAMPLE_PLANS = (
     PLANS
     + [
         pytest.param(p, marks=pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs pip install -e '.[hf]'"))
         for p in HF_PLANS
     ]
-    + FIELD_PLANS,  # plans/field/ (issue 23): skipped without their extras, known defects marked xfail
-    ids=lambda p: p.stem if p.parent.name == "plans" else f"hf-{p.stem}",
+    + FIELD_PLANS  # plans/field/ (issue 23): skipped without their extras, known defects marked xfail
 )
+
+
+def example_id(plan) -> str:
+    return plan.stem if plan.parent.name == "plans" else f"hf-{plan.stem}"
+
+
+def world_of(plan) -> int:
+    """The world an example plan is applied at: 2 (tp 2) for the field plans, whose nine transformers-sized
+    models at world 4 would double the suite's time; 4 for the others."""
+    return 2 if plan.parent.name == "field" else 4
+
+
+@pytest.mark.parametrize("plan", EXAMPLE_PLANS, ids=example_id)
 def test_every_example_plan_passes_its_checks_on_cpu(pools, plan):
     """What `shardlang apply plans/<x>.sl <model> --nproc 4` runs on each rank, on the shared pool."""
     job = Job(str(plan), {}, str(ROOT / model_of(plan)), None, shardlang.load(plan).checks)
-    # world 2 (tp 2) for the field plans: nine transformers-sized models at world 4 would double the suite's time
-    report = pools(2 if plan.parent.name == "field" else 4).run(run, job)[0]
+    report = pools(world_of(plan)).run(run, job)[0]
     assert report.ok, [(c.check, c.message) for c in report.checks] + [str(d.message) for d in report.diagnostics]
     assert {c.check for c in report.ran} == {c.name for c in job.checks}
     # comms is `reported` where the plan gives no counts: it compared nothing, and is not a pass.
