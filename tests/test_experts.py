@@ -129,10 +129,12 @@ def test_a_token_sent_by_every_rank_that_holds_it_fails_the_gradients_check_at_t
     (wrong,) = reports["twice"].checks
     assert wrong.status == "fail" and "mlp.experts.gate_up_proj" in wrong.message, wrong.message
     (where,) = [d for d in reports["twice"].diagnostics if "first disagreement" in d.message]
+    # Any layer's experts, or a module inside them: with the references routing as the sharded run did
+    # (verification/routing.py), the first disagreement may be a duplicated row inside the experts in forward.
     assert (
-        "model.layers.0.mlp.experts" in where.message
+        re.search(r"model\.layers\.\d\.mlp\.experts\b", where.message)
         and where.span.line == plan.count("\n", 0, plan.index(": expert_parallel")) + 3
-    )
+    ), where.message
 
 
 def _lint_without_step(tmp_path, text: str) -> str:
