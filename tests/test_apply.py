@@ -327,12 +327,12 @@ def test_every_pasted_helper_comes_with_the_helpers_it_calls():
     import types
 
     from shardlang.compiler import initialisers
-    from shardlang.runtime import helpers
+    from shardlang.runtime import helpers, materialise
     from shardlang.runtime.steps import STEPS
 
     ours = {
         f.__name__
-        for module in (helpers, initialisers)
+        for module in (helpers, initialisers, materialise)
         for _, f in inspect.getmembers(module, inspect.isfunction)
         if f.__module__ == module.__name__
     }

@@ -11,7 +11,7 @@ torchtitan's `_init_self_parameters`, which every module of its tree defines, th
 on each descendant that defines it and still holds unwritten parameters, parents before children
 (`calls_below`; the runtime tells what a call wrote from the parameters' version counters).
 
-Lint (SL209), apply (runtime.helpers.init_on_mesh, which the printed program pastes with this) ask the
+Lint (SL209), apply (runtime.materialise.init_on_mesh, which the printed program pastes with this) ask the
 same questions here. Duck-typed: no torch import.
 """
 

@@ -20,7 +20,7 @@ from ..compiler import initialisers
 from ..compiler import program as p
 from ..compiler.devices import mesh_device
 from ..frontend import ir, patterns
-from . import context, helpers, pipeline
+from . import context, helpers, materialise, pipeline
 from .torchcompat import composable_checkpoint, composable_replicate
 from .values import build, names_used, source, to_torch, value_source
 
@@ -303,7 +303,7 @@ def write_take_rank0_values(step: p.TakeRank0Values, program: p.Program, module:
 
 
 def run_init_on_mesh(step: p.InitOnMesh, ctx: Running) -> None:
-    helpers.init_on_mesh(ctx.model, torch_device(step.device), step.method, seed=helpers.common_seed())
+    materialise.init_on_mesh(ctx.model, torch_device(step.device), step.method, seed=helpers.common_seed())
 
 
 def write_init_on_mesh(step: p.InitOnMesh, program: p.Program, module: str) -> list[str]:
@@ -446,13 +446,13 @@ STEPS: dict[type, StepType] = {
             helpers.fill_shard,
             helpers.shard_on_cpu,
             helpers.shards_on_cpu,
-            helpers.made_whole,
-            helpers.versions,
-            helpers.parameter_versions,
-            helpers.written_since,
-            helpers.run_initialiser,
-            helpers.untied_for_init,
-            helpers.init_on_mesh,
+            materialise.made_whole,
+            materialise.versions,
+            materialise.parameter_versions,
+            materialise.written_since,
+            materialise.run_initialiser,
+            materialise.untied_for_init,
+            materialise.init_on_mesh,
         ),
         moves_data=True,
     ),
