@@ -160,6 +160,7 @@ def _step(plan: ir.Plan, model: nn.Module, model_file: ModelFile) -> tuple[list[
     except PlanError as e:  # what lint finds once `use` styles are run (SL203/SL204), or a step that fails
         return list(e.diagnostics), False, ()
     ctx = Context(plan, applied, model_file)
+    _without_ddp(applied.model)
     stand_ins = StandIns()
     with quiet("torch._subclasses.fake_tensor"), recording_fake_mode(Calls(), stand_ins), idle_conversions():
         where = lay.layout(ctx)
@@ -175,6 +176,22 @@ def _step(plan: ir.Plan, model: nn.Module, model_file: ModelFile) -> tuple[list[
     if found and stand_ins.guessed:  # what raised may come of a value the model never sees
         return [], False, (_after_guess(stand_ins, found[0]),)
     return (_partial_gradients(ctx, watch) if ran else found), ran, _stood_in(stand_ins)
+
+
+def _without_ddp(model: nn.Module) -> None:
+    """Take `replicate`'s (DDP's) hooks off every module: DDP is built in the first forward, and its checks
+    and Reducer read the parameters' storage, which fake tensors have none of (every replicate plan was SL220).
+    Its hooks change no shape, which is what the step looks at, and the reduction they run is what SL222 reads
+    from the plan's units."""
+    import sys
+
+    import torch.distributed._composable.replicate  # noqa: F401 - the module, which its function shadows
+
+    state = sys.modules["torch.distributed._composable.replicate"]._ReplicateState
+    for module in model.modules():
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for key in [k for k, hook in hooks.items() if isinstance(getattr(hook, "__self__", None), state)]:
+                del hooks[key]
 
 
 def _gradients(plan: ir.Plan, option: str):
