@@ -88,6 +88,10 @@ def test_experts_get_one_unit_whatever_the_number_of_blocks_that_borrow_their_di
         assert dict(experts[0].options)["reshard_after_forward"] is False, experts[0].options
         done = _lint(tmp_path, text)
         assert done.returncode == 0 and "SL201" not in done.stdout, done.stdout + done.stderr
+        # experts named by class: no pattern to place them under, the block with the root unit owns them
+        by_class = shardlang.loads(text.replace("model.layers.*.mlp.experts :", "class Qwen2MoeExperts :"))
+        (experts,) = [b for b in by_class.units if b.divide_by is not None]
+        assert [str(u.target) for u in experts.units] == ["class Qwen2MoeExperts"]
 
 
 def test_lint_takes_fully_shard_over_the_ep_dim_alone_and_keeps_sl218_where_it_cannot_borrow(tmp_path):

@@ -112,15 +112,17 @@ def _experts_blocks(
     return made
 
 
-def _owner(blocks: list[ir.Units], target: s.Pattern) -> ir.Units:
+def _owner(blocks: list[ir.Units], target) -> ir.Units:
     """Of the blocks that borrow an ep dim, the one whose options the experts' unit of `target` takes: the
     first with a unit over a module above the experts (a pattern whose segments start theirs, `*` standing
     for any), else the first with a root unit, else the first. (A unit of the experts for each block would
     make them a unit twice, SL201.)"""
 
     def above(unit: ir.Unit) -> bool:
-        head = unit.target.segments if isinstance(unit.target, s.Pattern) else None
-        if head is None or len(head) > len(target.segments):
+        if not isinstance(unit.target, s.Pattern) or not isinstance(target, s.Pattern):
+            return False  # (a `class` target: no pattern to compare)
+        head = unit.target.segments
+        if len(head) > len(target.segments):
             return False
         return all(a == b or a == "*" for a, b in zip(head, target.segments))
 
