@@ -165,7 +165,7 @@ def _step(plan: ir.Plan, model: nn.Module, model_file: ModelFile) -> tuple[list[
     with quiet("torch._subclasses.fake_tensor"), recording_fake_mode(Calls(), stand_ins), idle_conversions():
         where = lay.layout(ctx)
         full = lay.replica_inputs(ctx, -1, where.replica, 2 * max(where.tp_size, 1))
-        expected, shapes, unsharded = _unsharded(ctx, reference, full)
+        expected, shapes, unsharded, unrun = _unsharded(ctx, reference, full)
         stand_ins.clear()  # the reference's own
         sharded = applied.model
         if _on_meta(sharded):
@@ -175,6 +175,8 @@ def _step(plan: ir.Plan, model: nn.Module, model_file: ModelFile) -> tuple[list[
             found, ran = _forward_backward(ctx, watch, full, expected)
     if found and stand_ins.guessed:  # what raised may come of a value the model never sees
         return [], False, (_after_guess(stand_ins, found[0]),)
+    if found and unrun is not None:  # the model's own failure on these inputs, not the plan's
+        return [], False, (f"the step stopped: {found[0].message}; the unsharded model raises too ({unrun})",)
     return (_partial_gradients(ctx, watch) if ran else found), ran, _stood_in(stand_ins)
 
 
@@ -228,9 +230,9 @@ def _forward_backward(ctx, watch: Watch, full: tuple, expected: Any) -> tuple[li
     return [], True
 
 
-def _unsharded(ctx, reference: nn.Module, full: tuple) -> tuple[Any, dict[str, tuple], dict[str, tuple]]:
-    """The unsharded model's output, its parameters' shapes, and what each of its modules received, for
-    what SL221 and SL222 compare with. Under context_parallel a module whose gradients a data-parallel block
+def _unsharded(ctx, reference: nn.Module, full: tuple) -> tuple[Any, dict[str, tuple], dict[str, tuple], str | None]:
+    """The unsharded model's output, its parameters' shapes, what each of its modules received, for what
+    SL221 and SL222 compare with, and what it raised (None: nothing). Under context_parallel a module whose gradients a data-parallel block
     over the cp dim reduces is compared with what the unsharded model hands it on this rank's shard of the
     sequence (each cp rank's gradient is its shard's share, and that block sums the shares), any other with
     the whole sequence's; the output with the shard's under `output = local`."""
@@ -240,19 +242,19 @@ def _unsharded(ctx, reference: nn.Module, full: tuple) -> tuple[Any, dict[str, t
         with Watch(reference) as unsharded, torch.no_grad():
             expected = reference(*full)
         shapes = {n: tuple(t.shape) for n, t in reference.named_parameters()}
-    except Exception:  # noqa: BLE001 - a kernel fake tensors cannot run unsharded
-        return None, {}, {}
+    except Exception as e:  # noqa: BLE001 - a model that fails on its example input unsharded, or under fake tensors
+        return None, {}, {}, raised.summary(e)
     cp = ctx.plan.context_parallel
     if cp is None:
-        return expected, shapes, unsharded.received
+        return expected, shapes, unsharded.received, None
     try:
         with Watch(reference) as sharded, torch.no_grad():
             on_shard = reference(*_sequence_shard(ctx, full))
     except Exception:  # noqa: BLE001 - compared with the whole sequence's, as without context_parallel
-        return expected, shapes, unsharded.received
+        return expected, shapes, unsharded.received, None
     summed = _reduced_over(ctx, cp.mesh)
     received = {n: sharded.received.get(n, got) if summed(n) else got for n, got in unsharded.received.items()}
-    return (expected if cp.whole_output else on_shard), shapes, received
+    return (expected if cp.whole_output else on_shard), shapes, received, None
 
 
 def _sequence_shard(ctx, full: tuple) -> tuple:
