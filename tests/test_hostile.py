@@ -519,7 +519,7 @@ def test_readme_with_world_examples_are_true():
     import shardlang
 
     plan = shardlang.load(ROOT / "plans" / "llama_2d.sl", params={"tp": 4}, world_size=16)
-    assert plan.with_world(12) == [] and "plan.with_world(12)                 # -> []" in _readme()
+    assert plan.with_world(12) == [] and "print(plan.with_world(12))          # []" in _readme()
     assert [d.code for d in plan.with_world(10)] == ["SL105"]
 
 
