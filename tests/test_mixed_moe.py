@@ -205,15 +205,51 @@ def test_ernie_tp_ep_bf16_passes_with_its_routers_in_float32(pools):
 @pytest.mark.distributed
 def test_ernie_router_gradient_summed_over_tp_fails_naming_the_router(pools):
     """The router's float32 unit and the replayed routing do not hide a router gradient summed over tp: the
-    check fails at both routers' weights, the worst of all its tensors. (Its localising rerun names
-    `model.layers.0.mlp.experts.act_fn` today, with or without the replay: under expert_parallel the
-    sharded experts' records do not pair with the reference's; localise.py's to fix.)"""
+    check fails at both routers' weights, the worst of all its tensors, and the localising rerun names the
+    first router, at its rule, by its weight's gradient (a backward-only fault: everything flowing through
+    the model agrees). Not `model.layers.0.mlp.experts.act_fn`, as it did before: under expert_parallel a
+    module inside the experts sees only the rows sent to its rank, which do not pair with the unsharded
+    model's, and is not compared (localise.py)."""
     report = _apply(pools, PLANTED)
     (check,) = report.checks
     assert check.status == "fail", check.message
-    assert re.match(r"worst [\d.]+ x the allowed error \(grad model\.layers\.\d\.mlp\.gate\.weight\)", check.message)
+    assert re.search(r"worst [\d.]+ x the allowed error \(grad model\.layers\.\d\.mlp\.gate\.weight\)", check.message)
     failing = {re.search(r"gradient of (\S+):", f).group(1) for f in check.data["failures"] if "gradient of" in f}
     assert failing == {f"{router}.weight" for router in ROUTERS}, check.data["failures"]
+    _assert_named(check, ROUTERS[0], "gradient of its parameter weight", PLANTED, "router_grad_summed")
+
+
+def _assert_named(check, module: str, what: str, plan, style: str) -> None:
+    """The check's localised finding names `module`, its `what`, at its own rule (`style`) in `plan`."""
+    where = check.data["localised"]
+    assert (where["module"], where["what"].split(" (")[0]) == (module, what), where
+    rule = where["statements"][0]
+    assert rule["what"] == "the parallelize rule on it" and rule["text"].endswith(f": {style}"), rule
+    assert plan.read_text().splitlines()[rule["line"] - 1].strip() == rule["text"], rule
+
+
+@pytest.mark.distributed
+def test_ernie_experts_combined_without_their_weights_are_named_at_the_experts(pools):
+    """A fault in the split experts' own forward (their combine forgets the routing weights): the first
+    disagreement is the experts module's output, named at its rule, and not a module inside it (the
+    `act_fn` of the rows sent to its rank, as before)."""
+    plan = ROOT / "tests/fixtures/families/ernie4_5_moe_experts_unweighted.sl"
+    (check,) = _apply(pools, plan).checks
+    assert check.status == "fail", check.message
+    _assert_named(check, "model.layers.0.mlp.experts", "output", plan, "experts_unweighted")
+
+
+@pytest.mark.distributed
+def test_mixtral_ep_router_gradient_summed_over_ep_is_named_at_the_router(pools):
+    """plans/hf/mixtral_ep.sl (which passes: tests/test_apply_cli.py) with its router's gradient summed over
+    ep: named at the router's weight, not at the split experts' `act_fn`."""
+    plan = ROOT / "tests/fixtures/families/mixtral_ep_router_allreduced.sl"
+    job = Job(str(plan), {}, str(ROOT / "examples/field/mixtral.py"), None, shardlang.load(plan).checks)
+    (check,) = pools(2).run(run, job)[0].checks
+    assert check.status == "fail", check.message
+    _assert_named(
+        check, "model.layers.0.mlp.gate", "gradient of its parameter weight", plan, "replicated_with_grad_allreduce"
+    )
 
 
 def test_a_tie_routed_otherwise_moves_gradients_far_beyond_rounding_unless_replayed():

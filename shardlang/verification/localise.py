@@ -33,6 +33,10 @@ replay with the output so laid out makes the input agree (`_split_after`). Under
 where module outputs hold shards of the sequence and are not compared, a module outside the split
 attention whose output at a position depends on others (compiler.rules.positions, on the truth) is
 named before any parameter (`_mixing_positions`).
+
+Calls inside experts that a rule splits are left out (`_inside_split_experts`): under expert parallelism a
+module inside them runs on the rows sent to its rank's experts, which do not pair with the unsharded
+model's; the experts module's own input and output, whole, are compared.
 """
 
 from __future__ import annotations
@@ -83,13 +87,15 @@ def localise(ctx, references, inputs: tuple, where, args: dict, failing_params: 
     finally:
         ctx.model.zero_grad(set_to_none=True)
     group = _tp_group(ctx, where)
+    hidden = _inside_split_experts(ctx, references.truth)
     for backward in (False, True):
         kind = "grads" if backward else "flows"
         want, rounding = dict(getattr(truth, kind)), dict(getattr(same, kind))
         # The records in the truth's order (backward may reach modules in another order on each rank),
         # every rank reading every record: the same collectives everywhere, in the same order.
         order = {key: i for i, (key, _) in enumerate(getattr(truth, kind))}
-        records = sorted(getattr(sharded, kind), key=lambda record: (order.get(record[0], len(order)), record[0]))
+        mine = [r for r in getattr(sharded, kind) if not _under(r[0], hidden)]
+        records = sorted(mine, key=lambda record: (order.get(record[0], len(order)), record[0]))
         if not _same_everywhere(len(records)):
             return None  # the ranks ran different modules: no record-by-record comparison is possible
         readings = _all_readings([got for _, got in records], group)
@@ -173,6 +179,33 @@ def departs(ratio: float, given: float | None) -> bool:
     ratio of the tensors it was given; None when none could be compared, as the model's own integer
     input, which is exact)."""
     return ratio > 1.0 and ratio > GROWTH * (given or 0.0)
+
+
+def _inside_split_experts(ctx, truth) -> tuple[str, ...]:
+    """The modules whose calls inside them do not pair with the unsharded model's: each module holding
+    experts (stacked on dim 0, or the members of a ModuleList or ModuleDict, as the unsharded truth holds
+    them) that a parallelize rule places. Under expert parallelism a module inside such experts runs on the
+    rows sent to this rank's experts, in the order they arrived (transformers' `act_fn` on every received
+    row, a ModuleList's member on its own), where the unsharded model's runs on every token's: their records
+    differ for the layout's sake alone. The experts module's own input and output (before the dispatch and
+    after the combine, whole) are compared, and name a fault in the dispatch or the experts."""
+    from ..compiler.predict import expert_members, stacked_experts
+
+    found = []
+    for fqn in dict.fromkeys(m.fqn for m in ctx.applied.linted.resolution.rules):
+        try:
+            module = truth.get_submodule(fqn)
+        except AttributeError:
+            continue
+        if stacked_experts(module) is not None or expert_members(module) is not None:
+            found.append(fqn)
+    return tuple(found)
+
+
+def _under(key: str, modules: tuple[str, ...]) -> bool:
+    """Whether record `key`'s module is strictly inside one of `modules` (the root's name is "")."""
+    name = key.partition(" ")[0].rpartition("#")[0]
+    return any(name.startswith(f"{m}.") if m else bool(name) for m in modules)
 
 
 def _by_parameter(ctx, failing_params: list[str], why: str = "") -> dict[str, Any] | None:
