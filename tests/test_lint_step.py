@@ -23,6 +23,8 @@ from .test_apply_cli import EXAMPLE_PLANS, example_id, model_of, world_of
 SEEDS = sorted((ROOT / "plans" / "seeds").glob("*.sl"))
 STEP = FIXTURES / "lint_step"
 FAMILIES = ("gpt_oss", "qwen2_moe", "ernie4_5_moe", "jamba")
+#: More mixtures of experts whose experts run their own forward, linted under FSDP alone (issue 39 names them).
+MORE_EXPERTS = ("phimoe", "granitemoe", "deepseek_v3")
 needs_transformers = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None, reason="needs pip install -e '.[hf]'"
 )
@@ -119,7 +121,7 @@ def test_a_cp_shard_that_no_block_over_cp_sums_is_still_sl222(capsys, monkeypatc
 
 @pytest.mark.distributed
 @needs_transformers
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES + MORE_EXPERTS)
 @pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
 def test_experts_running_their_own_forward_lint_clean(capsys, monkeypatch, tmp_path, family, experts):
     """FSDP alone in float32: transformers' default experts (torch._grouped_mm, which the meta kernel takes
