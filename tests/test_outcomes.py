@@ -25,3 +25,21 @@ def test_skipped_anywhere_is_skipped_and_told_by_the_first_rank_that_skipped():
     ranks = [[_result(PASS, "fine", 0.1)], [_result(SKIPPED, "compared nothing here", None)]]
     (row,) = combine(ranks)
     assert (row.status, row.message, row.worst) == (SKIPPED, "compared nothing here", 0.1)
+
+
+def _localised(statements):
+    where = {"module": "model.layers.0.mlp.gate", "class": "Router", "call": 1, "what": "weight's gradient"}
+    data = {"localised": {**where, "statements": statements}}
+    return CheckResult("gradients", FAIL, "worst 3 x the allowed error (grad w)", 1.0, data, 3.0)
+
+
+def test_a_localised_module_with_its_own_rule_is_not_said_to_have_none():
+    """The SL400 at the localised module: where its own rule is the one statement, that rule is the place and
+    nothing says 'no plan statement governs this module itself' (issue 39: a router's rule under EP)."""
+    from shardlang.launch.job import _failure
+
+    rule = {"what": "its rule", "file": "p.sl", "line": 7, "col": 5, "end_line": 7, "end_col": 40, "text": "gate : x"}
+    _, at_rule = _failure(_localised([rule]), ())
+    assert at_rule.span.line == 7 and at_rule.help == ()
+    _, nowhere = _failure(_localised([]), ())
+    assert nowhere.span is None and "no plan statement governs this module itself" in nowhere.help[0]

@@ -217,16 +217,18 @@ def _failure(result, checks) -> tuple[Diagnostic, ...]:
         statements = where["statements"]
         spans = [Span(s["file"], s["line"], s["col"], s["end_line"], s["end_col"]) for s in statements]
         call = f" (call {where['call']})" if where["call"] > 1 else ""
+        helps = (
+            *where.get("help", ()),
+            *(f"{s['what']}: {s['file']}:{s['line']}:{s['col']}: {s['text']}" for s in statements[1:]),
+        )
+        if not statements:  # the module's own rule, where there is one, is the diagnostic's place
+            helps = helps or ("no plan statement governs this module itself; look at the rules around it",)
         found.append(
             Diagnostic(
                 SL400,
                 f"first disagreement: module '{where['module']}' ({where['class']}){call}, its {where['what']}",
                 spans[0] if spans else None,
-                (
-                    *where.get("help", ()),
-                    *(f"{s['what']}: {s['file']}:{s['line']}:{s['col']}: {s['text']}" for s in statements[1:]),
-                )
-                or ("no plan statement governs this module itself; look at the rules around it",),
+                helps,
                 label=statements[0]["what"] if statements else "",
             )
         )
