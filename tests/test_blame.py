@@ -172,3 +172,21 @@ def test_an_input_is_traced_to_the_outputs_it_was_cut_from_not_those_it_sums_who
     assert recording.sources("act#1 in 0") == ["packed#1"]
     assert recording.sources("proj#1 in 0") == ["packed#1"]  # up cut from packed; act's output only multiplied
     assert recording.sources("norm#1 in 0") == []  # proj's output and x, summed whole
+
+
+def test_sl223_not_checked_is_said_in_the_steps_note_not_left_to_read_as_clean(monkeypatch):
+    """Where the forked search for position-mixing modules fails or times out, lint says SL223 was not
+    checked, instead of reporting nothing (a clean result that compared nothing)."""
+    from shardlang.explain import mixing
+    from shardlang.explain.rehearsal import Rehearsal
+
+    class Plan:
+        context_parallel = object()
+
+    class ModelFile:
+        example_input = object()
+
+    monkeypatch.setattr(mixing, "in_fork", lambda fn, timeout_s: ("failed", "timed out after 120 s"))
+    found = mixing.with_context_mixing(Rehearsal((), "one training step simulated"), Plan(), None, ModelFile(), None, 1)
+    assert found.diagnostics == ()
+    assert found.note.endswith("(SL223) was not checked: timed out after 120 s")

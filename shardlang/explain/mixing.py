@@ -16,6 +16,7 @@ def with_context_mixing(rehearsal, plan, model, model_file, resolution, timeout_
     if plan.context_parallel is None or model_file.example_input is None:
         return rehearsal
     status, found = in_fork(lambda: context_mixing(plan, resolution, model, model_file.example_input), timeout_s)
-    if status != "ok" or not found:
-        return rehearsal
-    return attrs.evolve(rehearsal, diagnostics=(*rehearsal.diagnostics, *found))
+    if status != "ok":  # not checked is said, never left to read as clean
+        note = f"whether modules outside the split attention mix positions (SL223) was not checked: {found}"
+        return attrs.evolve(rehearsal, note="; ".join(filter(None, (rehearsal.note, note))))
+    return attrs.evolve(rehearsal, diagnostics=(*rehearsal.diagnostics, *found)) if found else rehearsal
