@@ -427,11 +427,10 @@ def raise_after_change(module, mesh, **kwargs):
     raise RuntimeError("planted failure in a user style")
 
 
-def emitted_code_matches_apply(plan_text: str, model: str, world_size: int, with_model: bool = True) -> dict:
-    """The code `compile --emit python` prints, run on its own, gives the placements and shards apply
-    gives: compiled for the model, or (`with_model` False) for any model, matching targets as it runs."""
+def applied_both_ways(plan_text: str, build, world_size: int, with_model: bool = True):
+    """The model from `build` sharded by apply and, from the same seed, by the code `compile --emit python`
+    prints for the plan (compiled for the model, or with `with_model` False for any model)."""
     plan = shardlang.loads(plan_text)
-    build = load(model)
     with torch.device("meta"):
         meta_model = build()
     code = plan.to_python(meta_model, world_size) if with_model else plan.to_python()
@@ -439,11 +438,18 @@ def emitted_code_matches_apply(plan_text: str, model: str, world_size: int, with
     # dont_inherit: as a file of its own, without this module's `from __future__ import annotations`
     exec(compile(code, "<emitted>", "exec", dont_inherit=True), namespace)
     torch.manual_seed(0)
-    a = plan.build(build)
-    apply_plan(plan, a)
+    applied = plan.build(build)
+    apply_plan(plan, applied)
     torch.manual_seed(0)
-    b = namespace["build"](build)
-    namespace["apply_plan"](b)
+    printed = namespace["build"](build)
+    namespace["apply_plan"](printed)
+    return applied, printed
+
+
+def emitted_code_matches_apply(plan_text: str, model: str, world_size: int, with_model: bool = True) -> dict:
+    """The code `compile --emit python` prints, run on its own, gives the placements and shards apply
+    gives: compiled for the model, or (`with_model` False) for any model, matching targets as it runs."""
+    a, b = applied_both_ways(plan_text, load(model), world_size, with_model)
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         assert describe(pa) == describe(pb), f"{name}: apply {describe(pa)} vs emitted {describe(pb)}"
         assert torch.equal(local(pa), local(pb)), f"{name}: shards differ"

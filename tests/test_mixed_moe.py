@@ -287,19 +287,10 @@ def dtypes_in_forward(plan_text: str) -> dict[str, dict[str, str]]:
     each; the dtype the router's and an attention projection's weights had while they ran."""
     from examples.families.common import example_input
     from examples.families.ernie4_5_moe import build_model
-    from shardlang.runtime.apply import apply_plan
 
-    plan = shardlang.loads(plan_text)
-    with torch.device("meta"):
-        code = plan.to_python(build_model(), 2)
-    namespace: dict = {}
-    exec(compile(code, "<emitted>", "exec", dont_inherit=True), namespace)
-    torch.manual_seed(0)
-    applied = plan.build(build_model)
-    apply_plan(plan, applied)
-    torch.manual_seed(0)
-    printed = namespace["build"](build_model)
-    namespace["apply_plan"](printed)
+    from .dist_jobs import applied_both_ways
+
+    applied, printed = applied_both_ways(plan_text, build_model, 2)
     found = {}
     for how, model in (("apply", applied), ("printed", printed)):
         seen = found.setdefault(how, {})
