@@ -225,3 +225,22 @@ def test_a_forked_step_is_killed_when_its_caller_is_stopped():
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     assert time.monotonic() - start < 20
+
+
+@pytest.mark.distributed
+def test_a_forked_child_computes_after_the_parent_used_its_thread_pool():
+    """A child forked after the parent ran CPU ops on several threads does its own: the parent's OpenMP
+    pool is not fork-safe, and SL223's forward in lint's child hung there for its whole time limit."""
+    import torch
+
+    from shardlang.runtime.simulated import in_fork
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        x = torch.randn(512, 512)
+        (x @ x).sum().item()  # the parent's pool has run
+        status, value = in_fork(lambda: float((x @ x).sum()), timeout_s=30)
+    finally:
+        torch.set_num_threads(threads)
+    assert status == "ok" and value == pytest.approx(float((x @ x).sum()), rel=1e-4)

@@ -219,7 +219,8 @@ def _set_real_world_aside() -> None:
 def in_fork(fn: Callable[[], Any], timeout_s: float) -> tuple[str, Any]:
     """`fn()` in a forked child: ("ok", its result) or ("failed", why). The child shares nothing back but
     the pickled result, writes nothing to the terminal and never returns into the caller's code (it
-    leaves by os._exit); one that is still running after `timeout_s` is killed."""
+    leaves by os._exit), and runs CPU ops on one thread; one that is still running after `timeout_s` is
+    killed."""
     if not hasattr(os, "fork"):
         return "failed", "no fork on this platform to run it apart from the real process group"
     import torch.testing._internal.distributed.fake_pg  # noqa: F401 - imported before the fork, not in the child
@@ -237,6 +238,10 @@ def in_fork(fn: Callable[[], Any], timeout_s: float) -> tuple[str, Any]:
         _forked = True
         try:
             die_with(parent)  # killed with the command (SIGTERM, SIGKILL), never left running on its own
+            # One intra-op thread: the parent's OpenMP pool (started by any CPU op it ran) is not fork-safe,
+            # and a child entering it waits forever (a matmul hung a whole time limit after the parent had
+            # run a forward of its own); one thread never enters it.
+            torch.set_num_threads(1)
             os.close(read)
             quiet = os.open(os.devnull, os.O_WRONLY)
             os.dup2(quiet, 1)
