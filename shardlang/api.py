@@ -93,7 +93,7 @@ class Plan(ir.Plan):
         call it and its backward inside `torch.distributed.tensor.parallel.loss_parallel()`."""
         if self.compile_loss is None:
             return loss
-        from .runtime.helpers import compiled_loss
+        from .runtime.compiled import compiled_loss
 
         return compiled_loss(loss, **dict(self.compile_loss.options))
 

@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import (
 
 import shardlang
 from shardlang.runtime.apply import apply_plan
-from shardlang.runtime.helpers import distribute_with_layouts
+from shardlang.runtime.ownstyles import distribute_with_layouts
 from shardlang.runtime.torchcompat import composable_checkpoint, composable_replicate
 
 
@@ -562,13 +562,13 @@ def transformers_styles_shard_as_transformers_does(plan_text: str) -> dict:
 
 
 def gathered_matches_full_tensor() -> list:
-    """runtime.helpers.gather_by_hand (full_tensor by hand, for layouts torch 2.11 cannot redistribute)
+    """runtime.gathering.gather_by_hand (full_tensor by hand, for layouts torch 2.11 cannot redistribute)
     against full_tensor and the tensor itself, on a 2 x 2 mesh: even and uneven shards, strided shards."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from shardlang.runtime.helpers import gather_by_hand
+    from shardlang.runtime.gathering import gather_by_hand
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
@@ -590,7 +590,7 @@ def gathered_matches_full_tensor() -> list:
 
 
 def scatter_matches_torchs_broadcast() -> bool:
-    """runtime.helpers.scatter_from_rank0 (for shards FSDP pinned on the CPU of a GPU mesh) loads what
+    """runtime.rank0.scatter_from_rank0 (for shards FSDP pinned on the CPU of a GPU mesh) loads what
     torch's set_model_state_dict(broadcast_from_rank0) loads, on a 2 x 2 mesh with FSDP over TP (ours is
     handed rank0_values, every parameter and buffer by name; torch the state dict)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -598,7 +598,7 @@ def scatter_matches_torchs_broadcast() -> bool:
 
     import shardlang
     from examples.llama import build_model
-    from shardlang.runtime.helpers import rank0_values, scatter_from_rank0
+    from shardlang.runtime.rank0 import rank0_values, scatter_from_rank0
 
     torch.manual_seed(0)
     built = build_model()

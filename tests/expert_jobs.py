@@ -116,14 +116,14 @@ def run_without_divided_expert_gradients(job):
     """`launch.job.run(job)` with the experts' units left to average their gradients over dp alone (the
     divide factor dp*ep not set): a planted fault."""
     from shardlang.launch.job import run
-    from shardlang.runtime import helpers
+    from shardlang.runtime import units
 
-    kept = helpers.divide_gradients
-    helpers.divide_gradients = lambda unit, factor, mesh: None
+    kept = units.divide_gradients
+    units.divide_gradients = lambda unit, factor, mesh: None
     try:
         return run(job)
     finally:
-        helpers.divide_gradients = kept
+        units.divide_gradients = kept
 
 
 def etp_matches_whole_experts(implementation: str = "eager", fault: bool = False) -> dict[str, float]:
@@ -349,19 +349,19 @@ def run_with_one_rank_units_divided_twice(job):
     the reduction forced to a sum whatever the unit's size. On a unit over one rank (dp of size 1) FSDP2
     then divides by the factor twice: a planted fault."""
     from shardlang.launch.job import run
-    from shardlang.runtime import helpers
+    from shardlang.runtime import units
 
     def divided_twice(unit, factor, mesh):
         unit = unit[0] if isinstance(unit, list) else unit
         unit.set_gradient_divide_factor(float(factor))
         unit.set_force_sum_reduction_for_comms(True)
 
-    kept = helpers.divide_gradients
-    helpers.divide_gradients = divided_twice
+    kept = units.divide_gradients
+    units.divide_gradients = divided_twice
     try:
         return run(job)
     finally:
-        helpers.divide_gradients = kept
+        units.divide_gradients = kept
 
 
 def run_with_experts_blind_to_replicate(job):

@@ -327,12 +327,36 @@ def test_every_pasted_helper_comes_with_the_helpers_it_calls():
     import types
 
     from shardlang.compiler import initialisers
-    from shardlang.runtime import helpers, materialise
+    from shardlang.runtime import (
+        broadcasts,
+        building,
+        gathering,
+        materialise,
+        meshes,
+        moving,
+        ownstyles,
+        rank0,
+        ties,
+        units,
+    )
     from shardlang.runtime.steps import STEPS
 
+    pasted_modules = (
+        broadcasts,
+        building,
+        gathering,
+        initialisers,
+        materialise,
+        meshes,
+        moving,
+        ownstyles,
+        rank0,
+        ties,
+        units,
+    )
     ours = {
         f.__name__
-        for module in (helpers, initialisers, materialise)
+        for module in pasted_modules
         for _, f in inspect.getmembers(module, inspect.isfunction)
         if f.__module__ == module.__name__
     }

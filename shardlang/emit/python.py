@@ -23,8 +23,11 @@ from ..frontend import ir, patterns
 from ..frontend.diagnostics import SL216, Diagnostic, PlanError
 from ..frontend.source import Span
 from ..frontend.static_checks import check_world
-from ..runtime import helpers
+from ..runtime.building import build_for, parameters_on_meta
+from ..runtime.compiled import compiled_loss
 from ..runtime.steps import STEPS, mesh_var, module_source
+from ..runtime.ties import tied_parameter_groups
+from ..runtime.units import wrap_children_first
 from ..runtime.values import import_path
 
 #: Import paths under this prefix are shardlang's own (runtime.tpstyles): pasted as source, not imported.
@@ -242,7 +245,7 @@ def to_python(program: p.Program, command: str = "") -> str:
         outer += ["    " + line for line in body]
         outer.append(_make_pipeline(program))
         body = outer
-    pasted = [inspect.getsource(h).rstrip() for h in (helpers.build_for, helpers.parameters_on_meta, mesh_device)]
+    pasted = [inspect.getsource(h).rstrip() for h in (build_for, parameters_on_meta, mesh_device)]
     pasted += _helpers(program)
     pasted += [inspect.getsource(obj).rstrip() for obj in _ours(program)]
     if any(_matching(s) for s in program.steps) or "tied_parameter_groups" in "\n".join(body):
@@ -253,8 +256,8 @@ def to_python(program: p.Program, command: str = "") -> str:
             patterns.modules_matching,
             patterns.depth,
             patterns.named_units_win,
-            helpers.wrap_children_first,
-            helpers.tied_parameter_groups,
+            wrap_children_first,
+            tied_parameter_groups,
         )
         pasted += [inspect.getsource(h).rstrip() for h in matching]
     parts = ["\n".join(header), "\n".join(_imports(program)), *pasted, _build_function(plan)]
@@ -270,7 +273,7 @@ def to_python(program: p.Program, command: str = "") -> str:
     parts.append(_loss_context(plan))
     if plan.compile_loss is not None:
         options = ", ".join(f"{k}={v!r}" for k, v in plan.compile_loss.options)
-        parts.append(inspect.getsource(helpers.compiled_loss).rstrip())
+        parts.append(inspect.getsource(compiled_loss).rstrip())
         parts.append(
             "def loss_function(loss):\n"
             f'    """The plan says `compile loss` (line {plan.compile_loss.span.line}): train with\n'

@@ -29,7 +29,7 @@ from ..compiler.predict import Placed
 from ..compiler.trace import Order
 from ..frontend import ir
 from ..frontend.diagnostics import SL300, Diagnostic, PlanError, few
-from . import helpers, pipeline
+from . import building, meshes, pipeline
 from .simulated import observe_user_styles
 from .snapshot import Snapshot
 from .steps import STEPS, Running, torch_device
@@ -55,7 +55,7 @@ class Applied:
         return self.linted.predictions
 
     def mesh(self, ref: ir.MeshRef):
-        return helpers.mesh_of(self.meshes[ref.mesh], ref.dims, ref.flat)
+        return meshes.mesh_of(self.meshes[ref.mesh], ref.dims, ref.flat)
 
 
 @frozen
@@ -338,4 +338,4 @@ def _check_devices(plan: ir.Plan, model: nn.Module) -> list[Diagnostic]:
 def build_for_plan(plan: ir.Plan, build_model) -> nn.Module:
     """Call `build_model()` where the plan's `init` says: on meta (`meta`; `rank0` except on rank 0), on
     the CPU (`cpu`, rank 0 of `rank0`) or on the mesh device (`auto`)."""
-    return helpers.build_for(plan.init.mode, plan.meshes[0].device if plan.meshes else "auto", build_model)
+    return building.build_for(plan.init.mode, plan.meshes[0].device if plan.meshes else "auto", build_model)

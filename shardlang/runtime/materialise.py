@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 
 from ..compiler.initialisers import calls_below, initialisation_calls, is_hugging_face
-from .helpers import fill_shard, shards_on_cpu, whole
+from .gathering import fill_shard, shards_on_cpu, whole
 
 
 def init_on_mesh(model, device, method, seed):
@@ -30,6 +30,22 @@ def init_on_mesh(model, device, method, seed):
     tensor the call replaces (a buffer recomputed, a weight re-tied) is sliced from its new value.
     """
     import torch
+
+    allocate_on(model, device)
+    devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
+    hugging_face = is_hugging_face(model)
+    with torch.random.fork_rng(devices=devices), torch.no_grad(), untied_for_init(model):
+        torch.manual_seed(seed)
+        for module, init, subtree in initialisation_calls(model, method):
+            written = run_initialiser(module, init, subtree, device, hugging_face)
+            if subtree:
+                initialise_below(model, module, method, written, device, hugging_face)
+
+
+def allocate_on(model, device):
+    """Allocate every tensor of a meta model on `device` (`to_empty`), then put back the buffers its
+    constructor computed, which building on meta kept real (rotary tables, causal masks, position ids)."""
+    import torch
     from torch.distributed.tensor import DTensor
 
     computed = {n: b for n, b in model.named_buffers() if not b.is_meta and not isinstance(b, DTensor)}
@@ -38,21 +54,18 @@ def init_on_mesh(model, device, method, seed):
         for name, buffer in computed.items():
             owner, _, leaf = name.rpartition(".")
             model.get_submodule(owner)._buffers[leaf] = buffer.to(device)
-    devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
-    hugging_face = is_hugging_face(model)
-    with torch.random.fork_rng(devices=devices), torch.no_grad(), untied_for_init(model):
-        torch.manual_seed(seed)
-        for module, init, subtree in initialisation_calls(model, method):
-            written = run_initialiser(module, init, subtree, device, hugging_face)
-            if not subtree:
-                continue
-            left = {id(p) for p in module.parameters()} - written
 
-            def unwritten(below, left=left):
-                return any(id(p) in left for p in below.parameters())
 
-            for below, call, _ in calls_below(model, module, method, unwritten):
-                left -= run_initialiser(below, call, True, device, hugging_face)
+def initialise_below(model, module, method, written, device, hugging_face):
+    """After `method` on `module` wrote `written` (ids) of its subtree's parameters: the method on each module
+    below that defines it and still holds parameters nobody wrote, asked after each call (`calls_below`)."""
+    left = {id(p) for p in module.parameters()} - written
+
+    def unwritten(below):
+        return any(id(p) in left for p in below.parameters())
+
+    for below, call, _ in calls_below(model, module, method, unwritten):
+        left.difference_update(run_initialiser(below, call, True, device, hugging_face))
 
 
 def run_initialiser(module, init, subtree, device, hugging_face):
@@ -61,64 +74,91 @@ def run_initialiser(module, init, subtree, device, hugging_face):
     transformers' _init_weights(module) may set the tensors of the module's children too (GPT-2 rescales
     `c_proj.weight` from its attention and MLP modules). Other per-module initialisers set their module's
     own tensors."""
-    import torch
-    from torch.distributed.tensor import DTensor
-
     owners = list(module.modules() if subtree else [module, *(module.children() if hugging_face else ())])
-    # On CUDA DTensor's RNG initialises each shard itself. It runs in full as on the CPU where torch
-    # cannot run an initialiser on the shards (torch 2.11 fails on some indexing of strided shards),
-    # and where a shard is already on the CPU (`to_empty` let FSDP pin an offloading unit's shards):
-    # the RNG would follow the GPU's offsets and draw from the CPU's generator, the same values on
-    # every rank.
+    written = on_shards(owners, init, device)
+    if written is not None:
+        return written
+    return on_whole_tensors(module, owners, init, subtree, device)
+
+
+def on_shards(owners, init, device):
+    """The call made on the shards themselves, on CUDA, where DTensor's RNG initialises each shard: the ids
+    it wrote, or None where it must run on whole tensors instead, as on the CPU. That is where torch cannot
+    run the initialiser on the shards (torch 2.11 fails on some indexing of strided shards), and where a
+    shard is already on the CPU (`to_empty` let FSDP pin an offloading unit's shards): the RNG would follow
+    the GPU's offsets and draw from the CPU's generator, the same values on every rank."""
+    import torch
+
+    if torch.device(device).type == "cpu" or shards_on_cpu(owners):
+        return None
+    before = parameter_versions(owners, {})
     try:
-        if torch.device(device).type != "cpu" and not shards_on_cpu(owners):
-            before = parameter_versions(owners, {})
-            init()
-            return written_since(before)
+        init()
     except (RuntimeError, ValueError, NotImplementedError):
-        pass
+        return None
+    return written_since(before)
+
+
+def on_whole_tensors(module, owners, init, subtree, device):
+    """The call made with every DTensor of `owners` whole, as in an unsharded model; each rank then keeps
+    its slice (`put_back`). The ids of the parameters it wrote."""
     entries, originals = made_whole(module, owners, subtree, device)
     before = parameter_versions(owners, originals)
     try:
         init()
         return written_since(before)
     finally:
-        filled = set()
-        for store, name, tensor in entries:
-            now = store[name]
-            store[name] = tensor
-            if id(tensor) not in filled and now is not None:
-                filled.add(id(tensor))
-                fill_shard(tensor, whole(now) if isinstance(now, DTensor) else now)
+        put_back(entries)
+
+
+def put_back(entries):
+    """Put each DTensor of `entries` (made_whole's) back in its place, its shard filled from the whole
+    tensor that stood there, as the call left it or replaced it (a buffer recomputed, a weight re-tied)."""
+    from torch.distributed.tensor import DTensor
+
+    filled = set()
+    for store, name, tensor in entries:
+        now = store[name]
+        store[name] = tensor
+        if id(tensor) not in filled and now is not None:
+            filled.add(id(tensor))
+            fill_shard(tensor, whole(now) if isinstance(now, DTensor) else now)
 
 
 def made_whole(module, owners, subtree, device):
     """Put a whole tensor in place of each DTensor of `owners` for a call on the CPU: (entries, originals),
     entries (store, name, DTensor) to put back, originals the DTensor behind each whole tensor's id."""
-    import torch
+    made, entries, originals = {}, [], {}
+    for owner, store, name, tensor in dtensors_of(owners):
+        if id(tensor) not in made:  # a tied tensor is made whole once, and stays tied
+            keep = subtree or owner is not module
+            made[id(tensor)] = whole_for_call(tensor, keep, store is owner._parameters, device)
+            originals[id(made[id(tensor)])] = tensor
+        entries.append((store, name, tensor))
+        store[name] = made[id(tensor)]
+    return entries, originals
+
+
+def dtensors_of(owners):
+    """(owner, store, name, tensor) for each DTensor parameter and buffer of `owners`, read as it is reached:
+    a generator, so that one made whole before is seen as it now is."""
     from torch.distributed.tensor import DTensor
 
-    made, entries, originals = {}, [], {}
     for owner in owners:
         for store in (owner._parameters, owner._buffers):
             for name, tensor in store.items():
-                if not isinstance(tensor, DTensor):
-                    continue
-                if id(tensor) not in made:  # a tied tensor is made whole once, and stays tied
-                    # Whole with its current values where the call may read or leave them (a subtree,
-                    # a child); new memory where the module's own initialiser sets them all.
-                    value = (
-                        whole(tensor)
-                        if subtree or owner is not module
-                        else torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
-                    )
-                    if store is owner._parameters:
-                        value = torch.nn.Parameter(value, tensor.requires_grad)
-                    made[id(tensor)] = value
-                    originals[id(value)] = tensor
-                entries.append((store, name, tensor))
-                store[name] = made[id(tensor)]
-    return entries, originals
+                if isinstance(tensor, DTensor):
+                    yield owner, store, name, tensor
+
+
+def whole_for_call(tensor, keep_values, parameter, device):
+    """A whole tensor to stand for DTensor `tensor` during a call: with its current values where the call
+    may read or leave them (`keep_values`: a subtree, a child), new memory where the module's own
+    initialiser sets them all; a Parameter where `tensor` is one (`parameter`)."""
+    import torch
+
+    value = whole(tensor) if keep_values else torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+    return torch.nn.Parameter(value, tensor.requires_grad) if parameter else value
 
 
 def parameter_versions(owners, originals):

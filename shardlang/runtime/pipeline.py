@@ -1,5 +1,5 @@
 """Pipeline stages cut from a whole model, and the schedule that trains them: plain torch, pasted into the
-program `compile --emit python` prints, as runtime.helpers is.
+program `compile --emit python` prints, as the helpers runtime.steps names are.
 
 A stage is the whole model with the modules of other stages replaced by pass-throughs (docs/language.md
 §4.5). It runs the model's own forward, so whatever the model computes outside its blocks (rotary

@@ -20,7 +20,7 @@ from ..compiler import initialisers
 from ..compiler import program as p
 from ..compiler.devices import mesh_device
 from ..frontend import ir, patterns
-from . import context, helpers, materialise, pipeline
+from . import broadcasts, context, gathering, materialise, meshes, moving, ownstyles, pipeline, rank0, ties, units
 from .torchcompat import composable_checkpoint, composable_replicate
 from .values import build, names_used, source, to_torch, value_source
 
@@ -41,7 +41,7 @@ class Running:
     pp_rank: int | None = None
 
     def mesh(self, ref: ir.MeshRef):
-        return helpers.mesh_of(self.meshes[ref.mesh], ref.dims, ref.flat)
+        return meshes.mesh_of(self.meshes[ref.mesh], ref.dims, ref.flat)
 
     def module(self, fqn: str) -> nn.Module:
         return self.model.get_submodule(fqn) if fqn else self.model
@@ -54,7 +54,7 @@ class StepType:
 
     run: Callable[[Any, Running], None]
     write: Callable[[Any, p.Program, str], list[str]]
-    #: Helpers (runtime.helpers) the printed lines call: the printed program pastes their source.
+    #: Helpers (runtime's functions) the printed lines call: the printed program pastes their source.
     helpers: tuple[Callable, ...] = ()
     #: Helpers only some steps of the kind call, by step.
     needs: Callable[[Any, Any], tuple[Callable, ...]] = lambda step, program: ()
@@ -187,7 +187,7 @@ def module_source(fqn: str) -> str:
 
 
 def run_distribute(step: p.Distribute, ctx: Running) -> None:
-    helpers.distribute_with_layouts(
+    ownstyles.distribute_with_layouts(
         ctx.module(step.module), ctx.mesh(step.mesh), to_torch(step.input), to_torch(step.output)
     )
 
@@ -200,7 +200,7 @@ def write_distribute(step: p.Distribute, program: p.Program, module: str) -> lis
 
 def run_user_style(step: p.UserStyle, ctx: Running) -> None:
     kwargs = {k: to_torch(v) for k, v in step.kwargs}
-    helpers.apply_user_style(ctx.module(step.module), ctx.mesh(step.mesh), ctx.imported[step.alias], **kwargs)
+    ownstyles.apply_user_style(ctx.module(step.module), ctx.mesh(step.mesh), ctx.imported[step.alias], **kwargs)
 
 
 def write_user_style(step: p.UserStyle, program: p.Program, module: str) -> list[str]:
@@ -211,7 +211,7 @@ def run_retie(step: p.Retie, ctx: Running) -> None:
     groups = step.groups
     if ctx.parts is not None and groups is not None:  # SL214 keeps every tie within one stage
         groups = tuple(g for g in groups if all(pipeline.holds(ctx.model, n.rpartition(".")[0]) for n in g))
-    helpers.retie(ctx.model, groups)
+    ties.retie(ctx.model, groups)
 
 
 def write_retie(step: p.Retie, program: p.Program, module: str) -> list[str]:
@@ -244,14 +244,14 @@ def run_fully_shard(step: p.FullyShard, ctx: Running) -> None:
 
     modules = [ctx.module(fqn) for fqn in (step.module, *step.also)]
     kwargs = {k: to_torch(v) for k, v in step.kwargs}
-    unit = fully_shard(modules if step.together else helpers.unit_of(modules[0]), mesh=ctx.mesh(step.mesh), **kwargs)
+    unit = fully_shard(modules if step.together else units.unit_of(modules[0]), mesh=ctx.mesh(step.mesh), **kwargs)
     if step.divide_by is not None:
-        helpers.divide_gradients(unit, ctx.mesh(step.divide_by).size(), ctx.mesh(step.mesh))
+        units.divide_gradients(unit, ctx.mesh(step.divide_by).size(), ctx.mesh(step.mesh))
 
 
 def _may_be_container(step: p.FullyShard, program: p.Program) -> bool:
     """Whether a fully_shard unit's one module may be a ModuleList or ModuleDict of experts, split by
-    expert_parallel, which the printed program hands to fully_shard through helpers.unit_of."""
+    expert_parallel, which the printed program hands to fully_shard through units.unit_of."""
     return not step.together and program.plan.has_style("expert_parallel")
 
 
@@ -280,7 +280,7 @@ def write_context_parallel(step: p.ContextParallel, program: p.Program, module: 
 
 
 def run_replicate(step: p.Replicate, ctx: Running) -> None:
-    mesh = helpers.flat_mesh(ctx.meshes[step.mesh.mesh], step.mesh.dims)
+    mesh = meshes.flat_mesh(ctx.meshes[step.mesh.mesh], step.mesh.dims)
     composable_replicate()(ctx.module(step.module), device_mesh=mesh, **{k: to_torch(v) for k, v in step.kwargs})
 
 
@@ -291,7 +291,7 @@ def write_replicate(step: p.Replicate, program: p.Program, module: str) -> list[
 
 def run_take_rank0_values(step: p.TakeRank0Values, ctx: Running) -> None:
     if dist.get_rank() == 0:
-        ctx.full_state = helpers.rank0_values(ctx.model)
+        ctx.full_state = rank0.rank0_values(ctx.model)
 
 
 def write_take_rank0_values(step: p.TakeRank0Values, program: p.Program, module: str) -> list[str]:
@@ -303,7 +303,7 @@ def write_take_rank0_values(step: p.TakeRank0Values, program: p.Program, module:
 
 
 def run_init_on_mesh(step: p.InitOnMesh, ctx: Running) -> None:
-    materialise.init_on_mesh(ctx.model, torch_device(step.device), step.method, seed=helpers.common_seed())
+    materialise.init_on_mesh(ctx.model, torch_device(step.device), step.method, seed=broadcasts.common_seed())
 
 
 def write_init_on_mesh(step: p.InitOnMesh, program: p.Program, module: str) -> list[str]:
@@ -311,7 +311,7 @@ def write_init_on_mesh(step: p.InitOnMesh, program: p.Program, module: str) -> l
 
 
 def run_load_from_rank0(step: p.LoadFromRank0, ctx: Running) -> None:
-    helpers.load_from_rank0(ctx.model, torch_device(step.device), ctx.full_state)
+    rank0.load_from_rank0(ctx.model, torch_device(step.device), ctx.full_state)
 
 
 def write_load_from_rank0(step: p.LoadFromRank0, program: p.Program, module: str) -> list[str]:
@@ -319,7 +319,7 @@ def write_load_from_rank0(step: p.LoadFromRank0, program: p.Program, module: str
 
 
 def run_offload_to_cpu(step: p.OffloadToCpu, ctx: Running) -> None:
-    helpers.offload_to_cpu(ctx.module(step.module))
+    moving.offload_to_cpu(ctx.module(step.module))
 
 
 def write_offload_to_cpu(step: p.OffloadToCpu, program: p.Program, module: str) -> list[str]:
@@ -327,7 +327,7 @@ def write_offload_to_cpu(step: p.OffloadToCpu, program: p.Program, module: str) 
 
 
 def run_sync(step: p.Sync, ctx: Running) -> None:
-    helpers.sync_module_states(ctx.model, ctx.meshes[step.mesh.mesh], step.mesh.dims)
+    broadcasts.sync_module_states(ctx.model, ctx.meshes[step.mesh.mesh], step.mesh.dims)
 
 
 def write_sync(step: p.Sync, program: p.Program, module: str) -> list[str]:
@@ -335,7 +335,7 @@ def write_sync(step: p.Sync, program: p.Program, module: str) -> list[str]:
 
 
 def run_move_to_device(step: p.MoveToDevice, ctx: Running) -> None:
-    helpers.move_to_device(ctx.model, torch_device(step.device))
+    moving.move_to_device(ctx.model, torch_device(step.device))
 
 
 def write_move_to_device(step: p.MoveToDevice, program: p.Program, module: str) -> list[str]:
@@ -365,10 +365,10 @@ STEPS: dict[type, StepType] = {
     ),
     p.Parallelize: StepType(run_parallelize, write_parallelize, names=_parallelize_names),
     p.Distribute: StepType(
-        run_distribute, write_distribute, helpers=(helpers.distribute_with_layouts,), names=_value_names
+        run_distribute, write_distribute, helpers=(ownstyles.distribute_with_layouts,), names=_value_names
     ),
-    p.UserStyle: StepType(run_user_style, write_user_style, helpers=(helpers.apply_user_style,), names=_value_names),
-    p.Retie: StepType(run_retie, write_retie, helpers=(helpers.retie,)),
+    p.UserStyle: StepType(run_user_style, write_user_style, helpers=(ownstyles.apply_user_style,), names=_value_names),
+    p.Retie: StepType(run_retie, write_retie, helpers=(ties.retie,)),
     p.Checkpoint: StepType(
         run_checkpoint,
         write_checkpoint,
@@ -414,26 +414,26 @@ STEPS: dict[type, StepType] = {
         run_fully_shard,
         write_fully_shard,
         needs=lambda step, program: (
-            *((helpers.divide_gradients,) if step.divide_by is not None else ()),
-            *((helpers.unit_of,) if _may_be_container(step, program) else ()),
+            *((units.divide_gradients,) if step.divide_by is not None else ()),
+            *((units.unit_of,) if _may_be_container(step, program) else ()),
         ),
         names=lambda step: {"torch.distributed.fsdp.fully_shard"} | _value_names(step),
     ),
     p.Replicate: StepType(
         run_replicate,
         write_replicate,
-        helpers=(helpers.flat_mesh, helpers.submesh),
+        helpers=(meshes.flat_mesh, meshes.submesh),
         names=_value_names,
         private_import="from torch.distributed._composable import replicate  # composable DDP",
     ),
     p.TakeRank0Values: StepType(
-        run_take_rank0_values, write_take_rank0_values, helpers=(helpers.rank0_values,), moves_data=True
+        run_take_rank0_values, write_take_rank0_values, helpers=(rank0.rank0_values,), moves_data=True
     ),
     p.InitOnMesh: StepType(
         run_init_on_mesh,
         write_init_on_mesh,
         helpers=(
-            helpers.common_seed,
+            broadcasts.common_seed,
             initialisers.forget_initialised,
             initialisers.as_built,
             initialisers.is_hugging_face,
@@ -441,16 +441,23 @@ STEPS: dict[type, StepType] = {
             initialisers.children_first,
             initialisers.initialisation_calls,
             initialisers.calls_below,
-            helpers.gather_by_hand,
-            helpers.whole,
-            helpers.fill_shard,
-            helpers.shard_on_cpu,
-            helpers.shards_on_cpu,
+            gathering.gather_by_hand,
+            gathering.whole,
+            gathering.fill_shard,
+            gathering.shard_on_cpu,
+            gathering.shards_on_cpu,
+            materialise.whole_for_call,
+            materialise.dtensors_of,
             materialise.made_whole,
+            materialise.put_back,
             materialise.versions,
             materialise.parameter_versions,
             materialise.written_since,
+            materialise.on_shards,
+            materialise.on_whole_tensors,
             materialise.run_initialiser,
+            materialise.initialise_below,
+            materialise.allocate_on,
             materialise.untied_for_init,
             materialise.init_on_mesh,
         ),
@@ -460,20 +467,20 @@ STEPS: dict[type, StepType] = {
         run_load_from_rank0,
         write_load_from_rank0,
         helpers=(
-            helpers.fill_shard,
-            helpers.shard_on_cpu,
-            helpers.shards_on_cpu,
-            helpers.scatter_from_rank0,
-            helpers.load_from_rank0,
+            gathering.fill_shard,
+            gathering.shard_on_cpu,
+            gathering.shards_on_cpu,
+            rank0.scatter_from_rank0,
+            rank0.load_from_rank0,
         ),
         moves_data=True,
     ),
     p.OffloadToCpu: StepType(
-        run_offload_to_cpu, write_offload_to_cpu, helpers=(helpers.offload_to_cpu,), moves_data=True
+        run_offload_to_cpu, write_offload_to_cpu, helpers=(moving.offload_to_cpu,), moves_data=True
     ),
-    p.Sync: StepType(run_sync, write_sync, helpers=(helpers.sync_module_states,), moves_data=True),
+    p.Sync: StepType(run_sync, write_sync, helpers=(broadcasts.sync_module_states,), moves_data=True),
     p.MoveToDevice: StepType(
-        run_move_to_device, write_move_to_device, helpers=(helpers.move_to_device,), moves_data=True
+        run_move_to_device, write_move_to_device, helpers=(moving.move_to_device,), moves_data=True
     ),
 }
 

@@ -4,7 +4,7 @@ partial, and transformers' Conv1D (weight stored [in, out]).
 
 They are ParallelStyle subclasses, so `parallelize_module` applies them like torch's own, and
 `compile --emit python` pastes their source (and that of the functions here they call) into the program
-it prints. Like runtime.helpers, each method imports what it needs.
+it prints. Like the other pasted helpers (runtime.steps names them), each method imports what it needs.
 """
 
 from __future__ import annotations

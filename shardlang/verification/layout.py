@@ -170,7 +170,7 @@ def loss(ctx, output: Any, inputs: tuple, sharded: bool = False, compile_with=No
     if given is None:
         return output.float().sum()
     if sharded and ctx.plan.compile_loss is not None:
-        from ..runtime.helpers import compiled_loss
+        from ..runtime.compiled import compiled_loss
 
         given = (compile_with or compiled_loss)(given, **dict(ctx.plan.compile_loss.options))
     what = f"loss(output, inputs) from {ctx.model_file.origin}"

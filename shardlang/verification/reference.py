@@ -24,7 +24,7 @@ import torch
 from attrs import frozen
 from torch.distributed.tensor import DTensor
 
-from ..runtime.helpers import whole
+from ..runtime.gathering import whole
 from . import layout as lay
 from .routing import Replay, replay_under
 from .truth import Float64Kernels, run_forward_under
@@ -37,7 +37,7 @@ K = 12.0
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's whole value (a collective on its mesh; runtime.helpers.whole); a plain tensor as it is."""
+    """A DTensor's whole value (a collective on its mesh; runtime.gathering.whole); a plain tensor as it is."""
     return whole(tensor) if isinstance(tensor, DTensor) else tensor
 
 
