@@ -197,3 +197,39 @@ def test_a_number_of_thousands_of_digits_is_sl102_at_it(text, line, col):
     (d,) = raised.value.diagnostics
     assert (d.code, d.span.line, d.span.col) == ("SL102", line, col), d
     assert "5,001 digits" in d.message
+
+
+#: Each thing SL103 finds given twice, with the message and help it has said since before one helper wrote
+#: them all (issue 40; the pipeline's help said "the first split is at line 2" before).
+GIVEN_TWICE = [
+    ("param tp = 2\nparam tp = 4\nmesh world = cpu[dp=2]\n", "param 'tp' is declared twice", 1),
+    ("mesh world = cpu[dp=2]\nmesh world = cpu[dp=4]\n", "mesh 'world' is declared twice", 1),
+    ("mesh world = cpu[dp=2, dp=2]\n", "mesh dim 'dp' is declared twice in mesh 'world'", None),
+    ("use a.b.C as c\nuse a.b.D as c\nmesh world = cpu[dp=2]\n", "'c' is declared twice by use", 1),
+    ("mesh world = cpu[dp=2]\ninit meta\ninit cpu\n", "init is given twice", 2),
+    ("mesh world = cpu[dp=2]\nverify placements, comms, placements\n", "check 'placements' is listed twice", 2),
+    (
+        "mesh world = cpu[tp=2]\nparallelize on world.tp { a : colwise(output=replicate, output=replicate) }\n",
+        "argument 'output' is given twice",
+        2,
+    ),
+    (
+        "mesh world = cpu[dp=2]\nfully_shard on world.dp { reshard_after_forward = true; reshard_after_forward = false }\n",
+        "option 'reshard_after_forward' is set twice",
+        2,
+    ),
+    (
+        "mesh world = cpu[pp=2]\npipeline on world.pp { split before layers.1; split before layers.2; schedule = gpipe }\n",
+        "the pipeline is split twice",
+        2,
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "message", "first"), GIVEN_TWICE, ids=[m for _, m, _ in GIVEN_TWICE])
+def test_sl103_says_what_is_given_twice_and_where_the_first_is(text, message, first):
+    with pytest.raises(shardlang.PlanError) as raised:
+        shardlang.loads(text)
+    (found,) = [d for d in raised.value.diagnostics if d.code == "SL103"]
+    assert found.message == message
+    assert found.help == ((f"the first is at line {first}",) if first is not None else ())

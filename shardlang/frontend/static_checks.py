@@ -142,12 +142,7 @@ class _Checker:
                 continue
             name = arg.name.text
             if name in seen:
-                self.error(
-                    SL103,
-                    f"argument '{name}' is given twice",
-                    arg.name.span,
-                    f"the first is at line {seen[name].line}",
-                )
+                self.twice(f"argument '{name}'", arg.name.span, seen[name])
                 continue
             seen[name] = arg.span
             if schema is not None and name not in schema:
@@ -221,17 +216,19 @@ class _Checker:
             diagnostics=tuple(self.diagnostics),
         )
 
+    def twice(self, what: str, span: Span, first: Span | None, did: str = "given", where: str = "") -> None:
+        """SL103, in one wording: `what` {did} twice{where} at `span`, and the line of the first (`first`)."""
+        at = (f"the first is at line {first.line}",) if first is not None else ()
+        self.error(SL103, f"{what} is {did} twice{where}", span, *at)
+
     def unique(self, statements: list, what: str) -> None:
         for extra in statements[1:]:
-            self.error(SL103, f"{what} is given twice", extra.span, f"the first is at line {statements[0].span.line}")
+            self.twice(what, extra.span, statements[0].span)
 
     def declare_params(self, params: list[s.ParamStmt], overrides: Mapping[str, Any]) -> None:
         for p in params:
             if p.name.text in self.params:
-                first = self.params[p.name.text].span.line
-                self.error(
-                    SL103, f"param '{p.name.text}' is declared twice", p.name.span, f"the first is at line {first}"
-                )
+                self.twice(f"param '{p.name.text}'", p.name.span, self.params[p.name.text].span, "declared")
             elif isinstance(p.value, s.ParamRef):
                 self.error(SL102, f"param '{p.name.text}' must be a literal, not another param", p.value.span)
             else:
@@ -246,12 +243,7 @@ class _Checker:
     def use(self, use: s.UseStmt) -> ir.Use:
         alias = use.alias.text
         if alias in self.uses:
-            self.error(
-                SL103,
-                f"'{alias}' is declared twice by use",
-                use.alias.span,
-                f"the first is at line {self.uses[alias].span.line}",
-            )
+            self.twice(f"'{alias}'", use.alias.span, self.uses[alias].span, "declared", " by use")
         elif alias in STYLES:
             # SPEC §12: a plan written before a built-in of this name existed keeps its meaning.
             self.error(
@@ -273,12 +265,7 @@ class _Checker:
     def mesh(self, mesh: s.MeshStmt) -> ir.Mesh:
         name = mesh.name.text
         if name in self.meshes:
-            self.error(
-                SL103,
-                f"mesh '{name}' is declared twice",
-                mesh.name.span,
-                f"the first is at line {self.meshes[name].span.line}",
-            )
+            self.twice(f"mesh '{name}'", mesh.name.span, self.meshes[name].span, "declared")
         device = self.convert(choice(*DEVICES, what="device"), mesh.device) or "auto"
         dims, autos = [], []
         for arg in mesh.dims:
@@ -286,7 +273,7 @@ class _Checker:
                 self.error(SL102, "mesh dims are named, e.g. mesh world = cuda[dp=2, tp=4]", arg.span)
                 continue
             if any(d.name == arg.name.text for d in dims):
-                self.error(SL103, f"mesh dim '{arg.name.text}' is declared twice in mesh '{name}'", arg.name.span)
+                self.twice(f"mesh dim '{arg.name.text}'", arg.name.span, None, "declared", f" in mesh '{name}'")
                 continue
             size = self.mesh_size(arg)
             if size == "auto":
@@ -421,12 +408,7 @@ class _Checker:
                 self.error(SL101, f"unknown option '{name}' in {where}", option.name.span, *hint)
                 continue
             if name in seen:
-                self.error(
-                    SL103,
-                    f"option '{name}' is set twice",
-                    option.name.span,
-                    f"the first is at line {seen[name].line}",
-                )
+                self.twice(f"option '{name}'", option.name.span, seen[name], "set")
                 continue
             seen[name] = option.span
             if name == "mixed_precision":
@@ -484,9 +466,7 @@ class _Checker:
         options = dict(self.options([i for i in block.items if isinstance(i, s.Option)], PIPELINE_OPTIONS, "pipeline"))
         splits = [i for i in block.items if isinstance(i, (s.SplitBefore, s.SplitInto))]
         for extra in splits[1:]:
-            self.error(
-                SL103, "the pipeline is split twice", extra.span, f"the first split is at line {splits[0].span.line}"
-            )
+            self.twice("the pipeline", extra.span, splits[0].span, "split")
         if not splits:
             self.error(
                 SL102,
@@ -586,12 +566,7 @@ class _Checker:
         first: dict[str, ir.Check] = {}
         for check in checks:
             if check.name in first:
-                self.error(
-                    SL103,
-                    f"check '{check.name}' is listed twice",
-                    check.span,
-                    f"the first is at line {first[check.name].span.line}",
-                )
+                self.twice(f"check '{check.name}'", check.span, first[check.name].span, "listed")
             first.setdefault(check.name, check)
 
 
