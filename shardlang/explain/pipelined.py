@@ -132,14 +132,15 @@ def _sub(a: dict, b: dict) -> dict:
     return {k: a.get(k, 0) - b.get(k, 0) for k in a.keys() | b.keys()}
 
 
-def _measure(plan: ir.Plan, applied_by_rank: dict, model_file, batch: int | None, microbatches: int):
+def _measure(plan: ir.Plan, applied_by_rank: dict, model_file, batch: int | None, microbatches: int, ran: list):
     """Every stage measured in order (a stage receives the previous one's output): {stage: _Measured},
-    the batch, tokens and data-parallel replicas."""
+    the batch, tokens and data-parallel replicas. The step's phases are noted in `ran` (step.Step)."""
     from torch.distributed import pipelining
 
     from ..verification import Context
     from ..verification import layout as lay
     from ..verification.comms import Calls
+    from ..verification.step import Step, not_compiled
 
     pipeline = plan.pipeline
     pp = len(applied_by_rank)
@@ -147,8 +148,6 @@ def _measure(plan: ir.Plan, applied_by_rank: dict, model_file, batch: int | None
     n, m = len(ranks_of), microbatches
     any_applied = next(iter(applied_by_rank.values()))
     ctx = Context(plan, any_applied, model_file)
-    gradients = next((c for c in plan.checks if c.name == "gradients"), None)
-    input_layout = gradients.get("input") if gradients is not None else None
     groups: dict[str, str] = {}
     for applied in applied_by_rank.values():
         groups.update(group_names(applied))
@@ -160,13 +159,12 @@ def _measure(plan: ir.Plan, applied_by_rank: dict, model_file, batch: int | None
         stages[s] = (part, pipelining.PipelineStage(part, s, n, torch.device("cpu"), group=group))
     recorder = Calls()
     measured: dict[int, _Measured] = {}
-    with quiet("torch._subclasses.fake_tensor"), recording_fake_mode(recorder):
-        where = lay.layout(ctx)
-        batch = batch if batch is not None else m * 2 * max(where.tp_size, 1)
-        full = lay.replica_inputs(ctx, -1, where.replica, batch)
-        inputs = lay.local_inputs(full, where, input_layout)
+    # The step as the checks run it: a simulated world compiles nothing (a compiled loss runs as it is).
+    step = Step.of(ctx, compile_with=not_compiled, ran=ran)
+
+    def stage_by_stage(inputs: tuple) -> list[int]:
         # torch's schedules split every tensor input (and the keyword `shardlang_inputs`) with tensor_split.
-        chunks = lay.microbatches(inputs, m)  # as torch's schedules split the inputs (and `shardlang_inputs`)
+        chunks = lay.microbatches(inputs, m)
         sizes = [next(x for x in c if isinstance(x, torch.Tensor)).shape[0] for c in chunks]
         if min(sizes) == 0:
             raise ValueError(f"a batch of {batch} cannot be split into {m} microbatches")
@@ -174,16 +172,23 @@ def _measure(plan: ir.Plan, applied_by_rank: dict, model_file, batch: int | None
         for s in range(n):
             part, stage = stages[s]
             measured[s], received_like = _measure_stage(
-                plan, ctx, stage, part, s == n - 1, chunks, received_like, recorder, groups
+                step, stage, part, s == n - 1, chunks, received_like, recorder, groups
             )
+        return sizes
+
+    with quiet("torch._subclasses.fake_tensor"), recording_fake_mode(recorder):
+        where = step.where
+        batch = batch if batch is not None else m * 2 * max(where.tp_size, 1)
+        full = step.batch(size=batch)
+        sizes = step.scheduled(stage_by_stage, full, m)
     return measured, batch, max(sizes), count_tokens(full, batch), where.replicas
 
 
-def _measure_stage(plan, ctx, stage, part, last: bool, chunks: list, received_like: list, recorder, groups):
-    """One stage (torch's PipelineStage `stage` of module `part`), as the module docstring says: its
-    _Measured, and the (shape, dtype) of each tensor it sends on (what the next stage receives)."""
+def _measure_stage(step, stage, part, last: bool, chunks: list, received_like: list, recorder, groups):
+    """One stage (torch's PipelineStage `stage` of module `part`) of the training step `step`, as the module
+    docstring says: its _Measured, and the (shape, dtype) of each tensor it sends on (what the next stage
+    receives)."""
     from ..runtime.pipeline import model_output
-    from ..verification import layout as lay
     from .memory import cuda_like_rms_norm, tracker
 
     m = len(chunks)
@@ -211,8 +216,7 @@ def _measure_stage(plan, ctx, stage, part, last: bool, chunks: list, received_li
         kept = None
         if last:
             kept = out
-            with lay.loss_context(plan):
-                out = lay.loss(ctx, model_output(part.shardlang_carry, out), mb)
+            out = step.stage_loss(part, model_output(part.shardlang_carry, out), mb)
         return out, given, kept
 
     def backward(out, given):
@@ -288,10 +292,12 @@ def pipeline_report(
     batch: int | None = None,
     hardware: Hardware | None = None,
     meshes=None,
+    ran: list | None = None,
 ):
     """The pipeline seen from every pp rank. With a model file's example_input and `hardware`, one
     step is simulated stage by stage: (report, rank R's collectives, rank R's Peak, rank R's StepTime,
-    None); else, or if the step fails, (report, (), None, None, the exception or None)."""
+    None); else, or if the step fails, (report, (), None, None, the exception or None). The step's phases
+    are noted in `ran` (step.Step.ran)."""
     pipeline = plan.pipeline
     pp = len(applied_by_rank)
     v = pipeline.stages_per_rank
@@ -316,7 +322,9 @@ def pipeline_report(
     failure = None
     if model_file is not None and model_file.example_input is not None and hardware is not None:
         try:
-            measured, batch, microbatch, tokens, replicas = _measure(plan, applied_by_rank, model_file, batch, m)
+            measured, batch, microbatch, tokens, replicas = _measure(
+                plan, applied_by_rank, model_file, batch, m, ran if ran is not None else []
+            )
         except Exception as e:  # noqa: BLE001 - the stages stand; the step is what fails
             failure = e
     heading = (dim, pipeline.schedule, name, source, pp, v, m, mine)  # what both reports below open with

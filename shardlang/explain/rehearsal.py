@@ -63,6 +63,8 @@ class Rehearsal:
     note: str
     #: Whether the step ran through its backward, so that what SL210 guesses from the plan was seen instead.
     ran: bool = False
+    #: The phases of the training step it ran (verification.step.Step.ran): those apply's checks run.
+    phases: tuple[str, ...] = ()
 
 
 def rehearse(
@@ -89,12 +91,13 @@ def _rehearse_here(plan, model, model_file, world_size, stack) -> Rehearsal:
         model = _as_apply_builds_it(plan, model, model_file)
         if stack is not None and len(stack[1]) > BLOCKS:
             path, keys = stack
-            found, ran, notes = _step(simulated, cut_stack(model, path, keys[:BLOCKS]), model_file)
+            found, ran, notes, phases = _step(simulated, cut_stack(model, path, keys[:BLOCKS]), model_file)
             if not found:
                 note = f"one training step simulated at {whole} on {BLOCKS} of the {len(keys)} blocks of `{path}`"
-                return Rehearsal((), "; ".join((note, *notes)), ran)
-        found, ran, notes = _step(simulated, copy.deepcopy(model), model_file)  # confirmed on the whole model
-    return Rehearsal(tuple(found), "; ".join((f"one training step simulated at {whole}", *notes)), ran)
+                return Rehearsal((), "; ".join((note, *notes)), ran, phases)
+        # confirmed on the whole model
+        found, ran, notes, phases = _step(simulated, copy.deepcopy(model), model_file)
+    return Rehearsal(tuple(found), "; ".join((f"one training step simulated at {whole}", *notes)), ran, phases)
 
 
 def _pipelined(plan: ir.Plan, model: nn.Module, model_file: ModelFile, world_size: int) -> Rehearsal:
@@ -115,10 +118,13 @@ def _pipelined(plan: ir.Plan, model: nn.Module, model_file: ModelFile, world_siz
             return Rehearsal(tuple(e.diagnostics), f"the plan could not be applied for pp rank {index}")
         linted = applied_by_rank[index].linted
     meshes = named_mesh_dims(plan, world_size)
-    *_, failure = pipeline_report(plan, applied_by_rank, world_size, 0, model_file, None, hardware(), meshes)
+    phases: list[str] = []
+    *_, failure = pipeline_report(
+        plan, applied_by_rank, world_size, 0, model_file, None, hardware(), meshes, ran=phases
+    )
     note = f"one training step simulated stage by stage, for each of the {pp} pp ranks"
     if failure is None:
-        return Rehearsal((), note, True)
+        return Rehearsal((), note, True, tuple(phases))
     for applied in applied_by_rank.values():
         found = raised.raising_module(applied.model, failure)
         if found is not None:
@@ -146,25 +152,26 @@ def _as_apply_builds_it(plan: ir.Plan, model: nn.Module, model_file: ModelFile) 
         return model
 
 
-def _step(plan: ir.Plan, model: nn.Module, model_file: ModelFile) -> tuple[list[Diagnostic], bool, tuple[str, ...]]:
-    """Apply `plan` to `model` and run one forward, loss and backward on fake tensors: what went wrong,
-    whether the backward ran, and notes on what fake tensors could not run (StandIns)."""
+def _step(plan: ir.Plan, model: nn.Module, model_file: ModelFile) -> tuple[list[Diagnostic], bool, tuple, tuple]:
+    """Apply `plan` to `model` and run one training step (verification.step.Step) on fake tensors: what went
+    wrong, whether the backward ran, notes on what fake tensors could not run (StandIns), and the phases
+    that ran."""
     from ..verification import Context
-    from ..verification import layout as lay
     from ..verification.comms import Calls
+    from ..verification.step import Step, not_compiled
     from .fakestep import StandIns, idle_conversions, quiet, recording_fake_mode
 
     reference = copy.deepcopy(model)
     try:
         applied = apply_plan(plan, model, mode=SIMULATED)
     except PlanError as e:  # what lint finds once `use` styles are run (SL203/SL204), or a step that fails
-        return list(e.diagnostics), False, ()
+        return list(e.diagnostics), False, (), ()
     ctx = Context(plan, applied, model_file)
     _without_ddp(applied.model)
     stand_ins = StandIns()
+    step = Step.of(ctx, compile_with=not_compiled)  # a simulated world compiles nothing
     with quiet("torch._subclasses.fake_tensor"), recording_fake_mode(Calls(), stand_ins), idle_conversions():
-        where = lay.layout(ctx)
-        full = lay.replica_inputs(ctx, -1, where.replica, 2 * max(where.tp_size, 1))
+        full = step.batch()
         expected, shapes, unsharded, unrun = _unsharded(ctx, reference, full)
         stand_ins.clear()  # the reference's own
         sharded = applied.model
@@ -172,12 +179,13 @@ def _step(plan: ir.Plan, model: nn.Module, model_file: ModelFile) -> tuple[list[
             sharded.to_empty(device="cpu")
         with Watch(sharded, unsharded, shapes) as watch:
             stand_ins.where = watch.running
-            found, ran = _forward_backward(ctx, watch, full, expected)
+            found, ran = _forward_backward(step, watch, full, expected)
+    phases = tuple(step.ran)
     if found and stand_ins.guessed:  # what raised may come of a value the model never sees
-        return [], False, (_after_guess(stand_ins, found[0]),)
+        return [], False, (_after_guess(stand_ins, found[0]),), phases
     if found and unrun is not None:  # the model's own failure on these inputs, not the plan's
-        return [], False, (f"the step stopped: {found[0].message}; the unsharded model raises too ({unrun})",)
-    return (_partial_gradients(ctx, watch) if ran else found), ran, _stood_in(stand_ins)
+        return [], False, (f"the step stopped: {found[0].message}; the unsharded model raises too ({unrun})",), phases
+    return (_partial_gradients(ctx, watch) if ran else found), ran, _stood_in(stand_ins), phases
 
 
 def _without_ddp(model: nn.Module) -> None:
@@ -196,35 +204,23 @@ def _without_ddp(model: nn.Module) -> None:
                 del hooks[key]
 
 
-def _gradients(plan: ir.Plan, option: str):
-    """The gradients check's `input=` or `output=` layout (None where it gives none)."""
-    gradients = next((c for c in plan.checks if c.name == "gradients"), None)
-    return gradients.get(option) if gradients is not None else None
-
-
-def _forward_backward(ctx, watch: Watch, full: tuple, expected: Any) -> tuple[list[Diagnostic], bool]:
-    """The sharded model's forward on this rank's share of the whole inputs `full`, the loss and the
-    backward, inside `watch`: what went wrong, and whether the backward ran."""
-    from ..verification import layout as lay
-
-    plan, where = ctx.plan, lay.layout(ctx)
-    output_layout = _gradients(plan, "output")
+def _forward_backward(step, watch: Watch, full: tuple, expected: Any) -> tuple[list[Diagnostic], bool]:
+    """The training step's phases on this rank's share of the whole inputs `full`, inside `watch`: what
+    went wrong, and whether the backward ran."""
+    ctx = step.ctx
     try:
-        output = ctx.model(*lay.local_inputs(full, where, _gradients(plan, "input")))
+        output = step.forward(ctx.model, full)
     except Exception as e:  # noqa: BLE001 - the step's failure is the finding
         return [_raised_in(ctx, watch, e, "forward")], False
     mismatch = _shard_of(output, expected)
-    if mismatch is not None and not isinstance(output_layout, ir.Shard):
+    if mismatch is not None and not isinstance(step.output_layout, ir.Shard):
         return [_loss_diagnostic(ctx, watch, f"the loss is handed {mismatch}")], False
     try:
-        whole = lay.full_output(ctx, where, output, output_layout)
-        with lay.loss_context(plan):
-            loss = lay.loss(ctx, whole, full)
+        loss = step.loss(step.whole(output), full)
     except Exception as e:  # noqa: BLE001
         return [_loss_diagnostic(ctx, watch, f"the loss raises: {raised.summary(e)}")], False
     try:
-        with lay.loss_context(plan):
-            loss.backward()
+        step.backward(loss)
     except Exception as e:  # noqa: BLE001
         return [_raised_in(ctx, watch, e, "backward")], False
     return [], True
@@ -259,12 +255,12 @@ def _unsharded(ctx, reference: nn.Module, full: tuple) -> tuple[Any, dict[str, t
 
 def _sequence_shard(ctx, full: tuple) -> tuple:
     """This rank's shard of every sequence-shaped input, as context_parallel's hook cuts it."""
-    from ..runtime.context import along_sequence, split_sequence
+    from ..runtime.context_layout import along_sequence, sequence_layout
 
     cp = ctx.plan.context_parallel
     mesh = ctx.applied.mesh(cp.mesh)
-    ranks, rank = mesh.size(), mesh.get_local_rank()
-    cut, _ = along_sequence(full, lambda x: split_sequence(x, 1, ranks, rank, cp.balanced))
+    layout, rank = sequence_layout(cp.load_balance, mesh.size()), mesh.get_local_rank()
+    cut, _ = along_sequence(full, lambda x: layout.split(x, 1, rank))
     return cut
 
 

@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from ..frontend import ir
 from ..runtime.apply import SIMULATED, apply_plan
+from ..runtime.context_layout import sequence_layout
 from ..runtime.modelfile import ModelFile
 from .fakestep import (
     Collective,
@@ -129,13 +130,13 @@ class Stepper:
     def fit(self, limit: int, first: Peak) -> Fit:
         """The largest batch whose peak is at most `limit` (`largest_fitting`); under context parallelism,
         the longest sequence at the first step's batch instead, in steps of what splits over the cp ranks
-        (2 x cp chunks head-tail balanced, cp plainly), which is what context parallelism is for."""
+        (the layout's chunks: 2 x cp head-tail, cp plainly), which is what context parallelism is for."""
         cp = self.plan.context_parallel
         if cp is None:
             tried = {first.batch: first.bytes}
             batch = largest_fitting(limit, tried, lambda b: self.measure(b)[0].peak)
             return Fit(limit, batch, tried[batch] if batch else tried[1], tuple(sorted(tried.items())))
-        step = (2 if cp.balanced else 1) * self.applied.mesh(cp.mesh).size()
+        step = sequence_layout(cp.load_balance, self.applied.mesh(cp.mesh).size()).parts
         length = first.tokens // first.batch
         tried = {length // step: first.bytes}
         chunks = largest_fitting(limit, tried, lambda n: self.measure(first.batch, n * step)[0].peak)
@@ -382,20 +383,6 @@ def _resized(inputs: tuple, length: int) -> tuple:
     return along_sequence(inputs, resized)[0]
 
 
-def _loss_operands(ctx, where, output, output_layout, full: tuple) -> tuple:
-    """What the step's loss takes: the whole output and inputs, as the checks take them, except under
-    `context_parallel(output = local)`, where a training loop takes it on each rank's shard of the outputs
-    against its shard of the labels (`Plan.context_shard`): the inputs are cut alike (the step needs the
-    loss's shapes and costs, not its value)."""
-    from ..runtime.context import along_sequence, context_shard
-    from ..verification import layout as lay
-
-    cp = ctx.plan.context_parallel
-    if cp is None or cp.whole_output:
-        return lay.full_output(ctx, where, output, output_layout), full
-    return output, along_sequence(full, lambda x: context_shard(ctx.model, x))[0]
-
-
 def _training_step(
     plan: ir.Plan, applied, model_file: ModelFile, groups: dict[str, str], batch: int | None, sequence: int | None
 ) -> _Measure:
@@ -405,30 +392,31 @@ def _training_step(
     are those of the checks (SPEC §7); `batch` per data-parallel replica (default: twice the TP size)."""
     from ..frontend.patterns import within
     from ..verification import Context
-    from ..verification import layout as lay
     from ..verification.comms import Calls
+    from ..verification.step import Step
     from . import compiled
     from .memory import cuda_like_rms_norm, tracker
 
     recorder = Calls()
     ctx = Context(plan, applied, model_file)
-    gradients = next((c for c in plan.checks if c.name == "gradients"), None)
-    input_layout = gradients.get("input") if gradients is not None else None
-    output_layout = gradients.get("output") if gradients is not None else None
+    # The step as the checks run it, but its loss taken as a training loop takes it (on each rank's shard
+    # of the sequence under context_parallel(output = local)), and the compiler modelled, not run.
+    step = Step.of(ctx, loss_on_shards=True)
     # A step that fails is reported in a note; fake tensors' own error log would repeat it at length.
     with quiet("torch._subclasses.fake_tensor"), recording_fake_mode(recorder):
         model = applied.model
         model.to_empty(device="cpu")
-        where = lay.layout(ctx)
+        where = step.where
         batch = batch if batch is not None else 2 * max(where.tp_size, 1)
-        full = lay.replica_inputs(ctx, -1, where.replica, batch)
+        full = step.batch(size=batch)
         full = full if sequence is None else _resized(full, sequence)
-        inputs = lay.local_inputs(full, where, input_layout)
+        inputs = step.share(full)
         optimizer = warm_adamw(model)
         memory = tracker(model, optimizer)
         memory.track_inputs(inputs)
         recorder.calls.clear()
         modelled = compiled.Modelled(memory, plan)
+        step.compile_with = modelled.loss
         resolution = applied.linted.resolution
 
         def checkpointed(fqn: str) -> bool:  # activation checkpointing on the module or one around it
@@ -436,11 +424,10 @@ def _training_step(
 
         modules = compiled.compiled_modules(model, resolution.compiled, checkpointed, modelled)
         with memory, cuda_like_rms_norm(), modules, idle_conversions():
-            output = model(*inputs)
+            output = step.forward(model, full)
             with recorder.paused():
-                whole, against = _loss_operands(ctx, where, output, output_layout, full)
-            with lay.loss_context(plan):
-                lay.loss(ctx, whole, against, sharded=True, compile_with=modelled.loss).backward()
+                whole = step.whole(output)
+            step.backward(step.loss(whole, full))
             del output, whole
             with recorder.paused():
                 optimizer.step()

@@ -71,6 +71,8 @@ class Context:
     checkpoint: Checkpoint | HFWeights | None = None  # what --load loaded: DCP or Hugging Face weights
     optimizer: torch.optim.Optimizer | None = None
     seed: int = 0  # the seed the model was built with (the init check builds an unsharded one with it)
+    #: The training step (step.Step) whose pipeline schedule runs now: its last stage's loss is that step's.
+    stepping: Any = None
     _pipeline: Any = None
 
     @property
@@ -81,13 +83,13 @@ class Context:
             return None
         if self._pipeline is None:
             from ..runtime.apply import build_pipeline
-            from .layout import loss, sequences_whole
+            from .step import Step
 
             last = self.applied.parts[max(self.applied.parts)]  # the loss runs on the last stage only
 
-            def stage_loss(output, inputs):
-                whole = sequences_whole(self, output, last)
-                return loss(self, whole, _tuple(inputs), sharded=True)
+            def stage_loss(output, inputs):  # the loss phases of the step whose schedule runs
+                step = self.stepping if self.stepping is not None else Step.of(self)
+                return step.stage_loss(last, output, _tuple(inputs))
 
             self._pipeline = build_pipeline(self.applied, stage_loss)
         return self._pipeline

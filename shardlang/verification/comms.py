@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import layout as lay
 from .outcome import FAIL, PASS, REPORTED, SKIPPED, Outcome
+from .step import Step
 
 #: The ops that are collectives, as CommDebugMode counts them: c10d's and the functional ones.
 FUNCTIONAL_COLLECTIVES = frozenset(
@@ -170,27 +171,23 @@ def count_collectives(ctx, model, recorder: Calls | None = None) -> dict[str, in
 
 
 def _count_collectives(ctx, model, recorder: Calls | None) -> dict[str, int]:
-    gradients = next((c for c in ctx.plan.checks if c.name == "gradients"), None)
-    input_layout = gradients.get("input") if gradients is not None else None
-    output_layout = gradients.get("output") if gradients is not None else None
-    where = lay.layout(ctx)
-    full = lay.replica_inputs(ctx, -1, where.replica, 2 * max(where.tp_size, 1))
-    inputs = lay.local_inputs(full, where, input_layout)
+    step = Step.of(ctx)
     recorder = recorder if recorder is not None else Recorder()
     noting = recorder if isinstance(recorder, TorchDispatchMode) else contextlib.nullcontext()
     if ctx.pipeline is not None:
-        full = lay.replica_inputs(ctx, -1, where.replica, 2 * ctx.pipeline.microbatches)
-        ctx.pipeline.step(*full)  # the first step also sends the stages' shapes: count a later one
+        full = step.batch(size=2 * ctx.pipeline.microbatches)
+        ctx.pipeline.step(*step.share(full))  # the first step also sends the stages' shapes: count a later one
         with noting, _point_to_point(recorder):
-            ctx.pipeline.step(*full)
+            step.scheduled(lambda inputs: ctx.pipeline.step(*inputs), full, ctx.pipeline.microbatches)
         model.zero_grad(set_to_none=True)
         return recorder.counts()
+    full = step.batch()
     with noting:
-        output = model(*inputs)
+        output = step.forward(model, full)
     with recorder.paused():
-        whole = lay.full_output(ctx, where, output, output_layout)
-    with noting, lay.loss_context(ctx.plan):
-        lay.loss(ctx, whole, full).backward()
+        whole = step.whole(output)
+    with noting:
+        step.backward(step.loss(whole, full))
     model.zero_grad(set_to_none=True)
     return recorder.counts()
 

@@ -39,7 +39,6 @@ plan statements that govern it.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.distributed as dist
@@ -49,21 +48,11 @@ from ..frontend import ir
 from . import layout as lay
 from . import localise, routing
 from .outcome import FAIL, PASS, SKIPPED, Outcome
-from .reference import (
-    K,
-    References,
-    TruthUnavailable,
-    allowed_error,
-    full,
-    rounding_error,
-    shape_mismatch,
-    worst_slice,
-)
+from .reference import K, References, TruthUnavailable, full, shape_mismatch
+from .step import Step
+from .tally import Tally
 
 DEFAULTS = {"steps": 2, "batch": 4, "optimizer": "adam", "lr": 1e-2}
-#: Optimizer updates are computed elementwise from identical gradients: they may differ by this fraction
-#: of the largest update in the tensor, plus a few units in the last place of the parameter.
-UPDATE_RTOL = 1e-3
 LISTED = 5
 OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}
 
@@ -71,164 +60,198 @@ OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.o
 def run(ctx, check: ir.Check) -> Outcome:
     if ctx.model_file.example_input is None:
         return Outcome(SKIPPED, "not run: the model file defines no example_input(batch, generator)")
-    args = {**DEFAULTS, **dict(check.args)}
-    fixed = (args.get("rtol", 0.0), args.get("atol", 0.0)) if "rtol" in args or "atol" in args else None
-    where = lay.layout(ctx)
-    model = ctx.model
     mismatch = shape_mismatch(ctx)
     if mismatch:
         return Outcome(FAIL, f"the sharded model's full tensors do not fit the unsharded model: {mismatch}")
-    references = References.build(ctx)
-    make = OPTIMIZERS[args["optimizer"]]
-    optim = make(model.parameters(), lr=args["lr"], **one_kind(model))
-    ref_optim = make(references.optimizer.parameters(), lr=args["lr"])
-    resumed = _resume(ctx, optim, references.optimizer, ref_optim)
-    ctx.optimizer = optim
-    lr = optim.param_groups[0]["lr"]  # the check's, or the checkpoint's when it resumed
-    tally = Tally()
-    localised = None
-    replayable = routing.replayable(ctx.plan)
-    notes: dict[str, str] = {}
+    training = Training(ctx, {**DEFAULTS, **dict(check.args)})
+    try:
+        for step in range(training.args["steps"]):
+            if not training.step(step):
+                break
+    except TruthUnavailable as error:
+        ctx.model.zero_grad(set_to_none=True)
+        return Outcome(SKIPPED, f"not compared: {error}", {"truth": training.references.truth_dtype})
+    ctx.model.zero_grad(set_to_none=True)
+    return training.outcome()
 
-    pipeline = ctx.pipeline
-    pp_group = ctx.applied.mesh(ctx.plan.pipeline.mesh).get_group() if pipeline else None
-    microbatches = pipeline.microbatches if pipeline else 1
-    for step in range(args["steps"]):
-        batches = [lay.replica_inputs(ctx, step, i, args["batch"]) for i in range(where.replicas)]
-        unheld = references.start_from(model, pp_group)
+
+class Training:
+    """The check's training run: the sharded model and its optimizer beside the references and theirs,
+    step by step (`step`), then the verdict (`outcome`)."""
+
+    def __init__(self, ctx, args: dict):
+        self.ctx, self.args = ctx, args
+        given = "rtol" in args or "atol" in args
+        self.fixed = (args.get("rtol", 0.0), args.get("atol", 0.0)) if given else None
+        self.runner = Step.of(ctx)
+        self.where = self.runner.where
+        self.references = References.build(ctx)
+        make = OPTIMIZERS[args["optimizer"]]
+        self.optim = make(ctx.model.parameters(), lr=args["lr"], **one_kind(ctx.model))
+        self.ref_optim = make(self.references.optimizer.parameters(), lr=args["lr"])
+        self.resumed = _resume(ctx, self.optim, self.references.optimizer, self.ref_optim)
+        ctx.optimizer = self.optim
+        self.lr = self.optim.param_groups[0]["lr"]  # the check's, or the checkpoint's when it resumed
+        self.tally = Tally()
+        self.localised = None
+        self.replayable = routing.replayable(ctx.plan)
+        self.notes: dict[str, str] = {}
+
+    def step(self, step: int) -> bool:
+        """One training step, compared: whether to go on (every rank answers alike)."""
+        ctx, where, references = self.ctx, self.where, self.references
+        batches = [self.runner.batch(step, self.args["batch"], i) for i in range(where.replicas)]
+        pipeline = ctx.pipeline
+        pp_group = ctx.applied.mesh(ctx.plan.pipeline.mesh).get_group() if pipeline else None
         holders = "pipeline stage" if pipeline is not None else "rank"
-        tally.failures += [f"step {step}: {name} is held by no {holders}" for name in unheld]
-        optim.zero_grad(set_to_none=True)
-        inputs = lay.local_inputs(batches[where.replica], where, args.get("input"))
-        if pipeline is not None:
-            # The schedule runs forward and backward on every microbatch; the last stage has the loss.
-            sharded_loss = pipeline.step(*inputs)
-        else:
-            record = routing.Record()
-            with record if replayable else contextlib.nullcontext():
-                output = model(*inputs)
-            if replayable:  # every rank: the choices are gathered
-                references.replay.start(routing.by_replica(record.choices, where.replica), where.replica)
-            whole = lay.full_output(ctx, where, output, args.get("output"))
-            with lay.loss_context(ctx.plan):
-                sharded_loss = lay.loss(ctx, whole, batches[where.replica], sharded=True)
-                sharded_loss.backward()
-        try:
-            losses = references.forward_backward(ctx, batches, microbatches)
-        except TruthUnavailable as error:
-            optim.zero_grad(set_to_none=True)
-            return Outcome(SKIPPED, f"not compared: {error}", {"truth": references.truth_dtype})
-        grads = {n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+        unheld = references.start_from(ctx.model, pp_group)
+        self.tally.failures += [f"step {step}: {name} is held by no {holders}" for name in unheld]
+        self.optim.zero_grad(set_to_none=True)
+        sharded_loss = self._sharded(batches[where.replica])
+        losses = references.forward_backward(ctx, batches, pipeline.microbatches if pipeline else 1)
+        grads = {n: full(p.grad) for n, p in ctx.model.named_parameters() if p.grad is not None}
+        failed_before = len(self.tally.failures)
+        self._judge_routing(step)
+        self._compare_loss(step, sharded_loss, losses)
+        self._compare_gradients(step, grads)
+        if _anywhere(len(self.tally.failures) > failed_before):
+            failing = self.tally.failing_params()
+            self.localised = localise.localise(ctx, references, batches[where.replica], where, self.args, failing)
+            return False
+        self._compare_updates(step, grads)
+        return not _anywhere(bool(self.tally.failures))
 
-        failed_before = len(tally.failures)
-        if replayable:
-            judged = references.replay.judge(K)
-            if judged.wrong:
-                tally.failures.append(f"step {step}: {judged.failure()}")
-                tally.worst[f"routing {judged.worst[0]}"] = (
-                    judged.worst[1],
-                    judged.worst[2],
-                    judged.worst[1] / judged.worst[2],
-                )
-            elif judged.note():
-                notes[f"step {step}"] = judged.note()
-        truth, same = (torch.tensor([float(x[where.replica])], dtype=torch.float64) for x in losses)
-        if sharded_loss is not None:  # (a pipeline's other stages have no loss)
-            mine = torch.tensor([lay.value(sharded_loss)], dtype=torch.float64)
-            # One number's rounding error can be small by luck: the loss may also be as far from the truth,
-            # relatively, as the same-precision reference's gradients are (measured on all of them).
-            floor = references.relative_rounding() * abs(float(truth))
-            own = references.own_loss_error(where.replica)
-            tally.compare(
-                f"step {step}: loss", "loss", mine, truth, same, abs(float(truth)), fixed, floor=floor, own=own
-            )
+    def _sharded(self, batch: tuple):
+        """The sharded model's step on this replica's batch: its loss (None on a pipeline's other stages,
+        which have none); the routing it chose handed to the references to replay."""
+        ctx, runner = self.ctx, self.runner
+        if ctx.pipeline is not None:  # the schedule runs forward and backward on every microbatch
+            return runner.scheduled(lambda inputs: ctx.pipeline.step(*inputs), batch, ctx.pipeline.microbatches)
+        record = routing.Record()
+        with record if self.replayable else contextlib.nullcontext():
+            output = runner.forward(ctx.model, batch)
+        if self.replayable:  # every rank: the choices are gathered
+            replica = self.where.replica
+            self.references.replay.start(routing.by_replica(record.choices, replica), replica)
+        return runner.finish(output, batch)
+
+    def _judge_routing(self, step: int) -> None:
+        if not self.replayable:
+            return
+        judged = self.references.replay.judge(K)
+        if judged.wrong:
+            self.tally.failures.append(f"step {step}: {judged.failure()}")
+            error, allowed = judged.worst[1], judged.worst[2]
+            self.tally.worst[f"routing {judged.worst[0]}"] = (error, allowed, error / allowed)
+        elif judged.note():
+            self.notes[f"step {step}"] = judged.note()
+
+    def _compare_loss(self, step: int, sharded_loss, losses) -> None:
+        if sharded_loss is None:  # a pipeline's other stages have no loss
+            return
+        references, replica = self.references, self.where.replica
+        truth, same = (torch.tensor([float(x[replica])], dtype=torch.float64) for x in losses)
+        mine = torch.tensor([lay.value(sharded_loss)], dtype=torch.float64)
+        # One number's rounding error can be small by luck: the loss may also be as far from the truth,
+        # relatively, as the same-precision reference's gradients are (measured on all of them).
+        floor = references.relative_rounding() * abs(float(truth))
+        own = references.own_loss_error(replica)
+        what = f"step {step}: loss"
+        self.tally.compare(what, "loss", mine, truth, same, abs(float(truth)), self.fixed, floor=floor, own=own)
+
+    def _compare_gradients(self, step: int, grads: dict) -> None:
+        """Every gradient against the truth, then (without a pipeline or a fixed rule) the ranks' copies of
+        each against one another."""
+        references, tally = self.references, self.tally
         scale = references.gradient_scale()
-        for name, p in model.named_parameters():
+        for name, p in self.ctx.model.named_parameters():
             t, s = references.truth.get_parameter(name), references.same.get_parameter(name)
+            what = f"step {step}: gradient of {name}"
             if (p.grad is None) != (t.grad is None):
-                tally.failures.append(
-                    f"step {step}: gradient of {name} is {'missing' if p.grad is None else 'unexpected'}"
-                )
-                continue
-            if p.grad is not None:
-                tally.compare(
-                    f"step {step}: gradient of {name}",
-                    f"grad {name}",
-                    grads[name],
-                    t.grad,
-                    s.grad,
-                    scale,
-                    fixed,
-                    own=references.own_error(name),
-                )
-        if pipeline is None and fixed is None:
-            spreads = _spreads(grads)
-            for name, spread in spreads.items():
-                t, sa = references.truth.get_parameter(name), references.same.get_parameter(name)
-                tally.compare_ranks(
-                    f"step {step}: gradient of {name}",
-                    f"grad {name}",
-                    spread,
-                    t.grad,
-                    sa.grad,
-                    scale,
-                    own=references.own_error(name),
-                )
-        if _anywhere(len(tally.failures) > failed_before):
-            localised = localise.localise(ctx, references, batches[where.replica], where, args, tally.failing_params())
-            break
+                tally.failures.append(f"{what} is {'missing' if p.grad is None else 'unexpected'}")
+            elif p.grad is not None:
+                own = references.own_error(name)
+                tally.compare(what, f"grad {name}", grads[name], t.grad, s.grad, scale, self.fixed, own=own)
+        if self.ctx.pipeline is not None or self.fixed is not None:
+            return
+        for name, spread in _spreads(grads).items():
+            t, s = references.truth.get_parameter(name), references.same.get_parameter(name)
+            what = f"step {step}: gradient of {name}"
+            tally.compare_ranks(what, f"grad {name}", spread, t.grad, s.grad, scale, own=references.own_error(name))
 
+    def _compare_updates(self, step: int, grads: dict) -> None:
+        """Both optimizers step from the sharded model's own gradients; the updated parameters compared."""
+        reference = self.references.optimizer
         before = {}
-        for name, p in references.optimizer.named_parameters():
+        for name, p in reference.named_parameters():
             p.grad = grads[name].to(p.dtype) if name in grads else None
             before[name] = p.detach().clone()
-        optim.step()
-        ref_optim.step()
+        self.optim.step()
+        self.ref_optim.step()
         with torch.no_grad():
-            for name, p in model.named_parameters():
-                ref = references.optimizer.get_parameter(name)
+            for name, p in self.ctx.model.named_parameters():
                 what = f"step {step}: {name} after the optimizer step"
-                tally.compare_update(what, f"update {name}", full(p.detach()), ref, before[name])
-        if _anywhere(bool(tally.failures)):
-            break
+                ref = reference.get_parameter(name)
+                self.tally.compare_update(what, f"update {name}", full(p.detach()), ref, before[name])
 
-    optim.zero_grad(set_to_none=True)
-    table = sorted(
-        ({"tensor": k, "error": e, "allowed": a, "ratio": r} for k, (e, a, r) in tally.worst.items()),
-        key=lambda row: -row["ratio"],
-    )
-    data = {
-        "steps": args["steps"],
-        "batch": args["batch"],
-        "optimizer": args["optimizer"],
-        "lr": lr,
-        "precision": references.precision,
-        "truth": references.truth_dtype,
-        "rule": f"fixed: rtol {fixed[0]:g}, atol {fixed[1]:g}" if fixed else f"K={K:g} x the reference's rounding",
-        "replicas": where.replicas,
-        "resumed": resumed,
-        "worst": table[:20],
-        "failures": tally.failures[:20],
-        "routing": notes,
-    }
-    top = table[0] if table else {"tensor": "-", "ratio": 0.0}
-    if tally.failures:
-        more = f" (and {len(tally.failures) - LISTED} more)" if len(tally.failures) > LISTED else ""
-        if localised is not None:
-            data["localised"] = localised
-        # The table shows the worst error: say which it was, whichever failure comes first.
-        worst = f"worst {top['ratio']:.3g} x the allowed error ({top['tensor']}): " if top["ratio"] > 1.0 else ""
-        return Outcome(FAIL, worst + "; ".join(tally.failures[:LISTED]) + more, data, top["ratio"])
-    replicas = f"{where.replicas} replica{'s' if where.replicas > 1 else ''}"
-    return Outcome(
-        PASS,
-        f"{args['steps']} steps on {replicas} match the unsharded model: loss, every gradient and the "
-        f"{args['optimizer']} update ({references.precision}, truth {data['truth']}, {data['rule']}); "
-        f"worst {top['ratio']:.2f} of the "
-        f"allowed error ({top['tensor']})" + (f"; {resumed}" if resumed else "") + _routing_note(notes),
-        data,
-        top["ratio"],
-    )
+    def outcome(self) -> Outcome:
+        args, tally, references = self.args, self.tally, self.references
+        table = sorted(
+            ({"tensor": k, "error": e, "allowed": a, "ratio": r} for k, (e, a, r) in tally.worst.items()),
+            key=lambda row: -row["ratio"],
+        )
+        data = {
+            "steps": args["steps"],
+            "batch": args["batch"],
+            "optimizer": args["optimizer"],
+            "lr": self.lr,
+            "precision": references.precision,
+            "truth": references.truth_dtype,
+            "rule": f"fixed: rtol {self.fixed[0]:g}, atol {self.fixed[1]:g}"
+            if self.fixed
+            else f"K={K:g} x the reference's rounding",
+            "replicas": self.where.replicas,
+            "resumed": self.resumed,
+            "worst": table[:20],
+            "failures": tally.failures[:20],
+            "routing": self.notes,
+            "step": phases_everywhere(self.runner),
+            "loss_compiled_by": self.runner.compiled_by,
+        }
+        top = table[0] if table else {"tensor": "-", "ratio": 0.0}
+        if tally.failures:
+            more = f" (and {len(tally.failures) - LISTED} more)" if len(tally.failures) > LISTED else ""
+            if self.localised is not None:
+                data["localised"] = self.localised
+            # The table shows the worst error: say which it was, whichever failure comes first.
+            worst = f"worst {top['ratio']:.3g} x the allowed error ({top['tensor']}): " if top["ratio"] > 1.0 else ""
+            return Outcome(FAIL, worst + "; ".join(tally.failures[:LISTED]) + more, data, top["ratio"])
+        replicas = f"{self.where.replicas} replica{'s' if self.where.replicas > 1 else ''}"
+        resumed = f"; {self.resumed}" if self.resumed else ""
+        return Outcome(
+            PASS,
+            f"{args['steps']} steps on {replicas} match the unsharded model: loss, every gradient and the "
+            f"{args['optimizer']} update ({references.precision}, truth {data['truth']}, {data['rule']}); "
+            f"worst {top['ratio']:.2f} of the allowed error ({top['tensor']})" + resumed + _routing_note(self.notes),
+            data,
+            top["ratio"],
+        )
+
+
+def phases_everywhere(step: Step) -> list[str]:
+    """The phases every rank's step ran, in order, each once (a pipeline's loss runs on its last stage
+    only): what the report's `step` lists."""
+    mine = list(step.ran)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    merged: list[str] = []
+    for ran in everyone:
+        for line in ran:
+            if line not in merged:
+                merged.append(line)
+    return merged
 
 
 def _routing_note(notes: dict[str, str]) -> str:
@@ -244,99 +267,6 @@ def one_kind(model) -> dict:
 
     kinds = {isinstance(p, DTensor) for p in model.parameters()}
     return {"foreach": False} if len(kinds) > 1 else {}
-
-
-class Tally:
-    """Failures so far, and the worst (error, allowed, error / allowed) per tensor over the steps."""
-
-    def __init__(self):
-        self.failures: list[str] = []
-        self.worst: dict[str, tuple[float, float, float]] = {}
-        self._failing: list[str] = []
-
-    def failing_params(self) -> list[str]:
-        return list(self._failing)
-
-    def _note(self, key: str, error: float, allowed: float) -> float:
-        ratio = error / allowed if allowed > 0 else (0.0 if error == 0 else math.inf)
-        if key not in self.worst or ratio > self.worst[key][2]:
-            self.worst[key] = (error, allowed, ratio)
-        return ratio
-
-    def compare(self, what, key, got, truth, same, scale: float, fixed, floor: float = 0.0, own: float = 0.0) -> None:
-        """A loss or a gradient: `got` against the truth, allowed K times the same-precision reference's
-        error (or the fixed rule), plus `floor` (the loss: its relative share of the gradients' rounding);
-        `own` is the truth's own measured error (a float32 truth's; 0 for float64)."""
-        got, truth = got.detach().double(), truth.detach().to(got.device).double()
-        if got.shape != truth.shape:
-            self.failures.append(f"{what}: shape {tuple(got.shape)}, expected {tuple(truth.shape)}")
-            self._note(key, math.inf, 1.0)
-            return
-        error = float((got - truth).norm())
-        allowed = allowed_error(truth, same, scale, fixed, own) + (floor if fixed is None else 0.0)
-        ratio = self._note(key, error, allowed)
-        if not bool(torch.isfinite(got).all()):
-            self.failures.append(f"{what}: not finite")
-        elif ratio > 1.0:
-            truths = f", the float32 truth's own {own:.3g}" if own else ""
-            self.failures.append(
-                f"{what}: error {error:.3g} is {ratio:.3g} x the allowed {allowed:.3g} "
-                f"(the reference's own rounding error {rounding_error(truth, same):.3g}{truths})"
-            )
-        else:
-            return
-        if key.startswith("grad "):
-            self._failing.append(key.removeprefix("grad "))
-
-    def compare_ranks(self, what, key, spread, truth, same, scale: float, own: float = 0.0) -> None:
-        """A gradient every rank holds alike (reduced, or made whole by `full`): its `spread` over the ranks
-        (largest minus smallest value, elementwise), the whole tensor and slice by slice (a fault confined
-        to a few rows hides in the whole tensor's rounding), against what it may differ from the truth by.
-        Ranks of one replica route tokens alike, so unlike the truth this cannot differ by a token that
-        rounding sent to another expert."""
-        truth = truth.detach().to(spread.device).double()
-        whole = float(spread.norm())
-        allowed = allowed_error(truth, same, scale, None, own)
-        part = worst_slice(spread, truth, same, scale, own)
-        ratio = self._note(key, whole, allowed)
-        if part is not None:
-            self._note(key, part.error, part.allowed)
-        if ratio > 1.0:
-            found = f"by {whole:.3g}, {ratio:.3g} x the allowed {allowed:.3g}"
-        elif part is not None and part.over:
-            found = part.describe()
-        else:
-            return
-        self.failures.append(
-            f"{what}: the ranks hold different gradients ({found}), where every rank's should be the same "
-            "after the reductions: a reduction over the ranks that replicate it is missing"
-        )
-        self._failing.append(key.removeprefix("grad "))
-
-    def compare_update(self, what, key, got, want, before) -> None:
-        """An updated parameter, elementwise: both optimizers stepped from the same gradients, so they may
-        differ by UPDATE_RTOL of the tensor's largest update plus four units in the last place."""
-        if got.shape != want.shape:
-            self.failures.append(f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}")
-            self._note(key, math.inf, 1.0)
-            return
-        eps = torch.finfo(want.dtype).eps
-        got, want = got.detach().double(), want.detach().to(got.device).double()
-        step = float((want - before.to(want.device).double()).abs().max()) if want.numel() else 0.0
-        allowed = (UPDATE_RTOL * step + 4 * eps * want.abs()).clamp_min(torch.finfo(torch.float64).tiny)
-        diff = (got - want).abs()
-        over = diff > allowed
-        ratios = diff / allowed
-        at = int(ratios.argmax()) if ratios.numel() else 0
-        if ratios.numel():
-            self._note(key, float(diff.flatten()[at]), float(allowed.flatten()[at]))
-        if not bool(torch.isfinite(got).all()):
-            self.failures.append(f"{what}: not finite")
-        elif bool(over.any()):
-            self.failures.append(
-                f"{what}: {int(over.sum())} of {over.numel()} values differ from the reference optimizer's, "
-                f"given the same gradients (max difference {float(diff.max()):.3g})"
-            )
 
 
 def _spreads(grads: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

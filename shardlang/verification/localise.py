@@ -51,6 +51,7 @@ from torch.distributed.tensor import DTensor
 from . import layout as lay
 from .recording import Recording, plain_name, record
 from .reference import K, inputs_for
+from .step import Step
 
 __all__ = ["governing", "localise", "plain_name"]
 
@@ -293,8 +294,8 @@ def _as_packed(output, parts: int, group):
 
 
 def _forward_only(ctx, model, inputs, where, args) -> None:
-    with torch.no_grad(), lay.modules_eagerly(ctx.plan):
-        model(*lay.local_inputs(inputs, where, args.get("input")))
+    with torch.no_grad():
+        Step(ctx, where, args.get("input"), eagerly=True).forward(model, inputs)
 
 
 def _mixing_positions(ctx, truth, inputs: tuple) -> dict[str, Any] | None:
@@ -342,14 +343,10 @@ def _largest_anywhere(ratios: list[float | None]) -> list[float | None]:
 def _sharded_step(ctx, model, inputs, where, args, stop) -> None:
     # Compiled modules run eagerly (their hooks could not run inside compiled code); the loss is the
     # check's, compiled where the plan compiles it.
-    with lay.modules_eagerly(ctx.plan):
-        output = model(*lay.local_inputs(inputs, where, args.get("input")))
+    step = Step(ctx, where, args.get("input"), args.get("output"), eagerly=True)
+    output = step.forward(model, inputs)
     stop()
-    whole = lay.full_output(ctx, where, output, args.get("output"))
-    with lay.loss_context(ctx.plan):
-        loss = lay.loss(ctx, whole, inputs, sharded=True)
-    with lay.loss_context(ctx.plan), lay.modules_eagerly(ctx.plan):
-        loss.backward()
+    step.finish(output, inputs)
 
 
 def _reference_step(ctx, model, inputs, stop) -> None:
