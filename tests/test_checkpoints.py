@@ -254,3 +254,20 @@ def test_apply_refuses_a_checkpoint_that_does_not_fit_before_starting_workers(tm
     (tmp_path / "notes" / "keep.txt").write_text("mine")
     done = shardlang_apply("plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--save", str(tmp_path / "notes"))
     assert done.returncode == 2 and "error[SL501] cannot save to" in done.stderr
+
+
+def test_a_wrapped_model_is_keyed_as_the_unwrapped_one_and_loads_by_those_keys():
+    """The segments activation checkpointing's wrapper and torch.compile insert into names
+    (frontend.patterns.WRAPPER_SEGMENTS, which the gradients check's recording leaves out too) are not in a
+    checkpoint's keys, and loading finds the wrapped tensors by the plain keys."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from shardlang.checkpoints.state import load_model_state_dict, model_state_dict
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(2, 3), nn.Sequential(nn.Linear(3, 2)))
+    wrapped = nn.Sequential(checkpoint_wrapper(nn.Linear(2, 3)), torch.compile(nn.Sequential(nn.Linear(3, 2))))
+    assert set(wrapped.state_dict()) != set(plain.state_dict())
+    assert list(model_state_dict(wrapped)) == list(plain.state_dict())
+    load_model_state_dict(wrapped, plain.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(model_state_dict(wrapped).values(), plain.state_dict().values()))

@@ -8,13 +8,7 @@ from typing import Any
 
 import torch
 
-#: Module names that wrappers insert into state-dict keys (activation checkpointing's, FSDP1's,
-#: torch.compile's): a checkpoint's keys leave them out, as torch's get_model_state_dict does.
-WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod"})
-
-
-def _plain_key(key: str) -> str:
-    return ".".join(part for part in key.split(".") if part not in WRAPPER_SEGMENTS)
+from ..frontend.patterns import plain_name
 
 
 def model_state_dict(model: torch.nn.Module) -> dict[str, Any]:
@@ -22,11 +16,11 @@ def model_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     hooks (torchtitan's fused QKV saves `wqkv` as `wq`, `wk`, `wv`; torchtitan's checkpointer saves this
     dict with DCP), keys without wrapper segments. (torch's get_model_state_dict maps every key back to a
     parameter by attribute and fails on a key a hook made.) On a meta model too: global shapes."""
-    return {_plain_key(key): value for key, value in model.state_dict().items()}
+    return {plain_name(key): value for key, value in model.state_dict().items()}
 
 
 def load_model_state_dict(model: torch.nn.Module, state: Mapping[str, Any]) -> None:
     """Copy `state` (keyed as model_state_dict keys it) into the model through `load_state_dict`, whose hooks
     turn hooked keys back into the model's tensors (torchtitan's merges `wq`, `wk`, `wv` into `wqkv`)."""
-    keys = {_plain_key(key): key for key in model.state_dict(keep_vars=True)}
+    keys = {plain_name(key): key for key in model.state_dict(keep_vars=True)}
     model.load_state_dict({keys.get(key, key): value for key, value in state.items()})

@@ -98,3 +98,14 @@ def bad_segment(segments) -> str | None:
             ):
                 return part or "{}" if isinstance(segment, str) else "{" + ",".join(segment) + "}"
     return None
+
+
+#: Module names that wrappers insert into a model's module and state-dict names (activation checkpointing's,
+#: FSDP1's, torch.compile's), which the unsharded model and a checkpoint's keys do not have.
+WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod"})
+
+
+def plain_name(name: str) -> str:
+    """A module's or a state-dict key's dotted name without the segments wrappers insert, as the unsharded
+    model names it and as torch's get_model_state_dict keys it."""
+    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)

@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
+from ..frontend.patterns import plain_name
+
 #: The most autograd nodes walked back from a module's input to the module outputs it was made from.
 SOURCES_WALKED = 100_000
 #: The autograd nodes of ops that take part of a tensor (by the start of their names).
 CUTS = ("Split", "UnsafeSplit", "Unbind", "Slice", "Select", "Narrow", "Chunk", "Index")
-#: Module names that wrappers insert and the unsharded model does not have.
-WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module", "_fsdp_wrapped_module", "_orig_mod")
 
 
 class Recording:
@@ -150,10 +150,6 @@ def _made(recording: Recording):
         return None
 
     return hook
-
-
-def plain_name(name: str) -> str:
-    return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
 
 
 def _first_tensor(value) -> torch.Tensor | None:
