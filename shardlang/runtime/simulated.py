@@ -130,7 +130,7 @@ def observe_steps(
     copies: list[nn.Module | Observed] = []  # a meta copy to run, or why there is none; then what it showed
     for step, name in zip(steps, names):
         try:
-            copies.append(meta_copy(model.get_submodule(step.module) if step.module else model))
+            copies.append(meta_copy(model.get_submodule(step.module)))
         except Exception as e:  # noqa: BLE001 - a module that cannot be copied to meta is not predicted
             copies.append(Observed(name, failure=f"its module cannot be copied to the meta device: {_why(e)}"))
     runnable = [i for i, c in enumerate(copies) if isinstance(c, nn.Module)]

@@ -44,7 +44,7 @@ class Running:
         return meshes.mesh_of(self.meshes[ref.mesh], ref.dims, ref.flat)
 
     def module(self, fqn: str) -> nn.Module:
-        return self.model.get_submodule(fqn) if fqn else self.model
+        return self.model.get_submodule(fqn)
 
 
 @frozen
