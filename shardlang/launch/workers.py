@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..runtime.lifetime import die_with
 from .failures import WorkerError, failure_of, worker_error
@@ -30,6 +30,17 @@ from .servers import context, deathsig, sigint_ignored
 _progress = None
 #: What this rank last said it was doing (for a failure's report where no launcher listens: torchrun).
 _said = "starting"
+
+
+class Message(NamedTuple):
+    """One message a worker puts on the results queue: of which job (None: start-up), from which rank, its
+    status (`ready`, `progress`, `ok`, `error`) and its value (a progress message, a pickled result, a
+    failure as failure_of describes it)."""
+
+    job: int | None
+    rank: int
+    status: str
+    value: Any
 
 
 def progress(message: str) -> None:
@@ -104,9 +115,9 @@ def _worker(
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
     except Exception as e:  # noqa: BLE001
-        results.put((None, rank, "error", failure_of(e)))
+        results.put(Message(None, rank, "error", failure_of(e)))
         return
-    results.put((None, rank, "ready", None))
+    results.put(Message(None, rank, "ready", None))
     while True:
         job = jobs.get()
         if job is None:
@@ -118,15 +129,15 @@ def _worker(
             # Written where the launcher reads it at once, then queued (the queue's feeder thread may not
             # send it before a SIGKILL that comes next: the shared bytes are there already).
             said.value = message.encode("utf-8", "replace")[: len(said) - 1]
-            results.put((job_id, rank, "progress", message))
+            results.put(Message(job_id, rank, "progress", message))
 
         try:
             fn, args, kwargs = pickle.loads(payload)
             value = pickle.dumps(fn(*args, **kwargs))
         except BaseException as e:  # noqa: BLE001 - report anything, including SystemExit
-            results.put((job_id, rank, "error", failure_of(e)))
+            results.put(Message(job_id, rank, "error", failure_of(e)))
             continue
-        results.put((job_id, rank, "ok", value))
+        results.put(Message(job_id, rank, "ok", value))
     try:
         destroy_process_groups()
     except Exception:  # noqa: BLE001 - teardown problems after the last job are not the job's
@@ -328,7 +339,7 @@ class WorkerPool:
         values: dict[int, Any] = {}
         while len(values) < self.world_size:
             try:
-                got_id, rank, status, value = self._results.get(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
+                got = self._results.get(timeout=min(0.2, max(0.0, deadline - time.monotonic())))
             except queue.Empty:
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
                 if dead:
@@ -340,20 +351,20 @@ class WorkerPool:
                     self.kill()  # stuck workers read no polite stop
                     raise self._late(job_id, timeout_s, missing) from None
                 continue
-            if got_id != job_id:
+            if got.job != job_id:
                 continue  # a late result of an earlier, failed job
-            if status == "progress":
-                self._doing[rank] = value
+            if got.status == "progress":
+                self._doing[got.rank] = got.value
                 if self.on_progress is not None:
-                    self.on_progress(rank, value)
+                    self.on_progress(got.rank, got.value)
                 continue
-            if status == "error":
-                self._ended[rank] = {"state": "raised", "error": value["message"]}
-                raise self._root_cause(worker_error(rank, value))
-            values[rank] = value
-            self._ended[rank] = {"state": "done" if job_id is not None else "ready"}
+            if got.status == "error":
+                self._ended[got.rank] = {"state": "raised", "error": got.value["message"]}
+                raise self._root_cause(worker_error(got.rank, got.value))
+            values[got.rank] = got.value
+            self._ended[got.rank] = {"state": "done" if job_id is not None else "ready"}
             if job_id is None:
-                self._doing[rank] = "ready"
+                self._doing[got.rank] = "ready"
         return [values[r] for r in range(self.world_size)]
 
     #: Errors that a rank sees because another one failed, not failures of its own.
@@ -378,14 +389,14 @@ class WorkerPool:
                 errors.insert(0, self._died(dead[0]))
                 break
             try:
-                _, rank, status, value = self._results.get(timeout=0.1)
+                got = self._results.get(timeout=0.1)
             except queue.Empty:
                 continue
-            if status in ("ok", "error"):
-                answered.add(rank)
-            if status == "error":
-                self._ended[rank] = {"state": "raised", "error": value["message"]}
-                errors.append(worker_error(rank, value))
+            if got.status in ("ok", "error"):
+                answered.add(got.rank)
+            if got.status == "error":
+                self._ended[got.rank] = {"state": "raised", "error": got.value["message"]}
+                errors.append(worker_error(got.rank, got.value))
         self.stop()
         if errors[0].died:
             return errors[0]
@@ -396,9 +407,9 @@ class WorkerPool:
         """Take in the progress messages still queued (what a rank that died was doing)."""
         with contextlib.suppress(queue.Empty, OSError, EOFError):
             while True:
-                got_id, rank, status, value = self._results.get_nowait()
-                if got_id == job_id and status == "progress":
-                    self._doing[rank] = value
+                got = self._results.get_nowait()
+                if got.job == job_id and got.status == "progress":
+                    self._doing[got.rank] = got.value
 
     def _died(self, rank: int) -> WorkerError:
         code = self._procs[rank].exitcode
