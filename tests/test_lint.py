@@ -344,3 +344,15 @@ def test_sl204_sees_what_a_use_style_places(tmp_path, capsys, monkeypatch, embed
     )
     main(["lint", str(plan), "examples/tied.py", "--world", "2", "--no-step", "--format", "json"])
     assert [d["code"] for d in json.loads(capsys.readouterr().out)] == found
+
+
+def test_colwise_on_a_norm_suggests_sequence_parallel(capsys, monkeypatch):
+    """SL202 on an RMSNorm names `sequence_parallel`, the style made for norms, not "a style of your own"."""
+    monkeypatch.chdir(ROOT)
+    plan = ROOT / "tests" / "fixtures" / "lint" / "colwise_on_norm.sl"
+    status = main(
+        ["lint", str(plan.relative_to(ROOT)), "examples/llama.py", "--world", "2", "--no-step", "--format", "json"]
+    )
+    (found,) = json.loads(capsys.readouterr().out)
+    assert (status, found["code"], found["line"]) == (1, "SL202", 7)
+    assert "`sequence_parallel` runs it on each rank's shard of the sequence" in found["help"], found

@@ -117,6 +117,12 @@ def fitting_style(module: nn.Module) -> str:
         )
     if _nested_parameters(module):
         return "match their submodules instead"
+    if own and all(p.ndim == 1 for p in own.values()):  # a norm's scale and shift
+        return (
+            f"{type(module).__name__} holds only 1-D parameters (a norm's): `sequence_parallel` runs it on each "
+            "rank's shard of the sequence (its weight replicated), or leave it without a rule (each tp rank runs "
+            "it whole)"
+        )
     return f"no built-in style shards a {type(module).__name__}: `use` a style of your own"
 
 
