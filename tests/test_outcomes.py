@@ -43,3 +43,21 @@ def test_a_localised_module_with_its_own_rule_is_not_said_to_have_none():
     assert at_rule.span.line == 7 and at_rule.help == ()
     _, nowhere = _failure(_localised([]), ())
     assert nowhere.span is None and "no plan statement governs this module itself" in nowhere.help[0]
+
+
+def test_fsdp_view_warnings_of_every_unit_are_one_line_naming_their_classes():
+    """FSDP2 warns once per unit that returns a view, naming the unit's classes; the report said it once per
+    class (issue 40 item 6: 8 lines of one warning). One line, the classes named, the count kept."""
+    import warnings
+
+    from shardlang.launch.job import _unique
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for classes in ("LlamaDecoderLayer", "LlamaModel", "LlamaDecoderLayer", "Embedding, Linear"):
+            warnings.warn(f"FSDP2-wrapped module ({classes}) returned a view tensor. Use .clone().", UserWarning)
+        warnings.warn("something else", UserWarning)
+    view, other = _unique(caught)
+    assert "FSDP2-wrapped modules returned a view tensor. Use .clone()." in view, view
+    assert view.endswith("[units of Embedding, Linear, LlamaDecoderLayer, LlamaModel] [4x over all ranks]"), view
+    assert other.startswith("UserWarning: something else"), other

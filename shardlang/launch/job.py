@@ -5,6 +5,7 @@ library's `shardlang.verify`."""
 
 from __future__ import annotations
 
+import re
 import time
 import warnings
 from pathlib import Path
@@ -83,20 +84,38 @@ def run(job: Job) -> Report:
     return attrs.evolve(report, warnings=report.warnings + _unique(caught))
 
 
+#: FSDP2's view warning names the classes of its unit's modules: one line for every unit, whatever its class.
+_VIEW = re.compile(r"FSDP2-wrapped module \((.*?)\) returned a view tensor")
+_VIEWS = "FSDP2-wrapped modules returned a view tensor"
+
+
 def _unique(caught) -> tuple[str, ...]:
+    """Each warning once, with how many times the ranks raised it; FSDP2's view warning, raised by every
+    unit with its modules' classes in it, once for them all, naming the classes."""
     seen: dict[str, int] = {}
+    classes: set[str] = set()
     for w in caught:
-        key = f"{w.category.__name__}: {str(w.message).splitlines()[0]} ({Path(w.filename).name}:{w.lineno})"
+        text = str(w.message)
+        found = _VIEW.search(text)
+        if found is not None:
+            classes.add(found.group(1))
+            text = _VIEW.sub(_VIEWS, text)
+        key = f"{w.category.__name__}: {text.splitlines()[0]} ({Path(w.filename).name}:{w.lineno})"
         seen[key] = seen.get(key, 0) + 1
-    everyone = [seen]
+    everyone = [(seen, classes)]
     if dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake":
         everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, seen)
+        dist.all_gather_object(everyone, (seen, classes))
     merged: dict[str, int] = {}
-    for counts in everyone:
+    for counts, _ in everyone:
         for key, n in counts.items():
             merged[key] = merged.get(key, 0) + n
-    return tuple(f"{key} [{n}x over all ranks]" if n > 1 else key for key, n in merged.items())
+    named = ", ".join(sorted(set().union(*(c for _, c in everyone))))
+    lines = []
+    for key, n in merged.items():
+        key += f" [units of {named}]" if _VIEWS in key else ""
+        lines.append(f"{key} [{n}x over all ranks]" if n > 1 else key)
+    return tuple(lines)
 
 
 def _run(job: Job) -> Report:
@@ -257,7 +276,8 @@ def _raised(ctx: Context, name: str, checks, error: Exception, finished: dict[st
     diagnostics = [Diagnostic(SL400, summary, span, help)]
     if found is not None:
         message = f"raised in {raised.module_text(found)}: {what}"
-        diagnostics.append(raised.in_module(ctx, found, message, finished, SL400))
+        swapped = raised.swapped_pair(ctx, found[0], found[1], raised.first_argument(found[1], error))
+        diagnostics.append(raised.in_module(ctx, found, message, finished, SL400, (swapped,) if swapped else ()))
     return CheckRaised(tuple(diagnostics), summary)
 
 

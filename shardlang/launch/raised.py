@@ -112,6 +112,42 @@ def raising_module(model: torch.nn.Module, error: BaseException):
     return None
 
 
+def first_argument(module: torch.nn.Module, error: BaseException):
+    """What `module`'s forward was given first (its first parameter after `self`), from the traceback of
+    `error` raised while it ran; None where its frame is not there."""
+    from .frames import chain
+
+    for e in chain(error):
+        for tb in _tracebacks(e):
+            frame = tb.tb_frame
+            if frame.f_locals.get("self") is module and frame.f_code.co_argcount > 1:
+                return frame.f_locals.get(frame.f_code.co_varnames[1])
+    return None
+
+
+def swapped_pair(ctx, fqn: str, module: torch.nn.Module, given) -> str | None:
+    """A hint where a Linear's `rowwise` and `colwise` rules look swapped: a rowwise Linear given its whole
+    input (this rank's tensor as long in its last dim as in_features), or a colwise one given a slice of it."""
+    from torch.distributed.tensor import DTensor
+
+    rule = next((r.rule for r in ctx.applied.linted.resolution.rules if r.fqn == fqn), None)
+    if rule is None or rule.style.use is not None or not isinstance(module, torch.nn.Linear):
+        return None
+    if not isinstance(given, torch.Tensor) or given.ndim == 0:
+        return None
+    # What this rank holds: a style's input hook may have made it a DTensor, whose shape is the whole one's.
+    local = given.to_local() if isinstance(given, DTensor) else given
+    whole = local.shape[-1] == module.in_features
+    name = rule.style.name
+    if (name, whole) not in (("rowwise", True), ("colwise", False)):
+        return None
+    return (
+        f"it was given {'its whole input' if whole else 'a slice of its input'}, where `{name}` takes "
+        f"{'a slice' if whole else 'it whole'}: are `colwise` and `rowwise` swapped? Of a pair of Linears, the "
+        "first (its input whole) is colwise, and the one after it, which reads the first's slice, rowwise"
+    )
+
+
 def place(frame) -> str:
     """`transformers/models/llama/modeling_llama.py:123 in forward, transformers 5.24.0: code`, or the
     user's own file as `where` writes it."""
