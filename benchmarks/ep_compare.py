@@ -10,8 +10,9 @@ tokens/s and peak memory per side, and the collectives of one forward+backward o
 The same work on both sides. The ranks share their batch (4 x 1024 tokens, the same on every rank), as in
 plans/hf/mixtral_ep.sl, which shardlang applies (`benchmarks/plans/mixtral_ep.sl`: the same rule): each rank
 routes its contiguous slice of the tokens, every (token, choice) pair goes to the rank holding its expert by
-an all-to-all, the experts module's own forward (transformers' grouped matmul) runs the local experts, a
-second all-to-all brings the results back, the routing weights are applied on the sending rank and the
+an all-to-all (grouped by expert after one of each expert's count, so that each row's expert needs no
+exchange of its own), the experts module's own forward (transformers' grouped matmul) runs the local
+experts, a second all-to-all brings the results back, the routing weights are applied on the sending rank and the
 slices are gathered back whole. The hand-written side does exactly that with torch's collectives
 (`hand_written_ep` below: an autograd function for the slice and the gather), in two versions: `hand`
 keeps each rank's experts as ordinary parameters; `hand_dtensor` keeps them as Shard(0) DTensors, as
@@ -225,17 +226,16 @@ def hand_written_ep(model, dtensor: bool = False, group=None) -> None:
             hidden, index, weights = (Slice.apply(t, None) for t in (hidden, index, weights))
         tokens, k = index.shape
         chosen = index.reshape(-1)
-        owner = chosen // per
-        order = torch.argsort(owner, stable=True)
+        # the pairs by expert, so by the rank holding it; each expert's count, and what each rank receives
+        order = torch.argsort(chosen, stable=True)
         token_of = torch.arange(tokens, device=chosen.device).repeat_interleave(k)[order]
-        send = torch.bincount(owner, minlength=n)
+        send = torch.bincount(chosen, minlength=n * per)
         receive = torch.empty_like(send)
         dist.all_to_all_single(receive, send, group=group)
-        send_sizes, receive_sizes = send.tolist(), receive.tolist()
-        local = chosen[order] % per
-        received = local.new_empty(sum(receive_sizes))
-        dist.all_to_all_single(received, local, receive_sizes, send_sizes, group=group)
+        send_sizes, receive_sizes = send.view(n, per).sum(1).tolist(), receive.view(n, per).sum(1).tolist()
         rows = wait_tensor(all_to_all_single_autograd(hidden[token_of], receive_sizes, send_sizes, group))
+        # each received row's local expert: the rows of each rank arrive by expert
+        received = torch.arange(per, device=rows.device).repeat(n).repeat_interleave(receive, output_size=rows.shape[0])
         ones = torch.ones(received.shape[0], 1, dtype=weights.dtype, device=rows.device)
         out = local_forward(rows, received[:, None], ones)
         back = wait_tensor(all_to_all_single_autograd(out, send_sizes, receive_sizes, group))

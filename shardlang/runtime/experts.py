@@ -1,5 +1,6 @@
 """Expert parallelism for a mixture of experts: each rank of a mesh dim keeps num_experts / ep experts, and
-every token goes to the rank holding the expert its router chose and comes back (two all-to-alls).
+every token goes to the rank holding the expert its router chose and comes back (runtime.dispatch: one
+all-to-all of the counts, one of the rows each way).
 
 It works on the experts module every MoE family of transformers 5 shares (Mixtral, Qwen2/3-MoE, OLMoE,
 DeepSeek-V2/V3, gpt-oss, ...): one module holding every expert's weights stacked along dim 0, with
@@ -7,7 +8,8 @@ DeepSeek-V2/V3, gpt-oss, ...): one module holding every expert's weights stacked
 [tokens, k]) -> [tokens, hidden]`; on torchtitan's grouped experts, whose forward takes the rows already
 grouped by expert and each expert's count (`forward(x [rows, dim], num_tokens_per_expert [experts])`, the
 routing weights applied by its token dispatcher outside); and on experts held as the members of a
-ModuleList or ModuleDict. The router, outside it, stays whole on every rank.
+ModuleList or ModuleDict. The router, outside it, stays whole on every rank. The three share one dispatch
+and one combine; each form here is only what it computes on the rows its rank received.
 
 On each rank the module's own forward computes its experts (whatever implementation transformers picked:
 a loop, a grouped matmul), on the rows it received, with its shard of the weights and a weight of one; the
@@ -16,7 +18,7 @@ there. The gradient of an expert's weights is the sum over every token routed to
 the mesh dim: the ranks of an ep dim train on different data, as data-parallel ranks do.
 
 Like runtime.tpstyles, the style is a ParallelStyle and each method imports what it needs, so that
-`compile --emit python` can paste its source.
+`compile --emit python` can paste its source (and runtime.dispatch's, which it calls).
 """
 
 from __future__ import annotations
@@ -25,7 +27,17 @@ import torch
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..compiler.predict import expert_members, expert_tensors, expert_tp_layout, stacked_experts, takes_expert_counts
-from .torchcompat import all_to_all_autograd, is_fake, strided_shard_class
+from .dispatch import (
+    ExpertRanks,
+    by_local_expert,
+    combine,
+    dispatch,
+    in_arrival_order,
+    local_experts,
+    local_sizes,
+    pairs_by_expert,
+)
+from .torchcompat import strided_shard_class
 from .tpstyles import SumGradOver
 
 
@@ -64,12 +76,13 @@ class ExpertParallel(ParallelStyle):
             param = module._parameters[name]
             sharded = distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
             module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        ranks = ExpertRanks(device_mesh.get_group(), ep, device_mesh.get_local_rank(), experts)
         if takes_expert_counts(module):
-            forward = _counted_expert_parallel_forward(module.forward, experts, device_mesh)
+            forward = _counted_forward(module.forward, ranks)
             if self.shared_batch:
                 forward = _one_counted_slice_each(forward, device_mesh)
         else:
-            forward = _expert_parallel_forward(module.forward, experts, device_mesh)
+            forward = _routed_forward(module.forward, ranks)
             if self.shared_batch:
                 forward = _one_slice_each(forward, device_mesh)
         module.forward = types.MethodType(forward, module)
@@ -93,106 +106,70 @@ def _split_members(module, members, mesh, shared_batch):
         if key not in mine:
             del module._modules[key]  # (not ModuleList's __delitem__, which renumbers the rest)
     module.experts_elsewhere = tuple(key for key in members if key not in mine)  # (what checkpoints skip)
-    forward = _member_expert_parallel_forward(mine, len(members), mesh)
+    forward = _member_forward(mine, ExpertRanks(mesh.get_group(), ep, rank, len(members)))
     if shared_batch:
         forward = _one_slice_each(forward, mesh)
     module.forward = types.MethodType(forward, module)
     return module
 
 
-def _routing_choices(routing, experts: int):
-    """The (token, choice) pairs of a forward's routing: each pair's expert [tokens, k] and whether it goes
-    to one. `routing` is the experts' numbers [tokens, k] (transformers' top_k_index; one out of range, as a
-    padding expert, goes to none) or a one-hot mask [tokens, k, experts] (SwitchTransformers': a token over
-    an expert's capacity has a row of zeros and goes to none)."""
+def _routed_forward(local_forward, ranks):
+    """The forward of stacked experts given their routing (transformers'), around the module's own
+    (`local_forward`, bound): on the rows its rank received, each with its local expert's number and a
+    weight of one, with its shard of the experts."""
 
-    if routing.dim() == 3 and routing.shape[-1] == experts:
-        return routing.argmax(-1), routing.sum(-1) > 0
-    return routing, (routing >= 0) & (routing < experts)
-
-
-def _member_expert_parallel_forward(mine, experts, mesh):
-    """The forward of a ModuleList's or ModuleDict's experts split over `mesh`, each rank holding the members
-    `mine` (in order): forward(hidden_states [tokens, hidden], routing, routing_weights [tokens, k]), the
-    routing as _routing_choices reads it. Each expert's own module computes its rows; the routing weights
-    are applied on the rank the tokens came from, as for stacked experts."""
-
-    group, ep = mesh.get_group(), mesh.size()
-    per_rank = experts // ep
-    rank = mesh.get_local_rank()
-
-    def forward(self, hidden_states, routing, routing_weights, *args, **kwargs):
+    def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
         import torch
 
-        index, goes = _routing_choices(routing, experts)
-        tokens, k = index.shape
-        device = hidden_states.device
-        # (token, choice) pairs by expert (so by the rank holding it); those going to none last
-        chosen = torch.where(goes, index, experts).reshape(-1)
-        order = torch.argsort(chosen, stable=True)
-        token_of = torch.arange(tokens, device=device).repeat_interleave(k)[order]
-        # how many pairs of each expert this rank sends (none to read in a simulated step)
-        sent_counts = None if is_fake(hidden_states) else torch.bincount(chosen, minlength=experts + 1)[:experts]
-        received_counts, receive, send_sizes, receive_sizes = _exchange_counts(
-            sent_counts, tokens * k, experts, rank, ep, group, device
-        )
-        sent = sum(send_sizes)
-        rows = all_to_all_autograd(hidden_states[token_of[:sent]], receive_sizes, send_sizes, group)
-        # The rows arrive rank by rank, each rank's by expert: grouped by expert, each member runs its own
-        # (every member runs, on no rows too, so that each has a gradient, zero where no token came).
-        by_expert = _expert_major(received_counts, per_rank, ep, rows.shape[0])
-        sizes = [sum(receive[r * per_rank + e] for r in range(ep)) for e in range(per_rank)]
-        chunks = rows[by_expert].split(sizes)
-        computed = torch.cat([self._modules[key](chunk) for key, chunk in zip(mine, chunks)])
-        out = _in_arrival_order(computed, by_expert)
-        sizes = (send_sizes, receive_sizes)
-        return _bring_back(out, hidden_states, routing_weights, order[:sent], token_of[:sent], sizes, group)
+        pairs = pairs_by_expert(hidden_states, top_k_index, top_k_weights, ranks.experts)
+        rows, sent = dispatch(hidden_states, pairs.counts, ranks, pairs)
+        index = local_experts(sent)[:, None]
+        ones = torch.ones(index.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
+        out = _on_local_experts(self, ranks.per_rank, rows, local_forward, index, ones, *args, **kwargs)
+        return combine(out, sent)
 
     return forward
 
 
-def _exchange_counts(sent_counts, pairs: int, experts: int, rank: int, ep: int, group, device):
-    """How many rows of each expert this rank sends (`sent_counts` [experts], its experts in contiguous
-    blocks of experts / ep per rank) and receives of its own experts from every rank (an all-to-all, and the
-    layer's one host sync). `sent_counts` None (a simulated step, with no routing to read): its `pairs` rows
-    as evenly over the experts as they go (uniform routing). Returns the received counts [ep x per_rank,
-    rank-major] as a tensor and as a list, and the rows sent to and received from each rank."""
-    import torch
-    import torch.distributed as dist
+def _counted_forward(local_forward, ranks):
+    """The forward of experts that take their rows already grouped by expert and each expert's count
+    (torchtitan's grouped experts): forward(rows [rows, dim], counts [experts]) -> [rows, dim], in the order
+    the rows came. The module's own forward computes the rows its rank received, regrouped by local expert,
+    with the local counts; weighting by the router and the sum into each token stay with the caller
+    (torchtitan's dispatcher)."""
 
-    per_rank = experts // ep
-    if sent_counts is None:
-        send = [pairs // experts + (e < pairs % experts) for e in range(experts)]
-        receive = [send[rank * per_rank + e] for _ in range(ep) for e in range(per_rank)]
-        received_counts = torch.tensor(receive, device=device)
-    else:
-        received_counts = torch.empty_like(sent_counts)
-        dist.all_to_all_single(received_counts, sent_counts, group=group)
-        send, receive = torch.stack([sent_counts, received_counts]).tolist()
-    send_sizes = [sum(send[r * per_rank : (r + 1) * per_rank]) for r in range(ep)]
-    receive_sizes = [sum(receive[r * per_rank : (r + 1) * per_rank]) for r in range(ep)]
-    return received_counts, receive, send_sizes, receive_sizes
+    def forward(self, rows, counts, *args, **kwargs):
+        if counts.dim() != 1 or counts.shape[0] != ranks.experts:
+            raise ValueError(
+                f"expert_parallel: the experts' forward took rows grouped by expert and their counts, which must "
+                f"be one per expert ({ranks.experts}); it was given counts of shape {list(counts.shape)}"
+            )
+        arrived, sent = dispatch(rows, counts, ranks)
+        grouped, by_expert = by_local_expert(arrived, sent)
+        local_counts = sent.received_counts.view(ranks.size, ranks.per_rank).sum(0)
+        out = _on_local_experts(self, ranks.per_rank, grouped, local_forward, local_counts, *args, **kwargs)
+        return combine(in_arrival_order(out, by_expert), sent)
 
-
-def _expert_major(received_counts, per_rank: int, ep: int, rows: int):
-    """The order that regroups `rows` received rows by local expert: they arrive rank by rank, each rank's
-    by expert (`received_counts` [ep x per_rank], rank-major, how many rows of each of this rank's experts
-    each rank sent); a stable sort keeps each expert's rows in rank order."""
-    import torch
-
-    expert_of = torch.arange(per_rank, device=received_counts.device).repeat(ep)
-    expert_of = expert_of.repeat_interleave(received_counts, output_size=rows)
-    return torch.argsort(expert_of, stable=True)
+    return forward
 
 
-def _in_arrival_order(rows, by_expert):
-    """`rows`, computed in the order `by_expert` (_expert_major) gave them, put back in the order they
-    arrived. An index assignment into a fresh tensor, whose backward keeps only the index: `index_copy`'s
-    would keep `rows` themselves alive until the backward (its gradient formula reads their shape from the
-    tensor), a [rows, hidden] activation a layer that nothing needs (benchmarks/RESULTS.md)."""
-    out = rows.new_empty(rows.shape)
-    out[by_expert] = rows
-    return out
+def _member_forward(mine, ranks):
+    """The forward of a ModuleList's or ModuleDict's experts, each rank holding the members `mine` (in
+    order): forward(hidden_states [tokens, hidden], routing, routing_weights [tokens, k]), the routing as
+    dispatch.routing_choices reads it. Each member's own module computes the rows its expert received;
+    every member runs, on no rows too, so that each has a gradient, zero where no token came."""
+
+    def forward(self, hidden_states, routing, routing_weights, *args, **kwargs):
+        import torch
+
+        pairs = pairs_by_expert(hidden_states, routing, routing_weights, ranks.experts)
+        arrived, sent = dispatch(hidden_states, pairs.counts, ranks, pairs)
+        grouped, by_expert = by_local_expert(arrived, sent)
+        chunks = grouped.split(local_sizes(sent))
+        computed = torch.cat([self._modules[key](chunk) for key, chunk in zip(mine, chunks)])
+        return combine(in_arrival_order(computed, by_expert), sent)
+
+    return forward
 
 
 def _one_slice_each(forward, mesh):
@@ -264,46 +241,6 @@ class RowGather(torch.autograd.Function):
         return grad[ctx.start : ctx.stop].contiguous(), None, None, None
 
 
-def _expert_parallel_forward(local_forward, experts, mesh):
-    """The forward of an expert-parallel module, around the module's own (`local_forward`, bound)."""
-
-    group, ep = mesh.get_group(), mesh.size()
-    per_rank = experts // ep
-
-    def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
-        import torch
-        import torch.distributed as dist
-
-        tokens, k = top_k_index.shape
-        chosen = top_k_index.reshape(-1)
-        # (token, choice) pairs in the order of the rank holding their expert
-        owner = torch.div(chosen, per_rank, rounding_mode="floor")
-        order = torch.argsort(owner, stable=True)
-        token_of = torch.arange(tokens, device=chosen.device).repeat_interleave(k)[order]
-        local_index = chosen[order] % per_rank
-        if is_fake(hidden_states):
-            # A simulated step (explain, lint) has no routing to read: every rank sends and receives as many
-            # pairs, as under uniform routing.
-            send_sizes = [tokens * k // ep + (r < tokens * k % ep) for r in range(ep)]
-            receive_sizes = send_sizes
-            received_index = torch.arange(tokens * k, device=chosen.device) % per_rank
-        else:
-            send = torch.bincount(owner, minlength=ep)
-            receive = torch.empty_like(send)
-            dist.all_to_all_single(receive, send, group=group)
-            send_sizes, receive_sizes = send.tolist(), receive.tolist()  # the layer's one host sync
-            received_index = local_index.new_empty(sum(receive_sizes))
-            dist.all_to_all_single(received_index, local_index, receive_sizes, send_sizes, group=group)
-        rows = all_to_all_autograd(hidden_states[token_of], receive_sizes, send_sizes, group)
-        # This rank's experts on the rows it received, through the module's own forward: local expert
-        # numbers, each row its one expert with weight one.
-        ones = torch.ones(received_index.shape[0], 1, dtype=top_k_weights.dtype, device=rows.device)
-        out = _on_local_experts(self, per_rank, rows, local_forward, received_index[:, None], ones, *args, **kwargs)
-        return _bring_back(out, hidden_states, top_k_weights, order, token_of, (send_sizes, receive_sizes), group)
-
-    return forward
-
-
 def _on_local_experts(module, per_rank: int, rows, local_forward, *args, **kwargs):
     """The module's own forward (`local_forward`, bound) on `rows` (and the rest of its arguments) with its
     shard of the experts: its DTensor parameters swapped for their local tensors (one LocalViews node) and
@@ -344,37 +281,6 @@ def _rebuilt_by_replicate(module) -> dict:
     return {name: t for name, t in vars(module).items() if isinstance(t, DTensor)}
 
 
-def _counted_expert_parallel_forward(local_forward, experts, mesh):
-    """The forward of an expert-parallel module that takes its rows already grouped by expert and each
-    expert's count (torchtitan's grouped experts): forward(rows [rows, dim], counts [experts]) -> [rows, dim],
-    in the order the rows came. Grouped by expert, the rows are grouped by the rank holding it: after an
-    all-to-all of the counts, one all-to-all sends each rank its experts' rows; they are regrouped there by
-    local expert, computed by the module's own forward on its shard and sent back in the order they left.
-    Weighting by the router and the sum into each token stay with the caller (torchtitan's dispatcher)."""
-
-    group, ep = mesh.get_group(), mesh.size()
-    per_rank = experts // ep
-    rank = mesh.get_local_rank()
-
-    def forward(self, rows, counts, *args, **kwargs):
-        if counts.dim() != 1 or counts.shape[0] != experts:
-            raise ValueError(
-                f"expert_parallel: the experts' forward took rows grouped by expert and their counts, which must "
-                f"be one per expert ({experts}); it was given counts of shape {list(counts.shape)}"
-            )
-        received_counts, _, send_sizes, receive_sizes = _exchange_counts(
-            None if is_fake(rows) else counts, rows.shape[0], experts, rank, ep, group, rows.device
-        )
-        arrived = all_to_all_autograd(rows, receive_sizes, send_sizes, group)
-        by_expert = _expert_major(received_counts, per_rank, ep, arrived.shape[0])
-        local_counts = received_counts.view(ep, per_rank).sum(0)
-        out = _on_local_experts(self, per_rank, arrived[by_expert], local_forward, local_counts, *args, **kwargs)
-        out = _in_arrival_order(out, by_expert)
-        return all_to_all_autograd(out, send_sizes, receive_sizes, group)
-
-    return forward
-
-
 def _one_counted_slice_each(forward, mesh):
     """`forward` (rows grouped by expert, each expert's count) on this rank's contiguous slice of rows that
     every rank of `mesh` holds alike, with the counts of that slice; the outputs gathered back whole on
@@ -392,22 +298,6 @@ def _one_counted_slice_each(forward, mesh):
         return RowGather.apply(out, sizes, rank, group)
 
     return shared
-
-
-def _bring_back(out, hidden_states, routing_weights, order, token_of, sizes, group):
-    """The second all-to-all, which stacked experts and experts held as modules share: each received row's
-    result [rows, hidden] goes back to the rank it came from (`sizes`: what this rank sent to each rank and
-    received from each, as the first all-to-all moved them), where it is weighted by its (token, choice)
-    pair's routing weight (so that the router's gradient is there: `order`, the pairs in the order they were
-    sent, of the flattened [tokens, k] weights) and summed into its token's output (`token_of`, each sent
-    pair's token)."""
-    import torch
-
-    send_sizes, receive_sizes = sizes
-    back = all_to_all_autograd(out, send_sizes, receive_sizes, group)
-    weighted = back * routing_weights.reshape(-1)[order, None].to(back.dtype)
-    combined = torch.zeros_like(hidden_states, dtype=back.dtype).index_add(0, token_of, weighted)
-    return combined.to(hidden_states.dtype)
 
 
 class LocalViews(torch.autograd.Function):
