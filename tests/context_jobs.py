@@ -6,14 +6,49 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardlang.runtime.context import ContextParallelAttention, join_sequence, split_sequence
+from shardlang.runtime.context_attention import ContextParallelAttention
+from shardlang.runtime.context_layout import LAYOUTS, Contiguous, HeadTail, SequenceLayout
 
 
-def attention_matches_whole(causal: bool, balanced: bool, gqa: bool = False) -> dict[str, float]:
-    """Each rank's shard of q, k and v (batch 2, heads 4, sequence 16, head dim 8) through SDPA under
-    ContextParallelAttention; the output and the gradients of q, k and v, joined back in sequence order,
-    against SDPA on the whole sequence: the largest difference of each."""
+class Striped(SequenceLayout):
+    """A load balancer of the tests' own, plugged in as one class: 2 x ranks chunks, rank r holding chunks
+    r and r + ranks (neither head-tail's nor the plain split's positions)."""
+
+    name = "striped"
+
+    @property
+    def parts(self) -> int:
+        return 2 * self.ranks
+
+    def chunks(self, rank: int) -> tuple[int, ...]:
+        return (rank, rank + self.ranks)
+
+    def describe(self) -> str:
+        return f"2 x {self.ranks} ranks, striped"
+
+
+def striped_plan_applied(job) -> object:
+    """`shardlang apply`'s job (launch.job.run) with `load_balance = striped` known to the plan language
+    and the runtime (Striped registered for the run, then removed)."""
+    from shardlang.frontend import schema
+    from shardlang.launch.job import run
+
+    options, before = schema.CONTEXT_OPTIONS, schema.CONTEXT_OPTIONS["load_balance"]
+    options["load_balance"] = schema.choice(*schema.LOAD_BALANCERS, Striped.name, what="load balancing")
+    LAYOUTS[Striped.name] = Striped
+    try:
+        return run(job)
+    finally:
+        options["load_balance"] = before
+        del LAYOUTS[Striped.name]
+
+
+def attention_matches_whole(causal: bool, kind: type[SequenceLayout], gqa: bool = False) -> dict[str, float]:
+    """Each rank's shard of q, k and v (batch 2, heads 4, sequence 16, head dim 8), laid out by `kind`,
+    through SDPA under ContextParallelAttention; the output and the gradients of q, k and v, joined back
+    in sequence order, against SDPA on the whole sequence: the largest difference of each."""
     world, rank = dist.get_world_size(), dist.get_rank()
+    layout = kind(world)
     g = torch.Generator().manual_seed(0)
     kv_heads = 2 if gqa else 4
     q = torch.randn(2, 4, 16, 8, generator=g, dtype=torch.float64)
@@ -25,15 +60,15 @@ def attention_matches_whole(causal: bool, balanced: bool, gqa: bool = False) -> 
     out = F.scaled_dot_product_attention(*whole, **kwargs)
     (out * upstream).sum().backward()
 
-    mine = [split_sequence(t, 2, world, rank, balanced).requires_grad_() for t in (q, k, v)]
-    with ContextParallelAttention(dist.group.WORLD, balanced):
+    mine = [layout.split(t, 2, rank).requires_grad_() for t in (q, k, v)]
+    with ContextParallelAttention(dist.group.WORLD, layout):
         local = F.scaled_dot_product_attention(*mine, **kwargs)
-    (local * split_sequence(upstream, 2, world, rank, balanced)).sum().backward()
+    (local * layout.split(upstream, 2, rank)).sum().backward()
 
     def joined(t: torch.Tensor) -> torch.Tensor:
         shards = [torch.empty_like(t) for _ in range(world)]
         dist.all_gather(shards, t.contiguous())
-        return join_sequence(shards, 2, balanced)
+        return layout.join(shards, 2)
 
     return {
         "output": float((joined(local.detach()) - out.detach()).abs().max()),
@@ -47,12 +82,13 @@ def mask_of_the_other_layout() -> dict[str, float]:
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 8, 4, generator=g, dtype=torch.float64) for _ in range(3))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    mine = [split_sequence(t, 2, world, rank, balanced=False) for t in (q, k, v)]
-    with ContextParallelAttention(dist.group.WORLD, balanced=True):
+    plain = Contiguous(world)
+    mine = [plain.split(t, 2, rank) for t in (q, k, v)]
+    with ContextParallelAttention(dist.group.WORLD, HeadTail(world)):
         local = F.scaled_dot_product_attention(*mine, is_causal=True)
     shards = [torch.empty_like(local) for _ in range(world)]
     dist.all_gather(shards, local.contiguous())
-    return {"output": float((join_sequence(shards, 2, balanced=False) - out).abs().max())}
+    return {"output": float((plain.join(shards, 2) - out).abs().max())}
 
 
 def printed_program_runs_like_apply(plan_text: str) -> float:

@@ -1,36 +1,82 @@
-"""Context parallelism's attention (shardlang/runtime/context.py): a sequence split over ranks, plainly or
-head-tail balanced, and SDPA on each rank's queries against the gathered keys and values, on CPU (gloo)."""
+"""Context parallelism (shardlang/runtime/context*.py): a sequence split over ranks by its layout (head-tail,
+plain, or the tests' own striped one, plugged in as one class), and SDPA on each rank's queries against the
+gathered keys and values, on CPU (gloo)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from shardlang.runtime.context import join_sequence, sequence_positions, split_sequence
+from shardlang.runtime.context_attention import KeySource
+from shardlang.runtime.context_layout import LAYOUTS, Contiguous, HeadTail
 
 from . import context_jobs
+from .context_jobs import Striped
+
+KINDS = (HeadTail, Contiguous, Striped)
 
 
 def test_head_tail_gives_each_rank_an_early_and_a_late_chunk():
-    assert sequence_positions(8, 2, 0, balanced=True).tolist() == [0, 1, 6, 7]
-    assert sequence_positions(8, 2, 1, balanced=True).tolist() == [2, 3, 4, 5]
-    assert sequence_positions(8, 2, 1, balanced=False).tolist() == [4, 5, 6, 7]
-    x = torch.arange(16).reshape(1, 16)
-    for balanced in (True, False):
-        shards = [split_sequence(x, 1, 4, r, balanced) for r in range(4)]
-        assert torch.equal(join_sequence(shards, 1, balanced), x)
-    with pytest.raises(ValueError, match="does not split into 8 equal chunks"):
-        sequence_positions(12, 4, 0, balanced=True)
+    assert HeadTail(2).positions(8, 0).tolist() == [0, 1, 6, 7]
+    assert HeadTail(2).positions(8, 1).tolist() == [2, 3, 4, 5]
+    assert Contiguous(2).positions(8, 1).tolist() == [4, 5, 6, 7]
+    with pytest.raises(ValueError, match=r"does not split into 8 equal chunks \(2 x 4 ranks, head-tail\)"):
+        HeadTail(4).positions(12, 0)
 
 
-def _blocked_against_the_whole(kernel, device, dtype, ranks, causal, balanced, kv_heads=4):
-    """Every rank's blocks of `attention_blocks`, computed here with the keys every rank would gather,
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_a_layout_splits_and_joins_back_to_the_whole(kind, ranks):
+    """Each layout's shards, joined, are the sequence again; every position is held by one rank; each
+    rank's chunks are in sequence order (the causal block of its own keys needs it)."""
+    layout = kind(ranks)
+    x = torch.arange(3 * 48).reshape(3, 48)
+    shards = [layout.split(x, 1, r) for r in range(ranks)]
+    assert torch.equal(layout.join(shards, 1), x)
+    held = torch.cat([layout.positions(48, r) for r in range(ranks)])
+    assert sorted(held.tolist()) == list(range(48))
+    assert all(list(layout.chunks(r)) == sorted(layout.chunks(r)) for r in range(ranks))
+
+
+def test_a_new_layout_is_one_class_that_changes_who_holds_what():
+    """The tests' Striped layout, a subclass naming only its chunks: rank 0 of 2 holds other positions than
+    under head-tail or a plain split, and its causal blocks read the chunks between its own."""
+    assert [kind(2).positions(8, 0).tolist() for kind in KINDS] == [[0, 1, 6, 7], [0, 1, 2, 3], [0, 1, 4, 5]]
+    blocks = [(b.first, b.end, b.keys, b.key_first, b.key_end, b.causal) for b in Striped(2).blocks(1, 4, True)]
+    # rank 1 holds chunks 1 and 3 (2 positions each): chunk 0 for both, chunk 2 for chunk 3's queries
+    assert blocks == [(0, 4, "local", 0, 4, True), (0, 4, "whole", 0, 2, False), (2, 4, "whole", 4, 6, False)]
+
+
+def test_the_languages_load_balancers_are_the_runtimes_layouts():
+    from shardlang.frontend.schema import LOAD_BALANCERS
+
+    assert set(LOAD_BALANCERS) == set(LAYOUTS)
+    assert all(LAYOUTS[name].name == name for name in LAYOUTS)
+
+
+class HeldKeys(KeySource):
+    """A key source of the test's own: keys held here (in the kernel's device and dtype), their gradients
+    summed into float64 buffers on the CPU."""
+
+    def __init__(self, key, value, into):
+        self.key, self.value, self.into = key, value, into
+
+    def range(self, first, end):
+        return self.key[..., first:end, :], self.value[..., first:end, :]
+
+    def add(self, first, end, *parts):
+        for total, part in zip(self.into, parts):
+            total[..., first:end, :] += part.double().to(total.device)
+
+
+def _blocked_against_the_whole(kernel, device, dtype, ranks, causal, kind, kv_heads=4):
+    """Every rank's blocks (its layout's `blocks`), computed here with the keys every rank would gather,
     through `kernel`: the output and the query, key and value gradients put back in sequence order (the
     keys' summed over the ranks, as the reduce-scatter sums them), against SDPA on the whole sequence in
     float64. Returns the largest difference of each, and that of SDPA itself in `dtype`."""
     import torch.nn.functional as F
 
-    from shardlang.runtime.context import attend, attend_backward, attention_blocks
+    from shardlang.runtime.context_attention import attend, attend_backward
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 64, 64, generator=g, dtype=torch.float64)
@@ -45,34 +91,25 @@ def _blocked_against_the_whole(kernel, device, dtype, ranks, causal, balanced, k
     plain = {"output": out.detach(), **{f"{n}_grad": t.grad for n, t in zip("qkv", exact)}}
     plain_error = max(float((t.grad.double().cpu() - w.grad).abs().max()) for t, w in zip(typed, exact))
 
-    from shardlang.runtime.context import local_keys
-
     outs, grads = [], {"q_grad": [], "k_grad": [], "v_grad": []}
     whole_grads = [torch.zeros_like(t) for t in (k, v)]
     typed_kv = [t.to(device, dtype) for t in (k, v)]
-
-    def sink(into):
-        def add(first, end, *parts):
-            for total, part in zip(into, parts):
-                total[..., first:end, :] += part.double().to(total.device)
-
-        return add
+    layout = kind(ranks)
 
     for rank in range(ranks):
-        mine = [split_sequence(t, 2, ranks, rank, balanced).to(device, dtype) for t in (q, k, v)]
-        keys = {"local": local_keys(*mine[1:]), "whole": local_keys(*typed_kv)}
+        mine = [layout.split(t, 2, rank).to(device, dtype) for t in (q, k, v)]
         own = [torch.zeros_like(t, dtype=torch.float64, device="cpu") for t in mine[1:]]
-        blocks = attention_blocks(ranks, rank, mine[0].shape[-2], causal, balanced)
-        local, lse, rests = attend(kernel, mine[0], keys, blocks, 64**-0.5)
-        grad = split_sequence(upstream, 2, ranks, rank, balanced).to(device, dtype)
-        sinks = {"local": sink(own), "whole": sink(whole_grads)}
-        dq = attend_backward(kernel, grad, mine[0], keys, sinks, blocks, rests, local, lse, 64**-0.5)
+        sources = {"local": HeldKeys(*mine[1:], own), "whole": HeldKeys(*typed_kv, whole_grads)}
+        blocks = layout.blocks(rank, mine[0].shape[-2], causal)
+        local, lse, rests = attend(kernel, mine[0], sources, blocks, 64**-0.5)
+        grad = layout.split(upstream, 2, rank).to(device, dtype)
+        dq = attend_backward(kernel, grad, mine[0], sources, blocks, rests, local, lse, 64**-0.5)
         outs.append(local.double().cpu())
         grads["q_grad"].append(dq.double().cpu())
         grads["k_grad"].append(own[0])
         grads["v_grad"].append(own[1])
-    joined = {"output": join_sequence(outs, 2, balanced)}
-    joined.update({name: join_sequence(parts, 2, balanced) for name, parts in grads.items()})
+    joined = {"output": layout.join(outs, 2)}
+    joined.update({name: layout.join(parts, 2) for name, parts in grads.items()})
     joined["k_grad"] += whole_grads[0]
     joined["v_grad"] += whole_grads[1]
     errors = {name: (joined[name] - plain[name]).abs().max().item() for name in joined}
@@ -87,36 +124,40 @@ KERNELS = [("cpu", "cpu", torch.float64), ("math", "cpu", torch.float64)] + [
 
 @pytest.mark.parametrize(("kernel", "device", "dtype"), KERNELS)
 @pytest.mark.parametrize(
-    ("ranks", "causal", "balanced", "kv_heads"),
-    [(2, True, True, 4), (4, True, True, 2), (4, True, False, 4), (2, False, True, 4)],
+    ("ranks", "causal", "kind", "kv_heads"),
+    [
+        (2, True, HeadTail, 4),
+        (4, True, HeadTail, 2),
+        (4, True, Contiguous, 4),
+        (2, False, HeadTail, 4),
+        (4, True, Striped, 2),
+    ],
 )
-def test_each_kernels_blocks_merged_equal_attention_on_the_whole(
-    kernel, device, dtype, ranks, causal, balanced, kv_heads
-):
+def test_each_kernels_blocks_merged_equal_attention_on_the_whole(kernel, device, dtype, ranks, causal, kind, kv_heads):
     """Each rank's blocks, merged by log-sum-exp, and their backward against the merged output: the whole
     sequence's attention and gradients, to float64's precision on CPU, and on GPUs (bf16, CUDA's cuDNN and
     flash kernels) within twice SDPA's own bf16 error."""
     if kernel == "cudnn":
-        from shardlang.runtime.context import attention_kernel
+        from shardlang.runtime.context_attention import attention_kernel
 
         if attention_kernel(torch.zeros(1, 1, 8, 64, device=device, dtype=dtype)) != "cudnn":
             pytest.skip("cuDNN attention is not available here")
-    errors, plain = _blocked_against_the_whole(kernel, device, dtype, ranks, causal, balanced, kv_heads)
+    errors, plain = _blocked_against_the_whole(kernel, device, dtype, ranks, causal, kind, kv_heads)
     bound = 1e-12 if dtype == torch.float64 else 2 * plain + 1e-3
     assert max(errors.values()) < bound, (errors, plain)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize(("causal", "balanced"), [(True, True), (True, False), (False, True)])
-def test_attention_over_a_split_sequence_equals_the_whole(pools, world, causal, balanced):
-    for errors in pools(world).run(context_jobs.attention_matches_whole, causal, balanced):
+@pytest.mark.parametrize(("causal", "kind"), [(True, HeadTail), (True, Contiguous), (False, HeadTail), (True, Striped)])
+def test_attention_over_a_split_sequence_equals_the_whole(pools, world, causal, kind):
+    for errors in pools(world).run(context_jobs.attention_matches_whole, causal, kind):
         assert max(errors.values()) < 1e-12, errors
 
 
 @pytest.mark.distributed
 def test_grouped_query_attention_too(pools):
-    for errors in pools(2).run(context_jobs.attention_matches_whole, True, True, True):
+    for errors in pools(2).run(context_jobs.attention_matches_whole, True, HeadTail, True):
         assert max(errors.values()) < 1e-12, errors
 
 
@@ -145,9 +186,12 @@ def test_the_statement():
 
     plan = shardlang.load(PLAN)
     cp = plan.context_parallel
-    assert str(cp.mesh) == "world.cp" and [str(t) for t in cp.targets] == ["layers.*.attention"] and cp.balanced
+    assert str(cp.mesh) == "world.cp" and [str(t) for t in cp.targets] == ["layers.*.attention"]
+    assert cp.load_balance == "headtail"
     plain = shardlang.loads(PLAN.read_text().replace("load_balance = headtail", "load_balance = none"))
-    assert not plain.context_parallel.balanced
+    assert plain.context_parallel.load_balance == "none"
+    unsaid = shardlang.loads(PLAN.read_text().replace("load_balance = headtail", ""))
+    assert unsaid.context_parallel.load_balance == "headtail"
     assert _error("context_parallel on world.cp { each a }\ncontext_parallel on world.cp { each a }").startswith(
         "SL103 3:1 context_parallel is given twice"
     )
@@ -211,9 +255,58 @@ def test_a_module_that_calls_no_sdpa_is_named_at_the_statement(tmp_path):
 
 
 @pytest.mark.distributed
-def test_the_printed_program_splits_attends_and_gathers_as_apply_does(pools):
-    for difference in pools(4).run(context_jobs.printed_program_runs_like_apply, PLAN.read_text()):
+@pytest.mark.parametrize("balancer", ["headtail", "none"])
+def test_the_printed_program_splits_attends_and_gathers_as_apply_does(pools, balancer):
+    text = PLAN.read_text().replace("load_balance = headtail", f"load_balance = {balancer}")
+    for difference in pools(4).run(context_jobs.printed_program_runs_like_apply, text):
         assert difference < 1e-5, difference
+
+
+@pytest.mark.parametrize(
+    ("balancer", "pasted", "not_pasted"), [("headtail", "HeadTail", "Contiguous"), ("none", "Contiguous", "HeadTail")]
+)
+def test_the_printed_program_pastes_what_its_context_parallel_line_reaches(balancer, pasted, not_pasted):
+    """The step names its roots (context_parallel, context_shard, the plan's layout); emit.python's walk
+    pastes every class and function they reach, each once, and nothing of another layout."""
+    import re
+
+    import shardlang
+    from shardlang.runtime import context, context_attention, context_layout
+
+    text = PLAN.read_text().replace("load_balance = headtail", f"load_balance = {balancer}")
+    code = shardlang.loads(text).to_python()
+    assert f"context_parallel(model, ('layers.*.attention',), world['cp'], {pasted})" in code
+    assert f"class {pasted}(SequenceLayout):" in code and f"class {not_pasted}(" not in code
+    defined = re.findall(r"^(?:def|class) (\w+)", code, flags=re.M)
+    for module in (context, context_attention, context_layout):
+        for name in (
+            "context_parallel",
+            "ContextAttention",
+            "GatheredKeys",
+            "ScatteredGradients",
+            "Block",
+            "along_sequence",
+        ):
+            if hasattr(module, name) and getattr(module, name).__module__ == module.__name__:
+                assert defined.count(name) == 1, name
+    assert "sequence_layout" not in defined and "LAYOUTS" not in code  # the runtime's lookup by name stays behind
+    compile(code, "printed.py", "exec")
+
+
+@pytest.mark.distributed
+def test_a_layout_plugged_in_as_one_class_passes_the_checks(tmp_path, pools):
+    """plans/llama_cp.sl with the tests' Striped layout (registered in the worker: its name in the plan
+    language's load_balance choice and in LAYOUTS): every check passes, the gradients' among them."""
+    import shardlang
+    from shardlang.launch.job import Job
+
+    path = tmp_path / "striped.sl"
+    path.write_text(PLAN.read_text().replace("load_balance = headtail", "load_balance = striped"))
+    checks = shardlang.load(PLAN).checks
+    job = Job(str(path), {}, str(ROOT / "examples" / "llama.py"), None, checks)
+    report = pools(4).run(context_jobs.striped_plan_applied, job)[0]
+    assert report.ok, [(c.check, c.status, c.message) for c in report.checks]
+    assert {c.check: c.status for c in report.checks}["gradients"] == "pass"
 
 
 @pytest.mark.distributed

@@ -42,7 +42,7 @@ def lower(plan: ir.Plan, resolution: Resolution | None, world_size: int | None) 
     cp = plan.context_parallel
     if cp is not None:
         patterns_ = tuple(str(t) for t in cp.targets)
-        steps.append(p.ContextParallel(patterns_, cp.mesh, cp.balanced, cp.span, cp.whole_output))
+        steps.append(p.ContextParallel(patterns_, cp.mesh, cp.load_balance, cp.span, cp.whole_output))
     origin = plan.checkpoint[0].span if plan.checkpoint else None
     if resolution is not None:
         steps += [p.Checkpoint(fqn, origin) for fqn in resolution.checkpoint]

@@ -109,12 +109,13 @@ class Compile:
 
 @frozen
 class ContextParallel:
-    """`context_parallel(model, patterns, mesh, balanced)` (runtime.context): the modules the patterns
-    match attend over the whole sequence; the model's inputs are split and its outputs gathered."""
+    """`context_parallel(model, patterns, mesh, layout)` (runtime.context): the modules the patterns
+    match attend over the whole sequence; the model's inputs are split (as the `load_balance` layout
+    says) and its outputs gathered."""
 
     patterns: tuple[str, ...]
     mesh: ir.MeshRef
-    balanced: bool
+    load_balance: str
     origin: Span | None = None
     whole_output: bool = True
 

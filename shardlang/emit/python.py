@@ -116,13 +116,15 @@ def _names(program: p.Program) -> set[str]:
 
 
 def _ours(program: p.Program) -> list:
-    """shardlang's own objects the steps name (runtime.tpstyles' styles and functions), each after the
+    """shardlang's own objects the steps name (runtime.tpstyles' styles, context parallelism), each after the
     functions and classes of shardlang its source calls: what the printed program pastes."""
     order: list = []
+    visiting: list = []  # source may name what names it (context parallelism's does): each is visited once
 
     def visit(obj) -> None:
-        if obj in order:
+        if obj in order or obj in visiting:
             return
+        visiting.append(obj)
         module = sys.modules[obj.__module__]
         source = inspect.getsource(obj)
         for name, dep in vars(module).items():

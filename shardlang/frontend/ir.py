@@ -258,13 +258,15 @@ class CompileLoss:
 
 @frozen
 class ContextParallel:
-    """`context_parallel on world.cp { each TARGET }`: every input's sequence split over the dim
-    (`balanced`: head-tail), the matched modules' scaled_dot_product_attention run over the whole sequence
+    """`context_parallel on world.cp { each TARGET }`: every input's sequence split over the dim as its
+    load balancer says, the matched modules' scaled_dot_product_attention run over the whole sequence
     (runtime.context), the output gathered back whole."""
 
     mesh: MeshRef
     targets: tuple[Target, ...]
-    balanced: bool
+    #: `load_balance = NAME` (schema.LOAD_BALANCERS): how the sequence is laid out over the ranks
+    #: (runtime.context_layout.LAYOUTS), `headtail` by default.
+    load_balance: str
     span: Span
     #: `output = whole` (default): the model's outputs gathered back whole; `local`: each rank's shard.
     whole_output: bool = True

@@ -213,8 +213,11 @@ UNIT_OPTIONS: dict[str, dict[str, Convert]] = {
 }
 BLOCK_OPTIONS: dict[str, Convert] = {"root": boolean}
 #: Options of a `context_parallel` block.
+#: context_parallel's `load_balance` names: one sequence layout each in runtime.context_layout.LAYOUTS.
+LOAD_BALANCERS = ("headtail", "none")
+
 CONTEXT_OPTIONS: dict[str, Convert] = {
-    "load_balance": choice("headtail", "none", what="load balancing"),
+    "load_balance": choice(*LOAD_BALANCERS, what="load balancing"),
     "output": choice("whole", "local", what="context_parallel output"),
 }
 

@@ -451,8 +451,8 @@ class _Checker:
         )
         if not targets:
             self.error(SL102, "context_parallel names no attention module", block.span, "add `each PATTERN`")
-        balanced, whole = options.get("load_balance", "headtail") == "headtail", options.get("output") != "local"
-        return ir.ContextParallel(mesh, targets, balanced, block.span, whole)
+        balancer, whole = options.get("load_balance", "headtail"), options.get("output") != "local"
+        return ir.ContextParallel(mesh, targets, balancer, block.span, whole)
 
     def init(self, init: s.InitStmt) -> ir.Init:
         mode = self.convert(choice(*INIT_MODES, what="init mode"), init.mode) or "auto"

@@ -19,8 +19,9 @@ from attrs import define, field, frozen
 from ..compiler import initialisers
 from ..compiler import program as p
 from ..compiler.devices import mesh_device
-from ..frontend import ir, patterns
+from ..frontend import ir
 from . import broadcasts, context, gathering, materialise, meshes, moving, ownstyles, pipeline, rank0, ties, units
+from .context_layout import LAYOUTS
 from .torchcompat import composable_checkpoint, composable_replicate
 from .values import build, names_used, source, to_torch, value_source
 
@@ -58,7 +59,8 @@ class StepType:
     helpers: tuple[Callable, ...] = ()
     #: Helpers only some steps of the kind call, by step.
     needs: Callable[[Any, Any], tuple[Callable, ...]] = lambda step, program: ()
-    #: Public torch names (import paths) the printed lines need, from the step's values.
+    #: Public torch names (import paths) the printed lines need, from the step's values; shardlang's own
+    #: (`shardlang.`...) are pasted with what their source names (emit.python).
     names: Callable[[Any], set[str]] = lambda step: set()
     #: An import line for a torch API with no public path.
     private_import: str | None = None
@@ -270,13 +272,22 @@ def write_fully_shard(step: p.FullyShard, program: p.Program, module: str) -> li
 
 
 def run_context_parallel(step: p.ContextParallel, ctx: Running) -> None:
-    context.context_parallel(ctx.model, step.patterns, ctx.mesh(step.mesh), step.balanced, step.whole_output)
+    layout = LAYOUTS[step.load_balance]
+    context.context_parallel(ctx.model, step.patterns, ctx.mesh(step.mesh), layout, step.whole_output)
 
 
 def write_context_parallel(step: p.ContextParallel, program: p.Program, module: str) -> list[str]:
     mesh = mesh_expr(step.mesh, program)
     whole = "" if step.whole_output else ", whole_output=False"
-    return [f"context_parallel({module}, {step.patterns!r}, {mesh}, balanced={step.balanced}{whole})"]
+    layout = LAYOUTS[step.load_balance].__name__
+    return [f"context_parallel({module}, {step.patterns!r}, {mesh}, {layout}{whole})"]
+
+
+def _context_names(step: p.ContextParallel) -> set[str]:
+    """The roots of what a printed context_parallel line runs, as shardlang import paths (emit.python pastes
+    them and every function and class of shardlang their source names), and the import their source needs."""
+    roots = (context.context_parallel, context.context_shard, LAYOUTS[step.load_balance])
+    return {"dataclasses.dataclass"} | {f"{root.__module__}.{root.__qualname__}" for root in roots}
 
 
 def run_replicate(step: p.Replicate, ctx: Running) -> None:
@@ -378,36 +389,7 @@ STEPS: dict[type, StepType] = {
     p.ContextParallel: StepType(
         run_context_parallel,
         write_context_parallel,
-        helpers=(
-            patterns.split_pattern,
-            patterns.pattern_regex,
-            patterns.class_matches,
-            patterns.modules_matching,
-            context.sequence_positions,
-            context.split_sequence,
-            context.join_sequence,
-            context.attention_kernel,
-            context.attention_block,
-            context.attention_scores,
-            context.attention_block_backward,
-            context.attention_blocks,
-            context.along_sequence,
-            context.chunk_home,
-            context.chunk_places,
-            context.GatheredKeys,
-            context.ScatteredGradients,
-            context.local_keys,
-            context.grouped,
-            context.attend,
-            context.attend_backward,
-            context.ContextAttention,
-            context.context_attention,
-            context.ContextParallelAttention,
-            context.GatherSequence,
-            context.whole_sequences,
-            context.context_shard,
-            context.context_parallel,
-        ),
+        names=_context_names,
         private_import="from torch.overrides import TorchFunctionMode",
     ),
     p.FullyShard: StepType(

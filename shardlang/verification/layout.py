@@ -139,10 +139,9 @@ def sequences_whole(ctx, output: Any, module) -> Any:
     cp = ctx.plan.context_parallel
     if cp is None or cp.whole_output:
         return output
-    from ..runtime.context import whole_sequences
+    from ..runtime.context import context_state
 
-    group = ctx.applied.mesh(cp.mesh).get_group()
-    return whole_sequences(output, module._context_length, group, cp.balanced)
+    return context_state(module).whole(output)
 
 
 def modules_eagerly(plan: ir.Plan):
