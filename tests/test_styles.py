@@ -89,3 +89,33 @@ def test_fsdp_over_a_packed_weight_needs_its_columns_to_divide():
     (found,) = [d for d in plan.lint(model, 1024) if d.is_error]  # dp 512
     assert found.code == "SL301" and "mlp.gate_up.weight has 128" in found.message
     assert not [d for d in plan.lint(model, 256) if d.is_error]  # dp 128
+
+
+def test_default_layouts_are_torchs_and_every_style_built_like_torchs_takes_them():
+    """compiler.styles.DEFAULT_LAYOUTS, the one table lint and lint's step read for a rule that gives no layout,
+    says what torch's ColwiseParallel, RowwiseParallel and SequenceParallel take and give; the Conv1D and
+    packed styles (runtime.tpstyles) take the same defaults, as their colwise and rowwise."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    from shardlang.compiler.styles import DEFAULT_INPUTS, DEFAULT_LAYOUTS
+    from shardlang.explain.rehearsal import TAKES
+    from shardlang.runtime import tpstyles
+    from shardlang.runtime.values import to_torch
+
+    def torch_of(name):
+        return to_torch(DEFAULT_LAYOUTS[name].input), to_torch(DEFAULT_LAYOUTS[name].output)
+
+    torchs = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel()}
+    for name, style in torchs.items():
+        assert torch_of(name) == (style.input_layouts[0], style.output_layouts[0])
+    assert torch_of("sequence_parallel") == (SequenceParallel().sequence_sharding[0],) * 2
+    ours = {"colwise": tpstyles.ColwiseConv1DParallel(), "rowwise": tpstyles.RowwiseConv1DParallel()}
+    for name, style in ours.items():
+        assert torch_of(name) == (style.input_layouts, style.output_layouts)
+    assert tpstyles.PackedColwiseParallel().input_layouts == torch_of("colwise")[0]
+    assert TAKES is DEFAULT_INPUTS
+    assert {name: str(layout) for name, layout in TAKES.items()} == {
+        "colwise": "replicate",
+        "rowwise": "shard(-1)",
+        "sequence_parallel": "shard(1)",
+    }

@@ -41,6 +41,26 @@ class Reference:
         return self.path.rsplit(".", 1)[-1]
 
 
+@frozen
+class Defaults:
+    """What a tensor-parallel style takes as its input and gives as its output where its rule says neither."""
+
+    input: Any
+    output: Any
+
+
+#: torch's own defaults (ColwiseParallel's, RowwiseParallel's, SequenceParallel's): written here once, for lint
+#: (rules.activations) and lint's step (explain.rehearsal) to read; runtime.tpstyles' Conv1D and packed styles
+#: take them from torch's classes, and tests/test_styles holds both to torch's.
+DEFAULT_LAYOUTS = {
+    "colwise": Defaults(input=ir.Replicate(), output=ir.Shard(-1)),
+    "rowwise": Defaults(input=ir.Shard(-1), output=ir.Replicate()),
+    "sequence_parallel": Defaults(input=ir.Shard(1), output=ir.Shard(1)),
+}
+#: What each of those styles takes as its input where its rule gives no `input=`.
+DEFAULT_INPUTS = {name: defaults.input for name, defaults in DEFAULT_LAYOUTS.items()}
+
+
 #: Built-in styles that are torch's colwise or rowwise with one layout fixed: transformers' names for them.
 FIXED_LAYOUTS = {
     "colwise_gather_output": ("colwise", "output", ir.Replicate()),

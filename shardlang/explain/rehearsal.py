@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 from attrs import frozen
 
+from ..compiler.styles import DEFAULT_INPUTS as TAKES  # what a style takes where its rule gives no input=
 from ..frontend import ir
 from ..frontend.diagnostics import SL220, SL221, SL222, Diagnostic, PlanError
 from ..launch import raised
@@ -51,8 +52,6 @@ TIMEOUT_S = 120.0
 #: Blocks of the longest repeated stack the step runs on: the first two, so that one block's output reaches
 #: another (what two rules in a row do to each other shows).
 BLOCKS = 2
-#: What the built-in styles take as their input where the rule gives no `input=` (torch's defaults).
-TAKES = {"colwise": "replicate", "rowwise": "shard(-1)", "sequence_parallel": "shard(1)"}
 
 
 @frozen

@@ -114,11 +114,11 @@ class ColwiseConv1DParallel(ParallelStyle):
     Conv1D, as in GPT-2): weight Shard(1), bias Shard(0); input replicated, output sharded on the last dim."""
 
     def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output=True):
-        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import ColwiseParallel
 
         super().__init__()
-        self.input_layouts = input_layouts or Replicate()
-        self.output_layouts = output_layouts or Shard(-1)
+        torchs = ColwiseParallel(input_layouts=input_layouts, output_layouts=output_layouts)  # torch's defaults
+        self.input_layouts, self.output_layouts = torchs.input_layouts[0], torchs.output_layouts[0]
         self.use_local_output = use_local_output
 
     def _apply(self, module, device_mesh):
@@ -139,11 +139,11 @@ class RowwiseConv1DParallel(ParallelStyle):
     Replicate; input sharded on the last dim, the partial sums reduced to the output layout (replicated)."""
 
     def __init__(self, *, input_layouts=None, output_layouts=None, use_local_output=True):
-        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.parallel import RowwiseParallel
 
         super().__init__()
-        self.input_layouts = input_layouts or Shard(-1)
-        self.output_layouts = output_layouts or Replicate()
+        torchs = RowwiseParallel(input_layouts=input_layouts, output_layouts=output_layouts)  # torch's defaults
+        self.input_layouts, self.output_layouts = torchs.input_layouts[0], torchs.output_layouts[0]
         self.use_local_output = use_local_output
 
     def _apply(self, module, device_mesh):
@@ -171,11 +171,11 @@ class PackedColwiseParallel(ParallelStyle):
     """
 
     def __init__(self, *, parts=2, input_layouts=None):
-        from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel
 
         super().__init__()
         self.parts = parts
-        self.input_layouts = input_layouts or Replicate()
+        self.input_layouts = ColwiseParallel(input_layouts=input_layouts).input_layouts[0]  # torch's default
 
     def _apply(self, module, device_mesh):
         from torch.distributed.tensor import Replicate, distribute_module

@@ -24,7 +24,7 @@ from collections import defaultdict
 from ...frontend import ir
 from ...frontend.diagnostics import SL210, Diagnostic, few
 from ..resolve import Resolution
-from ..styles import expand
+from ..styles import DEFAULT_LAYOUTS, expand
 from .common import Predictions, Shapes, dim_sizes
 
 SHARDED, REPLICATED, OTHER, UNKNOWN = "sharded", "replicated", "other", "unknown"
@@ -218,8 +218,7 @@ def _after(style: ir.Style) -> str | None:
     if name in ("expert_parallel", "expert_tensor_parallel"):  # tokens whole on every rank
         return REPLICATED
     if name in ("colwise", "rowwise"):
-        default = ir.Shard(-1) if name == "colwise" else ir.Replicate()
-        output, local = style.get("output", default), style.get("local_output", True)
+        output, local = style.get("output", DEFAULT_LAYOUTS[name].output), style.get("local_output", True)
         if isinstance(output, ir.Replicate):
             return REPLICATED
         if isinstance(output, ir.Shard) and output.dim == -1 and local:
