@@ -83,6 +83,20 @@ def test_compile_comes_after_checkpointing_and_before_fully_shard():
     assert compiled < text.index(".compile(backend='aot_eager', fullgraph=True)") < text.index("fully_shard(")
 
 
+def test_parallelize_module_calls_come_before_distribute_with_or_without_a_model():
+    """SPEC §4.4's order does not depend on whether `compile` was given a model (issue 40 item 6: without
+    one, a `distribute` rule written first was printed before the parallelize_module call)."""
+    plan = shardlang.loads(
+        "mesh world = cpu[tp=2]\nparallelize on world.tp {\n    net1 : distribute(input=replicate)\n"
+        "    net2 : colwise\n}"
+    )
+    resolution, found = resolve(plan, MLP())
+    assert not found
+    for program in (lower(plan, resolution, 2), lower(plan, None, None)):
+        kinds = [type(s).__name__ for s in program.steps if not isinstance(s, p.MakeMesh)]
+        assert kinds[:2] == ["Parallelize", "Distribute"], kinds
+
+
 def test_fullgraph_over_a_checkpointed_module_is_sl301_where_torch_cannot_run_it():
     """The limit in torchlimits says what the installed torch does: the case is run here."""
     from torch.distributed._composable import checkpoint

@@ -235,3 +235,27 @@ def test_what_lint_passes_with_eager_experts_apply_passes_too(pools, tmp_path, f
     report = pools(2).run(run, Job(str(plan), {}, str(model), None, shardlang.load(plan).checks))[0]
     assert report.ok, [(c.check, c.status, c.message) for c in report.checks]
     assert {c.check: c.status for c in report.checks} == {"gradients": "pass"}
+
+
+#: Llama's feed-forward with its pair of Linears the wrong way round (issue 40 item 6: torch's "a and b must
+#: have same reduction dim" came with no hint).
+SWAPPED = """shardlang 1
+mesh world = cpu[dp=auto, tp=2]
+parallelize layers.* on world.tp {
+    feed_forward.{w1,w3} : rowwise
+    feed_forward.w2      : colwise
+}
+fully_shard on world.dp { each layers.* }
+"""
+
+
+@pytest.mark.distributed
+def test_rowwise_and_colwise_swapped_are_named_as_such(capsys, monkeypatch, tmp_path):
+    path = tmp_path / "swapped.sl"
+    path.write_text(SWAPPED)
+    status, text = lint(capsys, monkeypatch, path, "examples/llama.py", 4)
+    assert status == 1 and errors(text) == [("SL220", 4, "layers.0.feed_forward.w1")], text
+    assert "are `colwise` and `rowwise` swapped?" in text, text
+    # the right way round: no such hint (the step runs through)
+    path.write_text(SWAPPED.replace(": rowwise", ": ROW").replace(": colwise", ": rowwise").replace("ROW", "colwise"))
+    assert_clean_and_stepped(*lint(capsys, monkeypatch, path, "examples/llama.py", 4))

@@ -101,9 +101,10 @@ def _parallelize(plan: ir.Plan, resolution: Resolution | None) -> list[p.Step]:
     Without a model, one call per rule on the modules it matches."""
     steps: list[p.Step] = []
     for b, block in enumerate(plan.parallelize):
-        if resolution is None:
+        if resolution is None:  # the same order as with a model: parallelize_module calls, then the others
             scope = str(block.scope) if block.scope is not None else None
-            steps += [_rule(r, p.Matching(str(r.target), scope), block.mesh) for r in block.rules]
+            calls = [_rule(r, p.Matching(str(r.target), scope), block.mesh) for r in block.rules]
+            steps += sorted(calls, key=_call_order)
             continue
         by_scope: dict[str, list] = defaultdict(list)
         calls: list[p.Step] = []
@@ -114,8 +115,15 @@ def _parallelize(plan: ir.Plan, resolution: Resolution | None) -> list[p.Step]:
             else:
                 calls.append(_rule(m.rule, m.fqn, block.mesh))
         steps += [p.Parallelize(scope, block.mesh, tuple(styles), block.span) for scope, styles in by_scope.items()]
-        steps += sorted(calls, key=lambda c: (type(c).__name__, c.origin.line, c.origin.col))
+        steps += sorted(calls, key=_call_order)
     return steps
+
+
+def _call_order(step: p.Step) -> tuple:
+    """parallelize_module calls first (in their rules' order), then distribute and user-style calls."""
+    if isinstance(step, p.Parallelize):
+        return (0, "", 0, 0)
+    return (1, type(step).__name__, step.origin.line, step.origin.col)
 
 
 def _rule(rule: ir.Rule, module: p.Module, mesh: ir.MeshRef) -> p.Step:

@@ -458,7 +458,9 @@ def _raised_in(ctx, watch: Watch, error: Exception, phase: str) -> Diagnostic:
             ("run `shardlang apply` with --debug for the full traceback",),
         )
     fqn = found[0]
-    detail = (*watch.inputs(fqn), *filter(None, [_takes(ctx, fqn)]))
+    given = watch.received.get(fqn, ())
+    swapped = raised.swapped_pair(ctx, fqn, found[1], given[0] if given else None)
+    detail = (*watch.inputs(fqn), *filter(None, [_takes(ctx, fqn), swapped]))
     place = raised.module_text(found) if phase == "forward" else f"module '{fqn or 'root'}', in its backward"
     return raised.in_module(
         ctx, found, f"the simulated training step raises in {place}: {what}", watch.finished, SL220, detail

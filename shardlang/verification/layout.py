@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from attrs import frozen
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from ..frontend import ir
 from ..frontend.desugar import borrowed_dims
@@ -117,19 +117,6 @@ def local_inputs(full: tuple, where: Layout, input_layout: Any) -> tuple:
 
 def tp_mesh(ctx, where: Layout):
     return ctx.applied.mesh(ir.MeshRef(where.mesh, where.tp_dims, None)) if where.tp_dims else None
-
-
-def full_output(ctx, where: Layout, output: Any, output_layout: Any) -> Any:
-    """The model's whole output on every TP rank: a DTensor (loss_parallel) stays one; a local slice
-    (`output=shard(D)`) is gathered, differentiably, so that each rank's gradient is its own slice; under
-    `context_parallel(output = local)` each rank's shard of the sequence is gathered as the model's own
-    hook would (runtime.context.whole_sequences)."""
-    cp = ctx.plan.context_parallel
-    if cp is not None and not cp.whole_output:
-        return sequences_whole(ctx, output, ctx.model)
-    if isinstance(output, DTensor) or not isinstance(output_layout, ir.Shard) or where.tp_size == 1:
-        return output
-    return DTensor.from_local(output, tp_mesh(ctx, where), [Shard(output_layout.dim)], run_check=False).full_tensor()
 
 
 def sequences_whole(ctx, output: Any, module) -> Any:
