@@ -447,7 +447,7 @@ def _raised_in(ctx, watch: Watch, error: Exception, phase: str) -> Diagnostic:
     found = raised.raising_module(ctx.model, error)
     if found is None and phase == "backward" and watch.backward:
         fqn = watch.backward[-1]
-        module = ctx.model.get_submodule(fqn) if fqn else ctx.model
+        module = ctx.model.get_submodule(fqn)
         found = (fqn, module, None)
     what = raised.summary(error)
     if found is None:
@@ -499,7 +499,7 @@ def _loss_diagnostic(ctx, watch: Watch, what: str) -> Diagnostic:
     )
     if fqn is None:
         return Diagnostic(SL221, f"the simulated training step: {what}", None, help)
-    module = ctx.model.get_submodule(fqn) if fqn else ctx.model
+    module = ctx.model.get_submodule(fqn)
     message = f"the simulated training step: {what} (the output of '{fqn}')"
     return raised.in_module(ctx, (fqn, module, None), message, watch.finished, SL221, help)
 
@@ -516,7 +516,7 @@ def _partial_gradients(ctx, watch: Watch) -> list[Diagnostic]:
     for fqn, pieces in watch.split.items():
         if _governed(ctx, fqn):
             continue  # its style decides what its parameters are and how their gradients are summed
-        module = ctx.model.get_submodule(fqn) if fqn else ctx.model
+        module = ctx.model.get_submodule(fqn)
         own = ", ".join(k for k, p in module._parameters.items() if p is not None and p.requires_grad)
         kinds.setdefault((type(module).__name__, own, pieces), []).append(fqn)
     found = []

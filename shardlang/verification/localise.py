@@ -445,7 +445,7 @@ def _difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _found(ctx, key: str, what: str, ratio: float | None) -> dict[str, Any]:
     fqn, _, call = key.rpartition("#") if "#" in key else (key, "", "1")
-    module = ctx.model.get_submodule(fqn) if fqn else ctx.model
+    module = ctx.model.get_submodule(fqn)
     return {
         "module": fqn or "root",
         "class": type(module).__name__.removeprefix("FSDP"),
