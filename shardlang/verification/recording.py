@@ -15,6 +15,7 @@ from collections import Counter
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from ..frontend.patterns import plain_name
 
@@ -153,14 +154,6 @@ def _made(recording: Recording):
 
 
 def _first_tensor(value) -> torch.Tensor | None:
-    """The first floating-point tensor of a module's output (a tensor, a tuple, a dict or a ModelOutput)."""
-    if isinstance(value, torch.Tensor):
-        return value if value.is_floating_point() else None
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (tuple, list)):
-        for item in value:
-            found = _first_tensor(item)
-            if found is not None:
-                return found
-    return None
+    """The first floating-point tensor of a module's output (a tensor, a tuple, a dict or a ModelOutput,
+    which transformers registers with torch's pytree)."""
+    return next((t for t in tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()), None)

@@ -23,6 +23,7 @@ import math
 import torch
 from attrs import frozen
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
 
 from ..runtime.gathering import whole
 from . import layout as lay
@@ -352,15 +353,8 @@ def _round_grad(dtype):
 
 
 def _cast(value, dtype):
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.to(dtype)
-    if isinstance(value, tuple):
-        return tuple(_cast(v, dtype) for v in value)
-    if isinstance(value, list):
-        return [_cast(v, dtype) for v in value]
-    if isinstance(value, dict):
-        return {k: _cast(v, dtype) for k, v in value.items()}
-    return value
+    """Every floating-point tensor in `value` (inside tuples, lists, dicts: torch's pytree) as `dtype`."""
+    return tree_map(lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v, value)
 
 
 def _cast_hook(dtype):

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils._pytree import tree_leaves
 
 from ...frontend import ir
 from ...frontend.diagnostics import SL223, Diagnostic
@@ -125,13 +126,8 @@ def _tail(value: Any, length: int, start: int) -> Any:
 def _sequence_tensor(value: Any, length: int) -> torch.Tensor | None:
     """The first floating-point tensor of a module's output (a tensor, a tuple, a dict or a ModelOutput)
     whose dim 1 is `length` long."""
-    if isinstance(value, torch.Tensor):
-        return value if value.is_floating_point() and _is_sequence(value, length) else None
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (tuple, list)):
-        return next((t for t in (_sequence_tensor(v, length) for v in value) if t is not None), None)
-    return None
+    found = (t for t in tree_leaves(value) if _is_sequence(t, length) and t.is_floating_point())
+    return next(found, None)
 
 
 def _differs(expected: torch.Tensor, got: torch.Tensor) -> bool:
