@@ -78,28 +78,29 @@ class Dispatched:
 
 
 def routing_choices(routing, experts: int):
-    """The (token, choice) pairs of a forward's routing: each pair's expert [tokens, k] and whether it goes
-    to one. `routing` is the experts' numbers [tokens, k] (transformers' top_k_index; one out of range, as a
-    padding expert, goes to none) or a one-hot mask [tokens, k, experts] (SwitchTransformers': a token over
-    an expert's capacity has a row of zeros and goes to none)."""
+    """Each (token, choice) pair's expert [tokens, k], `experts` where it goes to none. `routing` is the
+    experts' numbers [tokens, k] (transformers' top_k_index; one out of range, as its padding expert
+    `experts`, goes to none) or a one-hot mask [tokens, k, experts] (SwitchTransformers': a token over an
+    expert's capacity has a row of zeros and goes to none)."""
+    import torch
 
     if routing.dim() == 3 and routing.shape[-1] == experts:
-        return routing.argmax(-1), routing.sum(-1) > 0
-    return routing, (routing >= 0) & (routing < experts)
+        return torch.where(routing.sum(-1) > 0, routing.argmax(-1), experts)
+    return torch.where(routing < 0, experts, routing.clamp(max=experts))
 
 
 def pairs_by_expert(hidden_states, routing, routing_weights, experts: int) -> Pairs:
     """The (token, choice) pairs of `routing` (as routing_choices reads it) grouped by expert, stably (each
-    expert's pairs in token order), those going to no expert last."""
+    expert's pairs in token order), those going to no expert last. The pairs are the [tokens, k] routing
+    flattened, so a pair's token is its index // k."""
     import torch
 
-    index, goes = routing_choices(routing, experts)
-    tokens, k = index.shape
-    chosen = torch.where(goes, index, experts).reshape(-1)
+    chosen = routing_choices(routing, experts)
+    k = chosen.shape[1]
+    chosen = chosen.reshape(-1)
     order = torch.argsort(chosen, stable=True)
-    token_of = torch.arange(tokens, device=hidden_states.device).repeat_interleave(k)[order]
     counts = None if is_fake(hidden_states) else torch.bincount(chosen, minlength=experts + 1)[:experts]
-    return Pairs(order, token_of, counts, routing_weights, hidden_states)
+    return Pairs(order, order // k, counts, routing_weights, hidden_states)
 
 
 def dispatch(rows, counts, ranks: ExpertRanks, pairs: Pairs | None = None):
