@@ -267,7 +267,8 @@ def test_the_printed_program_splits_attends_and_gathers_as_apply_does(pools, bal
 )
 def test_the_printed_program_pastes_what_its_context_parallel_line_reaches(balancer, pasted, not_pasted):
     """The step names its roots (context_parallel, context_shard, the plan's layout); emit.python's walk
-    pastes every class and function they reach, each once, and nothing of another layout."""
+    pastes what they reach, each once, and nothing of another layout: every shardlang function or class
+    a pasted one calls is defined in the program (as test_apply's pasted-helper test asks of the table's)."""
     import re
 
     import shardlang
@@ -278,19 +279,44 @@ def test_the_printed_program_pastes_what_its_context_parallel_line_reaches(balan
     assert f"context_parallel(model, ('layers.*.attention',), world['cp'], {pasted})" in code
     assert f"class {pasted}(SequenceLayout):" in code and f"class {not_pasted}(" not in code
     defined = re.findall(r"^(?:def|class) (\w+)", code, flags=re.M)
-    for module in (context, context_attention, context_layout):
-        for name in (
-            "context_parallel",
-            "ContextAttention",
-            "GatheredKeys",
-            "ScatteredGradients",
-            "Block",
-            "along_sequence",
-        ):
-            if hasattr(module, name) and getattr(module, name).__module__ == module.__name__:
-                assert defined.count(name) == 1, name
-    assert "sequence_layout" not in defined and "LAYOUTS" not in code  # the runtime's lookup by name stays behind
-    compile(code, "printed.py", "exec")
+    ours = {
+        name
+        for module in (context, context_attention, context_layout)
+        for name, obj in vars(module).items()
+        if getattr(obj, "__module__", None) == module.__name__
+    }
+    assert {"context_parallel", "context_shard", "ContextAttention", "GatheredKeys", "Block"} <= set(defined)
+    assert all(defined.count(name) == 1 for name in defined if name in ours)
+    assert "LAYOUTS" not in code and "sequence_layout" not in defined  # the runtime's lookup by name stays behind
+
+    namespace: dict = {}
+    exec(compile(code, "printed.py", "exec", dont_inherit=True), namespace)
+    for name in set(defined) & ours:
+        lacking = {n for c in _code_objects(namespace[name]) for n in _names_loaded(c) if n in ours} - set(namespace)
+        assert not lacking, (name, lacking)
+
+
+def _code_objects(obj) -> list:
+    """A function's code, or a class's: its methods', static methods' and properties'."""
+    import types
+
+    if not isinstance(obj, type):
+        return [obj.__code__]
+    members = vars(obj).values()
+    functions = [
+        m.__func__ if isinstance(m, staticmethod) else m.fget if isinstance(m, property) else m for m in members
+    ]
+    return [f.__code__ for f in functions if isinstance(f, types.FunctionType)]
+
+
+def _names_loaded(code) -> set[str]:
+    import types
+
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names_loaded(const)
+    return names
 
 
 @pytest.mark.distributed
