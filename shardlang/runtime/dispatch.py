@@ -86,7 +86,8 @@ def routing_choices(routing, experts: int):
 
     if routing.dim() == 3 and routing.shape[-1] == experts:
         return torch.where(routing.sum(-1) > 0, routing.argmax(-1), experts)
-    return torch.where(routing < 0, experts, routing.clamp(max=experts))
+    chosen = routing.clamp(max=experts)
+    return chosen.masked_fill_(chosen < 0, experts)
 
 
 def pairs_by_expert(hidden_states, routing, routing_weights, experts: int) -> Pairs:
@@ -114,7 +115,8 @@ def dispatch(rows, counts, ranks: ExpertRanks, pairs: Pairs | None = None):
     )
     if pairs is not None:
         sent = sum(send_sizes)
-        pairs = Pairs(pairs.order[:sent], pairs.token_of[:sent], pairs.counts, pairs.weights, pairs.hidden_states)
+        if sent < pairs_count:  # some pairs go to no expert: they are last
+            pairs = Pairs(pairs.order[:sent], pairs.token_of[:sent], pairs.counts, pairs.weights, pairs.hidden_states)
         rows = rows[pairs.token_of]
     arrived = all_to_all_autograd(rows, receive_sizes, send_sizes, ranks.group)
     return arrived, Dispatched(ranks, send_sizes, receive_sizes, received, received_counts, pairs)
@@ -164,7 +166,7 @@ def local_experts(dispatched: Dispatched):
     import torch
 
     ranks, counts = dispatched.ranks, dispatched.received_counts
-    expert_of = torch.arange(ranks.per_rank, device=counts.device).repeat(ranks.size)
+    expert_of = torch.arange(ranks.size * ranks.per_rank, device=counts.device) % ranks.per_rank
     return expert_of.repeat_interleave(counts, output_size=sum(dispatched.receive_sizes))
 
 
