@@ -72,6 +72,14 @@ EXPERTS = (
     (2, ("num_experts_per_tok", "moe_k", "moe_topk", "top_k", "num_selected_experts")),
     (32, ("moe_intermediate_size", "expert_intermediate_size", "moe_ffn_hidden_size")),
 )
+#: Multi-head latent attention's ranks and head dims (examples/families/deepseek_v3.py), grouped routing
+#: over 4 experts, a rotary dim within head_dim 16.
+LATENT = (
+    (16, ("kv_lora_rank", "v_head_dim", "rotary_dim")),
+    (32, ("q_lora_rank",)),
+    (8, ("qk_rope_head_dim", "qk_nope_head_dim")),
+    (1, ("n_group", "topk_group")),
+)
 SPECIAL_IDS = (
     "bos_token_id",
     "eos_token_id",
@@ -84,7 +92,31 @@ SPECIAL_IDS = (
 )
 
 #: Per-family overrides where the generic shrink builds nothing that runs (config keyword -> value).
-OVERRIDES: dict[str, dict] = {}
+#: Families whose code reads a padding id (RoBERTa's positions from `input_ids.ne(padding_idx)`, a
+#: seq2seq shift right) get pad 1, decoder start 2 (BART's).
+NEEDS_IDS = dict(pad_token_id=1, decoder_start_token_id=2)
+OVERRIDES: dict[str, dict] = {
+    name: NEEDS_IDS
+    for name in (
+        "camembert",
+        "data2vec-text",
+        "esm",
+        "ibert",
+        "longformer",
+        "m2m_100",
+        "nllb-moe",
+        "roberta",
+        "roberta-prelayernorm",
+        "xlm-roberta",
+        "xlm-roberta-xl",
+        "seamless_m4t",
+        "seamless_m4t_v2",
+        "led",
+        "prophetnet",
+        "fsmt",
+        "t5gemma",
+    )
+}
 
 #: Families not built, and why (remote code, extra packages, not a language model one can shrink).
 NOT_BUILT: dict[str, str] = {}
@@ -135,16 +167,37 @@ def shrunk(config_class) -> dict:
     """The generic shrink's keywords this config class takes; attribute_map aliases followed."""
     takes, aliases = accepted(config_class), getattr(config_class, "attribute_map", {}) or {}
     kwargs = {}
-    for value, names in (*SHRINK, *EXPERTS):
+    for value, names in (*SHRINK, *EXPERTS, *LATENT):
         for name in names:
-            real = aliases.get(name, name)
+            real = name if name in takes else aliases.get(name, name)  # the constructor's own name first
             if real in takes:
                 kwargs[real] = value
-    kwargs.update({name: None for name in SPECIAL_IDS if name in takes})
+    kwargs.update(special_ids(config_class))
+    kwargs.update({name: 0.0 for name in random_knobs(config_class)})
     for name in ("tie_word_embeddings", "use_cache"):
         if name in takes:
             kwargs[name] = False
     return kwargs
+
+
+def special_ids(config_class) -> dict:
+    """No special token ids (defaults such as 50256 lie outside vocab 128; these models only see random
+    ids); 0 where the config's type takes no None."""
+    parameters = inspect.signature(config_class.__init__).parameters
+    return {
+        name: None if "None" in str(parameters[name].annotation) else 0 for name in SPECIAL_IDS if name in parameters
+    }
+
+
+def random_knobs(config_class) -> list[str]:
+    """Dropout probabilities and router jitter, numbers a config takes: zero, so that one training step of
+    the sharded model and of the reference are the same computation (random masks differ by rank)."""
+    parameters = inspect.signature(config_class.__init__).parameters.values()
+    return [
+        p.name
+        for p in parameters
+        if ("dropout" in p.name or p.name.endswith("pdrop") or "jitter" in p.name) and type(p.default) in (int, float)
+    ]
 
 
 def config_of(fam: Family):
@@ -158,11 +211,19 @@ def config_of(fam: Family):
     for key in subs:  # a text, vision or audio config: its default's class (sub_configs may say AutoConfig)
         sub = getattr(default, key, None)
         if isinstance(sub, transformers.PretrainedConfig):
-            kwargs[key] = {**sub.to_dict(), **shrunk(type(sub))}
-    kwargs.update(OVERRIDES.get(fam.name, {}))
+            kwargs[key] = {**per_model(sub.to_dict()), **shrunk(type(sub))}
+    takes = accepted(config_class)
+    kwargs.update({k: v for k, v in OVERRIDES.get(fam.name, {}).items() if k in takes})
     config = config_class(**kwargs)
     config._attn_implementation = "sdpa" if _has_sdpa(fam) else "eager"
     return config
+
+
+def per_model(values: dict) -> dict:
+    """A default sub-config's values less its per-layer lists (layer_types ...), which the shrunk layer
+    count recomputes."""
+    layers = values.get("num_hidden_layers")
+    return {k: v for k, v in values.items() if not (isinstance(v, list) and layers and len(v) == layers)}
 
 
 def _has_sdpa(fam: Family) -> bool:
@@ -415,7 +476,7 @@ def failure_class(record: dict, agreement: str) -> str | None:
     if applied["verdict"] == "pass" and agreement == "agree":
         return None
     if lint["verdict"] == "errors" or lint["verdict"] == "crash":
-        code = lint.get("codes", ["crash"])[0]
+        code = (lint.get("codes") or ["crash"])[0]
         return f"lint {code}: {normalised(lint['said'])}"
     failed = next((c for c, status in applied.get("checks", {}).items() if status == "fail"), None)
     code = (applied.get("codes") or [failed or applied["verdict"]])[0]
@@ -425,7 +486,7 @@ def failure_class(record: dict, agreement: str) -> str | None:
 def normalised(message: str) -> str:
     """A message with its names and numbers blanked, so that one failure on many families reads alike."""
     message = re.sub(r"'[^']*'|`[^`]*`|\"[^\"]*\"", "'_'", message)
-    message = re.sub(r"\b[\w]+(\.[\w*]+)+\b", "_._", message)
+    message = re.sub(r"\b[A-Za-z_]\w*(\.[\w*]+)+", "_._", message)
     message = re.sub(r"\d+(\.\d+)?(e-?\d+)?", "N", message)
     return message[:110]
 

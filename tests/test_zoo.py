@@ -1,0 +1,84 @@
+"""The zoo (issue 41, benchmarks/zoo.py): the sweep finds the families transformers maps, the generic shrink
+builds them tiny, and a (family, mode) is judged as the issue counts it: lint against apply, false alarm,
+miss, crash. Fast lane: no process is started (the sweep itself is `python benchmarks/zoo.py`). Skipped
+without transformers: pip install -e '.[hf]'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from benchmarks import zoo  # noqa: E402
+
+
+def test_the_enumeration_finds_every_kind_of_family():
+    found = zoo.families()
+    kinds = {kind: {f.name for f in found if f.kind == kind} for kind in zoo.KINDS}
+    assert len(found) >= 150
+    assert {"llama", "qwen3_moe", "jamba"} <= kinds["causal"]
+    assert {"bart", "t5"} <= kinds["seq2seq"]  # bart is also a causal and a masked LM: taken as seq2seq
+    assert {"bert", "modernbert"} <= kinds["masked"]
+    assert len({f.name for f in found}) == len(found)
+
+
+@pytest.mark.parametrize("name", ["llama", "bart", "bert", "qwen3_moe"])
+def test_the_shrink_builds_a_tiny_model(name):
+    family = zoo.family(name)
+    with torch.device("meta"):
+        model = zoo.build(family)
+    config = model.config
+    assert sum(p.numel() for p in model.parameters()) < 1_000_000
+    assert (config.vocab_size, config.hidden_size) == (zoo.VOCAB, 64)
+    assert config.num_hidden_layers == 2 and config.num_attention_heads == 4
+    assert config.pad_token_id is None
+    if name == "qwen3_moe":
+        assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (4, 2, 32)
+        assert zoo.is_moe(family) and zoo.applies(family, "ep")
+    else:
+        assert not zoo.applies(family, "ep")
+
+
+def test_a_seq2seq_model_reads_the_same_tokens_in_its_decoder():
+    torch.manual_seed(0)
+    model = zoo.build(zoo.family("bart"))
+    inputs = zoo.example_input(2, torch.Generator().manual_seed(0))
+    given = model(inputs, decoder_input_ids=inputs).logits
+    assert torch.equal(model(inputs).logits, given)
+    assert given.shape == (2, zoo.SEQ, zoo.VOCAB)
+
+
+def _record(lint: str, applied: str, crash: bool = False) -> dict:
+    return {
+        "built": True,
+        "crash": crash,
+        "lint": {"verdict": lint, "codes": ["SL220"] if lint == "errors" else [], "said": "raised in 'a.b' at 3"}
+        if lint != "crash"
+        else {"verdict": "crash", "said": "Traceback"},
+        "apply": {"verdict": applied, "checks": {"gradients": applied}, "codes": [], "said": "gradients: 2.5x"},
+    }
+
+
+@pytest.mark.parametrize(
+    "lint, applied, crash, outcome, agreement",
+    [
+        ("clean", "pass", False, "pass", "agree"),
+        ("errors", "pass", False, "pass", "false alarm"),
+        ("clean", "fail", False, "fail", "miss"),
+        ("errors", "fail", False, "fail", "agree"),
+        ("clean", "crash", True, "crash", "miss"),
+        ("crash", "pass", True, "crash", "lint crash"),
+    ],
+)
+def test_a_record_is_judged_as_the_issue_counts_it(lint, applied, crash, outcome, agreement):
+    judged = zoo.judged(_record(lint, applied, crash))
+    assert (judged["outcome"], judged["agreement"]) == (outcome, agreement)
+    assert (judged["class"] is None) == (outcome == "pass" and agreement == "agree")
+
+
+def test_a_class_names_the_first_code_with_names_and_numbers_blanked():
+    assert zoo.judged(_record("errors", "pass"))["class"] == "lint SL220: raised in '_' at N"
+    assert zoo.judged(_record("clean", "fail"))["class"] == "apply gradients: gradients: Nx"
+    assert zoo.normalised("model.layers.0.mlp.act_fn.alpha_p: off by 0.203") == "_._: off by N"
+    assert zoo.judged({"built": "TypeError: no"})["outcome"] == "not built"
