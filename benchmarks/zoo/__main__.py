@@ -1,0 +1,173 @@
+"""The sweep: every selected family and mode not yet in the results file, one at a time, each command in its
+own process; and the table of the results. `python -m benchmarks.zoo --help`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.zoo.build import MODEL_FILE, ROOT, Family, applies, families, probe
+from benchmarks.zoo.verdicts import apply_verdict, init_verdict, judged, lint_verdict, normalised, shardlang
+
+CACHE = ROOT / "benchmarks" / ".zoo"
+RESULTS = ROOT / "benchmarks" / "zoo_results.jsonl"
+
+#: The sweep's modes: init's flags, and which families they apply to (see `applies`).
+MODES = {"plain": (), "tp": ("--tp", "2"), "ep": ("--ep", "2"), "cp": ("--cp", "2")}
+
+
+def run(fam: Family, mode: str, timeout: float) -> dict:
+    """init, lint and apply of one family's starter plan in one mode, each in its own process."""
+    CACHE.mkdir(parents=True, exist_ok=True)
+    (CACHE / ".gitignore").write_text("*\n")  # generated files, never committed
+    model = CACHE / f"{fam.name.replace('-', '_')}.py"
+    model.write_text(MODEL_FILE.format(model_class=fam.model_class, name=fam.name), encoding="utf-8")
+    plan = CACHE / f"{model.stem}.{mode}.sl"
+    plan.unlink(missing_ok=True)
+    ran = shardlang(["init", str(model), *MODES[mode], "--no-check", "-o", str(plan)], timeout)
+    record = {"init": init_verdict(ran)}
+    if not plan.exists():
+        record["crash"] = ran.crashed or ran.exit == 2
+        record["tail"] = ran.tail()
+        return record
+    world = str(record["init"]["world"] or (2 if mode == "plain" else 4))
+    ran_lint = shardlang(["lint", str(plan), str(model), "--world", world, "--format", "json"], timeout)
+    ran_apply = shardlang(
+        ["apply", str(plan), str(model), "--nproc", world, "--json", "--timeout", str(int(timeout))], timeout + 30
+    )
+    record |= {"world": int(world), "lint": lint_verdict(ran_lint), "apply": apply_verdict(ran_apply)}
+    record["crash"] = any(r.crashed for r in (ran, ran_lint, ran_apply))
+    if record["crash"] or record["apply"]["verdict"] != "pass":
+        record["tail"] = next((r.tail() for r in (ran, ran_lint, ran_apply) if r.crashed), ran_apply.tail())
+    return record
+
+
+def done_keys(path: Path) -> set[tuple[str, str]]:
+    if not path.exists():
+        return set()
+    return {(r["family"], r["mode"]) for r in map(json.loads, path.read_text().splitlines()) if r}
+
+
+def selected(args: argparse.Namespace) -> list[Family]:
+    found = [f for f in families() if not args.only or f.name in args.only]
+    index, count = map(int, args.shard.split("/"))
+    return found[index::count]
+
+
+def sweep(args: argparse.Namespace) -> None:
+    """Each selected family not yet in the results file, one (family, mode) at a time, a line each."""
+    done, chosen = done_keys(args.results), selected(args)
+    for number, fam in enumerate(chosen, 1):
+        todo = [m for m in args.mode if (fam.name, m) not in done]
+        if not todo:
+            continue
+        start = time.perf_counter()
+        why = probe(fam)
+        for mode in todo:
+            record = {"family": fam.name, "kind": fam.kind, "model_class": fam.model_class, "mode": mode}
+            if why is not None:
+                record |= {"built": why}
+            elif not applies(fam, mode):
+                continue
+            else:
+                record |= {"built": True, **run(fam, mode, args.timeout)}
+            record |= judged(record) | {"seconds": round(time.perf_counter() - start, 1)}
+            with args.results.open("a", encoding="utf-8") as out:
+                out.write(json.dumps(record) + "\n")
+            said = record["class"] or record.get("built") if record["outcome"] != "pass" else ""
+            print(
+                f"[{number}/{len(chosen)}] {fam.name} {mode}: {record['outcome']} ({record['agreement']}, "
+                f"{record['seconds']:.0f} s) {said or ''}",
+                flush=True,
+            )
+            start = time.perf_counter()
+
+
+def table(path: Path) -> str:
+    """The summary: outcomes and lint-vs-apply by mode, then the failures grouped by class with examples."""
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = [r | judged(r) for r in records]  # classes as this version of the sweep names them
+    lines = [
+        f"{len({r['family'] for r in records})} families tried, "
+        f"{len({r['family'] for r in records if r.get('built') is True})} built",
+        "",
+    ]
+    lines += [
+        "| mode | tried | built | pass | fail | crash | lint agrees | false alarm | miss | lint crash |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for mode in MODES:
+        rows = [r for r in records if r["mode"] == mode]
+        if rows:
+            count = _counter(rows)
+            built = sum(r.get("built") is True for r in rows)
+            lines.append(
+                f"| {mode} | {len(rows)} | {built} | {count('outcome', 'pass')} | {count('outcome', 'fail')} "
+                f"| {count('outcome', 'crash')} | {count('agreement', 'agree')} | "
+                f"{count('agreement', 'false alarm')} | {count('agreement', 'miss')} | "
+                f"{count('agreement', 'lint crash')} |"
+            )
+    lines += ["", "| class | mode | outcome / lint vs apply | families |", "|---|---|---|---|"]
+    classes: dict[tuple, list[str]] = {}
+    for r in records:
+        if r.get("class"):
+            classes.setdefault((r["class"], r["mode"], f"{r['outcome']} / {r['agreement']}"), []).append(r["family"])
+    for (name, mode, outcome), fams in sorted(classes.items(), key=lambda item: -len(item[1])):
+        shown = ", ".join(fams[:4]) + (f" (+{len(fams) - 4})" if len(fams) > 4 else "")
+        lines.append(f"| {name.replace('|', '/')} | {mode} | {outcome} | {len(fams)}: {shown} |")
+    unbuilt = {}
+    for r in records:
+        if r.get("built") is not True:
+            unbuilt.setdefault(normalised(r["built"])[:80], []).append(r["family"])
+    lines += ["", "| not built: why | families |", "|---|---|"]
+    for why, fams in sorted(unbuilt.items(), key=lambda item: -len(item[1])):
+        lines.append(
+            f"| {why.replace('|', '/')} | {len(fams)}: {', '.join(fams[:4])}{' ...' if len(fams) > 4 else ''} |"
+        )
+    return "\n".join(lines)
+
+
+def built(args: argparse.Namespace) -> None:
+    """Only the build and the unsharded step of every selected family (no shardlang command): which build,
+    and why the others do not, grouped."""
+    why: dict[str, list[str]] = {}
+    for fam in selected(args):
+        why.setdefault(normalised(probe(fam) or "built")[:80], []).append(fam.name)
+    print(f"{len(why.get('built', []))} of {sum(map(len, why.values()))} families built")
+    for reason, fams in sorted(why.items(), key=lambda item: -len(item[1])):
+        if reason != "built":
+            print(f"{len(fams):4d} {reason}: {', '.join(fams)}")
+
+
+def _counter(rows: list[dict]):
+    """How many of `rows` have `key` equal to `value`."""
+    return lambda key, value: sum(r[key] == value for r in rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="The zoo (issue 41): every transformers family, swept")
+    parser.add_argument("--mode", nargs="*", choices=tuple(MODES), default=["plain"])
+    parser.add_argument("--only", nargs="*", help="families (model_type names) to run")
+    parser.add_argument("--shard", default="0/1", help="I/N: every Nth family from the Ith (0-based)")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds per command")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--table", action="store_true", help="print the summary of the results file and exit")
+    parser.add_argument("--built", action="store_true", help="only build each family and run its unsharded step")
+    args = parser.parse_args()
+    if args.table:
+        print(table(args.results))
+        return
+    sys.path.insert(0, str(ROOT))
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    built(args) if args.built else sweep(args)
+
+
+if __name__ == "__main__":
+    main()
