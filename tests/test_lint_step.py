@@ -259,3 +259,17 @@ def test_rowwise_and_colwise_swapped_are_named_as_such(capsys, monkeypatch, tmp_
     # the right way round: no such hint (the step runs through)
     path.write_text(SWAPPED.replace(": rowwise", ": ROW").replace(": colwise", ": rowwise").replace("ROW", "colwise"))
     assert_clean_and_stepped(*lint(capsys, monkeypatch, path, "examples/llama.py", 4))
+
+
+@pytest.mark.distributed
+def test_lint_after_an_explain_in_the_same_process_finds_what_it_finds_alone(capsys, monkeypatch):
+    """DTensor caches how ops shard by the meshes' values and hands back the cached meshes: after an explain
+    in this process, lint's step resolved the explain's (destroyed) process groups and raised SL220 in the
+    first module ("Could not resolve the process group registered under the name 3"), where alone it finds
+    the fixture's SL222. A simulated world starts with those caches cleared."""
+    fixture = "tests/fixtures/lint/sl222_cp_norm_on_sequence_shards.sl"
+    monkeypatch.chdir(ROOT)
+    assert main(["explain", "plans/llama_2d.sl", "examples/llama.py", "--world", "4"]) == 0
+    capsys.readouterr()
+    status, text = lint(capsys, monkeypatch, fixture, "examples/llama.py", 4)
+    assert status == 1 and [(code, line) for code, line, _ in errors(text)] == [("SL222", 35)], text

@@ -33,7 +33,7 @@ from ..compiler.predict import PLAIN, Observed, Placed, unknown
 from ..frontend import ir
 from .lifetime import die_with, kill_and_reap
 from .steps import STEPS, Running
-from .torchcompat import strided_shard_class
+from .torchcompat import clear_sharding_caches, strided_shard_class
 
 #: How long the forked child may take to run every `use` style of a plan before its predictions are given up.
 TIMEOUT_S = 120.0
@@ -46,6 +46,10 @@ def simulated_world(world_size: int, rank: int) -> Iterator[None]:
 
     if dist.is_initialized():
         raise RuntimeError("a simulated world needs a process without a process group (see observe_steps)")
+    # DTensor caches how ops shard by their meshes' values, and hands back the meshes it cached: one of an
+    # earlier world (an explain run before in this process, or in the parent of a forked child) names a
+    # process group this world has not ("Could not resolve the process group registered under the name 3").
+    clear_sharding_caches()
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
         yield

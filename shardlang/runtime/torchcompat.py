@@ -163,3 +163,12 @@ def is_fake(tensor) -> bool:
     from torch._subclasses.fake_tensor import is_fake as fake
 
     return tensor.device.type == "meta" or fake(tensor)
+
+
+def clear_sharding_caches() -> None:
+    """Forget DTensor's sharding propagation caches (Python's and the C++ fast path's): their entries hold
+    the meshes, and so the process groups, of the world they were filled in."""
+    from torch.distributed.tensor import debug
+
+    clear = getattr(debug, "_clear_sharding_prop_cache", None) or debug._clear_python_sharding_prop_cache
+    clear()
