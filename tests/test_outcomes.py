@@ -55,8 +55,10 @@ def test_fsdp_view_warnings_of_every_unit_are_one_line_naming_their_classes():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for classes in ("LlamaDecoderLayer", "LlamaModel", "LlamaDecoderLayer", "Embedding, Linear"):
-            warnings.warn(f"FSDP2-wrapped module ({classes}) returned a view tensor. Use .clone().", UserWarning)
-        warnings.warn("something else", UserWarning)
+            warnings.warn(
+                f"FSDP2-wrapped module ({classes}) returned a view tensor. Use .clone().", UserWarning, stacklevel=1
+            )
+        warnings.warn("something else", UserWarning, stacklevel=1)
     view, other = _unique(caught)
     assert "FSDP2-wrapped modules returned a view tensor. Use .clone()." in view, view
     assert view.endswith("[units of Embedding, Linear, LlamaDecoderLayer, LlamaModel] [4x over all ranks]"), view
