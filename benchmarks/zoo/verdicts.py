@@ -124,7 +124,11 @@ def judged(record: dict) -> dict:
         agreement = "agree" if applied["verdict"] == "pass" else "miss"
     else:
         agreement = "false alarm" if applied["verdict"] == "pass" else "agree"
-    return {"outcome": outcome, "agreement": agreement, "class": failure_class(record, agreement)}
+    named = failure_class(record, agreement)
+    if outcome == "crash" and named is None:  # every verdict given, yet a command hung or died after it
+        last = (record.get("tail") or "").strip().splitlines()[-1:]
+        named = f"crash after the verdicts: {normalised(last[0] if last else '')}"
+    return {"outcome": outcome, "agreement": agreement, "class": named}
 
 
 def failure_class(record: dict, agreement: str) -> str | None:
