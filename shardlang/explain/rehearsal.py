@@ -479,13 +479,10 @@ def _shard_of(output: Any, expected: Any) -> str | None:
 
 
 def _first(value: Any) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, dict) or hasattr(value, "values"):
-        value = list(value.values())
-    if isinstance(value, (tuple, list)):
-        return next((v for v in map(_first, value) if v is not None), None)
-    return None
+    """The first tensor of an output (a tensor, or one inside tuples, lists, dicts, a ModelOutput)."""
+    from torch.utils._pytree import tree_leaves
+
+    return next((leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)), None)
 
 
 def _loss_diagnostic(ctx, watch: Watch, what: str) -> Diagnostic:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from . import layout as lay
 from .outcome import FAIL, PASS, REPORTED, SKIPPED, Outcome
@@ -130,8 +131,7 @@ def _group(args) -> str:
 
 
 def _bytes(name: str, args) -> int:
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    tensors += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
+    tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
     largest = max((t.numel() * t.element_size() for t in tensors), default=0)
     if name == "all_gather_into_tensor":  # functional all-gather: only the local input is an argument
         largest *= dist.get_world_size(dist.distributed_c10d._resolve_process_group(_group(args)))
