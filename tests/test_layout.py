@@ -12,6 +12,7 @@ shardlang.x) are not counted: every module would depend on the package root othe
 from __future__ import annotations
 
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,12 @@ def _name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    """A module's syntax tree, parsed once for every test here (each walks every module)."""
+    return ast.parse(path.read_text(encoding="utf-8"))
+
+
 def _modules() -> dict[str, Path]:
     return {_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
@@ -72,7 +79,7 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """Every module `name` imports (its own package's modules, and outside ones by their full name)."""
     package = _package(name, path)
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
@@ -82,6 +89,7 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     return found
 
 
+@functools.cache
 def _graph() -> dict[str, set[str]]:
     modules = _modules()
     return {name: _imports(name, path, modules) for name, path in modules.items()}
@@ -188,7 +196,7 @@ def test_front_end_and_compiler_need_no_process_group(stage):
 
 def test_every_package_and_module_says_its_job():
     """Each file opens with a docstring whose first line is one sentence."""
-    missing = [name for name, path in _modules().items() if not ast.get_docstring(ast.parse(path.read_text()))]
+    missing = [name for name, path in _modules().items() if not ast.get_docstring(_tree(path))]
     assert not missing, missing
 
 
@@ -243,7 +251,7 @@ def _private_uses(name: str, path: Path, modules: dict[str, Path]) -> list[str]:
     """Another shardlang module's private (`_x`) names that `name` imports or reads as `module._x`."""
     package = _package(name, path)
     found, aliases = [], {}
-    tree = ast.parse(path.read_text(encoding="utf-8"))
+    tree = _tree(path)
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             target = _from_target(node, package)
@@ -274,7 +282,7 @@ def test_every_import_of_the_package_names_a_module_that_exists():
     missing = []
     for name, path in modules.items():
         package = _package(name, path)
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        for node in ast.walk(_tree(path)):
             if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("shardlang")):
                 target = _from_target(node, package)
                 if target not in modules:
