@@ -112,13 +112,11 @@ class Step:
     def whole(self, output: Any) -> Any:
         """The output as the loss takes it (see the module docstring): a local slice (`output = shard(D)`)
         is gathered differentiably, so that each rank's gradient is its own slice."""
-        cp = self.plan.context_parallel
-        if cp is not None and not cp.whole_output:
-            if self.loss_on_shards:
-                self._note("whole: each rank's shard of the sequence")
-                return output
-            self._note("whole: sequences gathered over cp")
-            return lay.sequences_whole(self.ctx, output, self.ctx.model)
+        if self._local_sequences() and self.loss_on_shards:
+            self._note("whole: each rank's shard of the sequence")
+            return output
+        if self._local_sequences():
+            return self._sequences_whole(output, self.ctx.model)
         if isinstance(output, DTensor):
             self._note("whole: a DTensor, as it is")
             return output
@@ -131,8 +129,7 @@ class Step:
 
     def loss(self, whole: Any, full: tuple) -> torch.Tensor:
         against = full
-        cp = self.plan.context_parallel
-        if self.loss_on_shards and cp is not None and not cp.whole_output:
+        if self.loss_on_shards and self._local_sequences():
             from ..runtime.context import along_sequence, context_shard
 
             against = along_sequence(full, lambda x: context_shard(self.ctx.model, x))[0]
@@ -160,10 +157,8 @@ class Step:
     def stage_loss(self, last: torch.nn.Module, output: Any, inputs: tuple) -> torch.Tensor:
         """A pipeline's last stage (`last`): the whole and loss phases on one microbatch's output (its
         model output rebuilt) and inputs."""
-        cp = self.plan.context_parallel
-        if cp is not None and not cp.whole_output:
-            self._note("whole: sequences gathered over cp")
-            output = lay.sequences_whole(self.ctx, output, last)
+        if self._local_sequences():
+            output = self._sequences_whole(output, last)
         else:
             self._note("whole: as returned")
         return self.loss(output, inputs)
@@ -184,6 +179,16 @@ class Step:
     def _loss_line(self) -> str:
         given = "the model file's loss" if self.ctx.model_file.loss is not None else "the sum of the output"
         return f"loss: {given}" + (" under loss_parallel" if self.plan.loss_parallel is not None else "")
+
+    def _local_sequences(self) -> bool:
+        """Whether the model returns each cp rank's shard of the sequence (`context_parallel(output = local)`)."""
+        cp = self.plan.context_parallel
+        return cp is not None and not cp.whole_output
+
+    def _sequences_whole(self, output: Any, module: torch.nn.Module) -> Any:
+        """`module`'s (the model's, or a pipeline's last stage's) sequence shards gathered whole."""
+        self._note("whole: sequences gathered over cp")
+        return lay.sequences_whole(self.ctx, output, module)
 
     def _note(self, line: str) -> None:
         if line not in self.ran:
