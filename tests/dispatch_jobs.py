@@ -9,7 +9,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from shardlang.runtime.experts import ExpertParallel
 
-from .expert_jobs import _differences, _experts, _routing
+from .expert_jobs import _experts, _routing, stepped_split_and_whole
 
 
 def idle_ranks_in_a_shared_batch(implementation: str, tokens: int) -> dict:
@@ -19,16 +19,8 @@ def idle_ranks_in_a_shared_batch(implementation: str, tokens: int) -> dict:
     rank's experts against the whole experts', with how many rows this rank's experts were given (from
     the whole experts' gradients: zero where none came) and whether its split experts have a gradient."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-    whole = _experts(implementation)
-    split = parallelize_module(_experts(implementation), mesh, ExpertParallel())
-    hidden, index, weights, upstream = _routing(tokens, 0, True)
-    out = split(hidden, index, weights)
-    (out * upstream).sum().backward()
-    h, i, w, u = _routing(tokens, 0, True)
-    o = whole(h, i, w)
-    (o * u).sum().backward()
-    errors = {**_differences((out, hidden, weights), (o, h, w)), "experts_grad": 0.0}
+    split, whole, errors = stepped_split_and_whole(implementation, tokens, True)
+    errors = {**errors, "experts_grad": 0.0}
     per_rank = 4 // world
     used, has_grad = False, True
     for name in ("gate_up_proj", "down_proj"):

@@ -90,20 +90,28 @@ def ep_without_weights_differs() -> float:
     return (unweighted - whole(hidden, index, weights)).abs().max().item()
 
 
+def stepped_split_and_whole(implementation: str, tokens: int, only_first_rank: bool):
+    """The experts split over the world as one ep dim and the whole experts, each stepped once (forward and
+    backward) on the same routing of `tokens` tokens (`_routing(tokens, 0, only_first_rank)`): (split, whole, the
+    differences of the output and of the tokens' and routing weights' gradients)."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    whole = _experts(implementation)
+    split = parallelize_module(_experts(implementation), mesh, ExpertParallel())
+    hidden, index, weights, upstream = _routing(tokens, 0, only_first_rank)
+    out = split(hidden, index, weights)
+    (out * upstream).sum().backward()
+    h, i, w, u = _routing(tokens, 0, only_first_rank)
+    o = whole(h, i, w)
+    (o * u).sum().backward()
+    return split, whole, _differences((out, hidden, weights), (o, h, w))
+
+
 def ep_shared_batch_matches_whole_experts(tokens: int) -> dict[str, float]:
     """Every rank holds the same `tokens` tokens (as tensor-parallel ranks do) and routes its slice of them:
     the output and every gradient equal the whole experts' on those tokens, with no token counted twice."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-    whole = _experts("eager")
-    split = parallelize_module(_experts("eager"), mesh, ExpertParallel())
-    hidden, index, weights, upstream = _routing(tokens, 0, False)
-    out = split(hidden, index, weights)
-    (out * upstream).sum().backward()
-    h, i, w, u = _routing(tokens, 0, False)
-    o = whole(h, i, w)
-    (o * u).sum().backward()
-    errors = _differences((out, hidden, weights), (o, h, w))
+    split, whole, errors = stepped_split_and_whole("eager", tokens, False)
     per_rank = 4 // world
     for name in ("gate_up_proj", "down_proj"):
         block = getattr(whole, name).grad[rank * per_rank : (rank + 1) * per_rank]
