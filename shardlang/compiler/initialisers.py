@@ -18,9 +18,11 @@ same questions here. Duck-typed: no torch import.
 from __future__ import annotations
 
 
-def initialiser(root, module, method=None):
+def initialiser(root, module, method=None, owner=None):
     """The call (no arguments) that initialises `module`'s own parameters, or None if nothing does.
-    `method`: the METHOD of `init meta with METHOD`; None for the model's own way."""
+    `method`: the METHOD of `init meta with METHOD`; None for the model's own way. `owner`: for a transformers
+    model, the innermost PreTrainedModel holding `module` (`owners`), whose `_init_weights` is the one
+    from_config ran on it (the root's, where not given)."""
     hugging_face = is_hugging_face(root)
     if method is not None:
         found = getattr(module, method, None)
@@ -28,10 +30,12 @@ def initialiser(root, module, method=None):
             return None
         return (lambda: as_built(module, found)) if hugging_face else found
     if hugging_face:
-        # A transformers PreTrainedModel: its _init_weights(module) initialises each module as
-        # from_config would (normal(0, initializer_range) for linears and embeddings, ones for norms,
-        # the rotary tables...).
-        return lambda: (forget_initialised([module]), root._init_weights(module))
+        # A transformers PreTrainedModel: the _init_weights(module) of the innermost PreTrainedModel holding
+        # the module initialises it as from_config did (normal(0, initializer_range) for linears and
+        # embeddings, ones for norms, the rotary tables...; a vision tower inside a multimodal model its
+        # own way).
+        found = owner if owner is not None else root
+        return lambda: (forget_initialised([module]), found._init_weights(module))
     # The per-module methods PyTorch modules initialise themselves with (nn.MultiheadAttention has only
     # the second).
     for name in ("reset_parameters", "_reset_parameters"):
@@ -46,7 +50,8 @@ def initialisation_calls(root, method=None):
     the call initialises the module's whole subtree (METHOD, once per outermost module defining it) or its
     own tensors (the model's own way, per module, children first)."""
     if method is None:
-        found = ((module, initialiser(root, module)) for module in children_first(root))
+        owned = owners(root)
+        found = ((module, initialiser(root, module, owner=owned.get(id(module)))) for module in children_first(root))
         return [(module, call, False) for module, call in found if call is not None]
     calls, seen = [], set()
 
@@ -101,6 +106,26 @@ def as_built(module, method) -> None:
 def is_hugging_face(root) -> bool:
     """A transformers PreTrainedModel (duck-typed: it has _init_weights and post_init)."""
     return callable(getattr(root, "_init_weights", None)) and callable(getattr(root, "post_init", None))
+
+
+def owners(root) -> dict[int, object]:
+    """For a transformers model, each module's (by id) innermost PreTrainedModel, itself included: whose
+    `_init_weights` initialises it, as transformers' `initialize_weights` dispatches it (a sub-model's own,
+    such as a SigLIP vision tower's inside a multimodal model). Empty for any other model."""
+    if not is_hugging_face(root):
+        return {}
+    found: dict[int, object] = {}
+
+    def visit(module, owner):
+        if id(module) in found:
+            return
+        owner = module if is_hugging_face(module) else owner
+        found[id(module)] = owner
+        for child in module.children():
+            visit(child, owner)
+
+    visit(root, root)
+    return found
 
 
 def children_first(model):

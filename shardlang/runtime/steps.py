@@ -420,6 +420,7 @@ STEPS: dict[type, StepType] = {
             initialisers.as_built,
             initialisers.is_hugging_face,
             initialisers.initialiser,
+            initialisers.owners,
             initialisers.children_first,
             initialisers.initialisation_calls,
             initialisers.calls_below,
