@@ -6,7 +6,7 @@ mixed precision, `init meta` and the default checks. The text is meant to be rea
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch.nn as nn
 
@@ -246,6 +246,7 @@ def init_plan(
     cp: int = 1,
     name: str = "the model",
     order: Order | None = None,
+    unwritten: Sequence[str] = (),
 ) -> str:
     """A commented starter plan for `model` (built on any device, meta included) at `tp`-way tensor
     parallelism (1: none), `dp`-way data parallelism (None: whatever the world leaves) and `ep`-way expert
@@ -254,7 +255,9 @@ def init_plan(
     styles has an equivalent), there is no tp dim, and a comment says why (SL217); likewise ep. `order`:
     the order the model's modules run in (compiler.trace), to keep FSDP units off stacks whose blocks
     never run. `cp`-way context parallelism (1: none) over each block's attention module
-    (`attention_patterns`); the cp ranks reduce with the data-parallel ones."""
+    (`attention_patterns`); the cp ranks reduce with the data-parallel ones. `unwritten`: the parameters
+    that `init meta`'s initialisers leave unwritten (runtime.materialise.left_unwritten): then `init rank0`,
+    which keeps what the constructor computed, and a comment naming them."""
     stacks = block_stacks(model, order)
     experts = _ep_rules(model) if ep > 1 else []
     from_ep_plan = any(ours is not None for _, _, ours, _ in experts)
@@ -339,7 +342,15 @@ def init_plan(
     lines += [f"    each {stack}.*" for stack in stacks]
     lines += ["    mixed_precision(param=bf16, reduce=fp32)", "}"]
     method = root_initialiser(model)
-    if method is None:
+    if unwritten:
+        said = (
+            f"Not `init meta`: the model's initialisers leave {len(unwritten)} parameter"
+            f"{'s' if len(unwritten) > 1 else ''} unwritten, whose values only its constructor computes "
+            f"({', '.join(unwritten[:3])}{', ...' if len(unwritten) > 3 else ''}; SL224). Rank 0 builds the "
+            "model on its CPU and sends each rank its shards."
+        )
+        lines += ["", *(f"# {line}" for line in textwrap.wrap(said, 98)), "init rank0"]
+    elif method is None:
         lines += [
             "",
             "# Parameters on the meta device, each shard initialised on its own rank by the model's own",

@@ -1,4 +1,4 @@
-"""lint's simulated training step (SL220-SL222): the plan applied in a simulated world and one forward, loss
+"""lint's simulated training step (SL220-SL222, and SL224 before it): the plan applied in a simulated world and one forward, loss
 and backward run on fake tensors, as `explain` runs them, to find before any worker starts what `apply` would
 hit, at the plan line of the rule governing the module where it happens.
 
@@ -13,6 +13,8 @@ hit, at the plan line of the rule governing the module where it happens.
   is a cp rank's shard of the sequence under context_parallel where a fully_shard or replicate unit over the
   cp dim holds the module: it sums the shards' shares, SPEC §11; such a module is compared with what the
   unsharded model hands it on that shard.)
+- SL224: under `init meta`, parameters that the model's initialisers, run on the meta model first, leave
+  unwritten (compiler.rules.devices; runtime.materialise.left_unwritten).
 
 It runs in a forked child (runtime.simulated.in_fork: the command's process stays without a process group,
 and a step that hangs costs its diagnostics, not the command), as rank 0 of the world, on the model cut to
@@ -32,6 +34,7 @@ import itertools
 import warnings
 from typing import Any
 
+import attrs
 import torch
 import torch.nn as nn
 from attrs import frozen
@@ -70,7 +73,18 @@ def rehearse(
     plan: ir.Plan, model: nn.Module, model_file: ModelFile, world_size: int, resolution, timeout_s: float = TIMEOUT_S
 ) -> Rehearsal:
     """One training step of `plan` on `model` (on the meta device) in a simulated world of `world_size`,
-    seen from rank 0. `resolution` is lint's (for the cut). The plan must lint clean."""
+    seen from rank 0, after `init meta`'s initialisers run on the meta model (SL224). `resolution` is lint's
+    (for the cut). The plan must lint clean."""
+    from ..compiler.rules.devices import unwritten_under_meta
+    from ..runtime.materialise import left_unwritten
+
+    unwritten = left_unwritten(model, plan.init.method) if plan.init.mode == "meta" else None
+    found = unwritten_under_meta(plan, unwritten)
+    stepped = _stepped(plan, model, model_file, world_size, resolution, timeout_s)
+    return attrs.evolve(stepped, diagnostics=(*found, *stepped.diagnostics)) if found else stepped
+
+
+def _stepped(plan, model, model_file, world_size, resolution, timeout_s) -> Rehearsal:
     if model_file.example_input is None:
         return Rehearsal((), f"the training step was not simulated: {model_file.origin} defines no example_input")
     stack = repeated_stack(model, resolution)

@@ -84,6 +84,10 @@ class Code(enum.Enum):
         Severity.ERROR,
         "context parallelism over a model with a module that mixes positions outside the attention it splits",
     )
+    SL224 = (
+        Severity.ERROR,
+        "init meta leaves parameters that no initialiser writes (lint ran the initialisers on the meta model)",
+    )
     SL300 = (Severity.ERROR, "apply failed (the model is left exactly as it was)")
     SL301 = (
         Severity.ERROR,
@@ -147,6 +151,7 @@ class Code(enum.Enum):
     SL221,
     SL222,
     SL223,
+    SL224,
     SL300,
     SL301,
     SL400,

@@ -30,8 +30,9 @@ def run_init(args: argparse.Namespace) -> int:
     clean and passes its checks, 1 when lint found errors or a check failed, 2 when the checks could not
     run (a model file without example_input says so, and exits 0 after a clean lint)."""
     from ...compiler.lint import lint
-    from ...compiler.starter import init_plan
+    from ...compiler.starter import init_plan, root_initialiser
     from ...frontend.read import read_source
+    from ...runtime.materialise import left_unwritten
 
     check_output(args.output)
     model_file = load_model(args)
@@ -41,7 +42,17 @@ def run_init(args: argparse.Namespace) -> int:
         )
     model = meta_model(model_file)
     order = order_always(model, model_file)
-    text = init_plan(model, tp=args.tp, dp=args.dp, ep=args.ep, cp=args.cp, name=model_arg(args).strip(), order=order)
+    unwritten = left_unwritten(model, root_initialiser(model)) or ()
+    text = init_plan(
+        model,
+        tp=args.tp,
+        dp=args.dp,
+        ep=args.ep,
+        cp=args.cp,
+        name=model_arg(args).strip(),
+        order=order,
+        unwritten=unwritten,
+    )
     source = Source(args.output or "<init>", text)
     plan, found = read_source(source, None, None)
     world = (

@@ -1,9 +1,10 @@
-"""Where tensors live (SL208, SL209): cpu and cuda meshes on one module, `init meta` without an init method."""
+"""Where tensors live (SL208, SL209, SL224): cpu and cuda meshes on one module, `init meta` without an init
+method, or leaving parameters that no initialiser writes."""
 
 from __future__ import annotations
 
 from ...frontend import ir
-from ...frontend.diagnostics import SL208, SL209, Diagnostic, few
+from ...frontend.diagnostics import SL208, SL209, SL224, Diagnostic, few
 from ..initialisers import covered
 from ..predict import enclosing, units_by_module
 from ..resolve import Resolution
@@ -66,6 +67,30 @@ def uninitialised_on_meta(
             (
                 f"without one: {few(missing)}",
                 "give them reset_parameters(), or name a method that initialises them: init meta with <method>",
+            ),
+        )
+    ]
+
+
+def unwritten_under_meta(plan: ir.Plan, unwritten: list[str] | None) -> list[Diagnostic]:
+    """SL224: under `init meta`, the parameters that running the model's initialisers on the meta model left
+    unwritten (runtime.materialise.left_unwritten): a value its constructor computed (transformers' xIELU
+    activation's alpha, a head's bias of zeros) that no `_init_weights`, `reset_parameters` or METHOD sets
+    again. On the mesh they would hold whatever memory held; apply's init check fails on them. Lint's step
+    (explain.rehearsal) runs it, as it runs the model's other code."""
+    if plan.init.mode != "meta" or not unwritten:
+        return []
+    return [
+        Diagnostic(
+            SL224,
+            f"init meta: the model's initialisers leave {len(unwritten)} parameter{'s' if len(unwritten) > 1 else ''} "
+            "unwritten, which the meta device built without values: on the mesh they would hold whatever memory held",
+            plan.init.span,
+            (
+                f"unwritten: {few(unwritten)}",
+                "their values come from the constructor alone: `init rank0` (rank 0 builds the model and sends "
+                "each rank its shards) or `init cpu` keeps them; or give their module reset_parameters() and "
+                "name a method that sets them (init meta with <method>)",
             ),
         )
     ]
