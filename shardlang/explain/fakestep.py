@@ -68,6 +68,8 @@ def recording_fake_mode(recorder, stand_ins: StandIns | None = None):
                 # such misses in the 80-layer step).
                 return NotImplemented
             recorder.note(func, args)
+            if stand_ins is not None:
+                refuse_mixed_dtypes(func, args)
             if stand_ins is not None and func in GROUPED_MM and stand_ins.refused_dtype(args):
                 run = super().__torch_dispatch__
                 return stand_ins.in_bf16(lambda a, k: run(func, types, a, k), args, kwargs or {})
@@ -86,6 +88,39 @@ def recording_fake_mode(recorder, stand_ins: StandIns | None = None):
 #: (`.item()`, `unique`, `bincount`, ...) gets a value the model may never see, and what follows is a guess.
 WHOLE_MASK = frozenset({"aten::nonzero", "aten::masked_select", "aten::argwhere"})
 GROUPED_MM = frozenset({torch.ops.aten._grouped_mm.default})
+
+
+#: Products whose floating operands the CPU and CUDA kernels require in one dtype, which some of torch's fake
+#: kernels (torch 2.11's matmul, 2.13's addmm) do not check: a float32 activation met by a bf16 weight under
+#: `mixed_precision(param=bf16)` (a mask buffer kept in float32) raises on the workers, and so here.
+SAME_DTYPE = frozenset(
+    getattr(torch.ops.aten, name).default for name in ("mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "dot")
+)
+NORMS = frozenset({torch.ops.aten.native_layer_norm.default})
+REDUCED = (torch.bfloat16, torch.float16)
+
+
+def refuse_mixed_dtypes(func, args) -> None:
+    """Raise as the CPU and CUDA kernels do where lint's fake step would otherwise run on: a product of
+    floating operands of different dtypes (SAME_DTYPE), a layer norm whose weight is in a dtype its input
+    does not take (a float32 input takes only float32 parameters; a bf16 or fp16 one its own or float32)."""
+    if func in SAME_DTYPE:
+        dtypes = [t.dtype for t in args if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if len(set(dtypes)) > 1:
+            raise RuntimeError(
+                f"expected the operands of {func._schema.name} to have the same dtype, but got: "
+                f"{', '.join(str(d).removeprefix('torch.') for d in dtypes)}"
+            )
+    elif func in NORMS:
+        x, params = args[0], [t for t in args[2:4] if isinstance(t, torch.Tensor)]
+        allowed = {x.dtype, torch.float32} if x.dtype in REDUCED else {x.dtype}
+        wrong = [t.dtype for t in params if t.dtype not in allowed]
+        if wrong:
+            raise RuntimeError(
+                f"mixed dtype: layer_norm of a {str(x.dtype).removeprefix('torch.')} input takes parameters of "
+                f"{' or '.join(sorted(str(d).removeprefix('torch.') for d in allowed))}, not "
+                f"{str(wrong[0]).removeprefix('torch.')}"
+            )
 
 
 @frozen
