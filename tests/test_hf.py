@@ -183,20 +183,21 @@ def test_starter_stack_is_the_decoder_layers_not_norms_inside_them(build, stack)
 
 
 def test_starter_plan_without_a_tp_plan_has_no_tp_dim():
-    """--tp 2 for a model without a TP plan of its own: the tp dim would be used by nothing (its ranks
-    train on different data and never average, SL217), so the plan has none and says why."""
+    """--tp 3 for a model without a TP plan of its own, where no rule proposed from its structure splits
+    evenly (4 heads, MLP width 128, vocabulary 128): the tp dim would be used by nothing (its ranks train
+    on different data and never average, SL217), so the plan has none and says why."""
     import shardlang
     from examples.hf_stablelm import build_model
 
     with torch.device("meta"):
         model = build_model()
     assert hf_tp_plan(model) == {}
-    text = init_plan(model, tp=2)
+    text = init_plan(model, tp=3)
     assert "mesh world = auto[dp=auto]\n" in text and "parallelize" not in text.replace("`parallelize", "")
     assert "no tp_plan of its own" in text and "SL217" in text
     assert not shardlang.loads(text).lint(model, world_size=4)
     # the plan it wrote before: a tp dim nothing uses, now an error
-    found = shardlang.loads(text.replace("auto[dp=auto]", "auto[dp=auto, tp=2]")).lint(model, world_size=4)
+    found = shardlang.loads(text.replace("auto[dp=auto]", "auto[dp=auto, tp=3]")).lint(model, world_size=6)
     assert [d.code for d in found] == ["SL217"] and "world.tp" in found[0].message
 
 
@@ -204,15 +205,17 @@ def test_starter_plan_without_a_tp_plan_has_no_tp_dim():
 def test_init_applies_the_plan_it_writes(tmp_path, capsys, monkeypatch):
     """init runs its plan's checks on CPU workers before it calls the plan clean: StableLM (no TP plan,
     per-head norms) at --tp 2, whose plan once kept an unused tp dim and FSDP units on layer 0's norms,
-    and failed its own gradients check."""
+    and failed its own gradients check; its rules are now proposed from its structure (the attention,
+    holding a norm per head, stays whole)."""
     from shardlang.cli.main import main
 
     monkeypatch.chdir(ROOT)
     plan = tmp_path / "stablelm.sl"
     assert main(["init", "examples/hf_stablelm.py", "--tp", "2", "-o", str(plan)]) == 0
     out = capsys.readouterr().out
-    assert "linted clean and applied at world 2 on CPU: 5 passed, 1 reported" in out, out
+    assert "linted clean and applied at world 4 on CPU: 5 passed, 1 reported" in out, out
     assert "each model.layers.*\n" in plan.read_text()
+    assert "    model.layers.*.mlp.down_proj           : rowwise\n" in plan.read_text()
 
 
 def test_init_says_what_it_did_not_check(tmp_path, capsys, monkeypatch):

@@ -1,5 +1,6 @@
 """A starter plan for a model (`shardlang init`): FSDP2 units on the blocks of its stack of repeated
-blocks (the one holding the most parameters) and the root, tensor parallelism translated rule by rule from a Hugging Face model's own TP plan, bf16
+blocks (the one holding the most parameters) and the root, tensor parallelism translated rule by rule from a Hugging Face model's own TP plan
+(or proposed from the structure of a model without one: proposed.py), bf16
 mixed precision, `init meta` and the default checks. The text is meant to be read and edited.
 """
 
@@ -13,6 +14,7 @@ import torch.nn as nn
 from ..frontend.patterns import modules_matching, pattern_regex, within
 from .initialisers import is_hugging_face
 from .predict import expert_tp_layout, stacked_experts
+from .proposed import proposed_tp_rules
 from .trace import Order
 
 #: Hugging Face TP styles (transformers' ParallelInterface names) and the shardlang style that does the
@@ -66,6 +68,12 @@ WHY_NOT = {
         "plain-tensor shards summed by a `gather` module above (older transformers): no built-in style",
     ),
 }
+#: The comment over rules proposed from a model's structure (compiler.proposed), where it has no tp_plan.
+PROPOSED_HEADER = [
+    "# Tensor parallelism, proposed from the model's structure (it carries no tp_plan of its own): each",
+    "# attention's q, k, v and each MLP's gate and up column-wise, their output and down row-wise, the token",
+    "# embedding split by vocabulary and the logits gathered, so every activation between them is whole.",
+]
 PARAMETER_RULE = "a parameter, not a module: its module's rule says how it is laid out"
 NO_MODULE = "no such module in this model"
 
@@ -266,6 +274,8 @@ def init_plan(
     keeps_ep = any(ours is not None for _, _, ours, _ in experts)
     split = [key for key, _, ours, _ in experts if ours is not None]
     rules = [(key, style, *translate(model, key, style)) for key, style in hf_tp_plan(model).items()] if tp > 1 else []
+    proposed = tp > 1 and not rules  # no tp_plan of its own: rules read off its structure (compiler.proposed)
+    rules = proposed_tp_rules(model, stacks, tp) if proposed else rules
     # Tensor parallelism inside the experts expert parallelism splits: not both (expert_tensor_parallel
     # and expert_parallel on one module: not yet).
     rules = [
@@ -288,13 +298,14 @@ def init_plan(
     if keeps_tp:
         lines += [
             "",
-            "# Tensor parallelism, from the model's own tp_plan (transformers).",
+            *(PROPOSED_HEADER if proposed else ["# Tensor parallelism, from the model's own tp_plan (transformers)."]),
             "parallelize on world.tp {",
             *_rule_lines(rules),
             "}",
         ]
     elif tp > 1:
         why = "none of its rules has a shardlang style" if rules else "the model carries no tp_plan of its own"
+        why = "it carries no tp_plan of its own and no rule proposed from its structure fits it" if proposed else why
         said = (
             f"--tp {tp} asked for, but {why}: no tensor parallelism, and so no tp dim (a mesh dim that no "
             "statement uses trains its ranks on different data and never averages them: SL217). To add it, "
