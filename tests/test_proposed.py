@@ -148,7 +148,36 @@ def test_a_per_head_norm_is_replicated_and_a_full_width_one_rules_the_attention_
     assert ("layers.*.self_attn.q_norm", "replicated_with_grad_allreduce") in _kept(model)
     for block in model.layers:
         block.self_attn.q_norm = nn.RMSNorm(24)
-    assert "no per-head norm's" in _comments(model)["layers.*.self_attn"]
+    assert "neither a per-head norm's nor whole" in _comments(model)["layers.*.self_attn"]
+
+
+def test_a_norm_of_the_model_width_around_the_projections_needs_no_rule():
+    """BERT's attention holds `output.LayerNorm` beside its output projection, on whole activations: the
+    attention is split and the norm left as it is; beside q, k and v (OLMo2's q_norm) it rules it out."""
+    model = _Model()
+    for block in model.layers:
+        attention = block.self_attn
+        attention.output = nn.Module()
+        attention.output.dense, attention.output.LayerNorm = attention.o_proj, nn.LayerNorm(24)
+        del attention.o_proj
+    assert _kept(model)[:2] == [
+        ("layers.*.self_attn.{q_proj,k_proj,v_proj}", "colwise"),
+        ("layers.*.self_attn.output.dense", "rowwise"),
+    ]
+
+
+class _WholeCountAttention(_Attention):
+    def forward(self, x):
+        """As OPT's: the -1 takes whatever the whole head count leaves, a rank's half of the sequence."""
+        q = self.q_proj(x).view(x.shape[0], -1, self.n_heads, 6)
+        return self.o_proj(q.flatten(2))
+
+
+def test_an_attention_reading_its_whole_head_count_stays_whole():
+    model = _Model()
+    for block in model.layers:
+        block.self_attn = _WholeCountAttention(24, 4, 2, 6)
+    assert "reads self.n_heads, the whole count" in _comments(model)["layers.*.self_attn"]
 
 
 def test_a_norm_per_head_rules_the_attention_out():

@@ -11,6 +11,7 @@ on every tp rank, so a norm, a residual or a rotary embedding in between needs n
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Iterator
 
 import torch.nn as nn
@@ -128,7 +129,8 @@ def _attention_rules(attention: nn.Module, at: str, tp: int) -> list[tuple[str, 
     if isinstance(attention, nn.MultiheadAttention):
         return [(at, SOURCE, None, "nn.MultiheadAttention packs q, k and v in in_proj_weight: not proposed")]
     if next(attention.parameters(recurse=False), None) is not None:
-        return [(at, SOURCE, None, "it holds parameters of its own (per-head sinks, ...): not proposed")]
+        why = "it holds parameters of its own (attention sinks, relative-position biases, ...): not proposed"
+        return [(at, SOURCE, None, why)]
     roles, norms, odd = {}, [], []
     for path, m in _leaves_with_parameters(attention):
         name = path.rsplit(".", 1)[-1].lower()
@@ -148,14 +150,18 @@ def _attention_rules(attention: nn.Module, at: str, tp: int) -> list[tuple[str, 
         said = f"its projection {odd[0]} is not one of q, k, v or the output" if odd else "no q, k, v and output"
         return [(at, SOURCE, None, f"{said} by name: not proposed")]
     heads, why = _head_counts(attention, roles["q"][1], roles["k"][1], roles["v"][1])
+    per_head = []
     if not why:
-        why = _uneven_heads(heads, roles["o"][1], tp) or _unsplit_norms(attention, norms, heads[2])
+        why = _uneven_heads(heads, roles["o"][1], tp)
+    if not why:
+        per_head, why = _per_head_norms(norms, roles, heads[2], attention)
+    why = why or _whole_counts(attention)
     if why:
         return [(at, SOURCE, None, why)]
     rules = [(_joined(at, key), SOURCE, COLWISE, "") for key in _grouped([roles[r][0] for r in "qkv"])]
     rules += [(_joined(at, roles["o"][0]), SOURCE, ROWWISE, "")]
     # a per-head norm sees only its rank's heads: its weight's gradient is summed over tp
-    return rules + [(_joined(at, path), SOURCE, "replicated_with_grad_allreduce", "") for path, _ in norms]
+    return rules + [(_joined(at, path), SOURCE, "replicated_with_grad_allreduce", "") for path in per_head]
 
 
 def _is_2d_weight(module: nn.Module) -> bool:
@@ -174,29 +180,61 @@ def _grouped(paths: list[str]) -> list[str]:
 def _head_counts(attention: nn.Module, q: nn.Linear, k: nn.Linear, v: nn.Linear) -> tuple[tuple, str]:
     """(heads, kv heads, head dim) from what the attention (a submodule, or its config) says and its
     projections' widths, or ((), why they cannot be told)."""
-    head_dim = _attribute(attention, HEAD_DIM)
-    said_heads = _attribute(attention, HEADS)
-    if head_dim is None and said_heads:
-        head_dim = q.out_features // said_heads if q.out_features % said_heads == 0 else None
+    said_heads, said_kv = _attribute(attention, HEADS, configs=False), _attribute(attention, KV_HEADS, configs=False)
+    head_dim = (  # the attention's own word first, its config's after
+        _attribute(attention, HEAD_DIM, configs=False)
+        or _per_head(q, said_heads)
+        or _attribute(attention, HEAD_DIM)
+        or _per_head(q, _attribute(attention, HEADS))
+    )
     if not head_dim:
         return (), "its head size could not be read (no head_dim, num_heads, ... on it): not proposed"
     if any(p.out_features % head_dim for p in (q, k, v)) or k.out_features != v.out_features:
         return (), f"its q, k and v widths are not whole heads of {head_dim}: not proposed"
     heads, kv_heads = q.out_features // head_dim, k.out_features // head_dim
-    said_kv = _attribute(attention, KV_HEADS)
     if (said_heads and said_heads != heads) or (said_kv and said_kv != kv_heads):
         return (), "its q and k widths do not match the head counts it says: not proposed"
     return (heads, kv_heads, head_dim), ""
 
 
-def _attribute(attention: nn.Module, names: tuple[str, ...]) -> int | None:
-    """The first positive int among `names` on the attention, its submodules, or their config."""
+#: Attributes holding an attention's whole width or head count, which a tp rank's shard does not have.
+WHOLE = (*HEADS, *KV_HEADS, "embed_dim", "hidden_size", "all_head_size", "inner_dim", "d_model", "n_embd")
+WHOLE_READ = re.compile(r"\bself\.(" + "|".join(WHOLE) + r")\b")
+
+
+def _whole_counts(attention: nn.Module) -> str:
+    """Why the attention's forward would compute wrong on a rank's heads: it (or a module below it) reads
+    its whole head count or width, as OPT's `q.view(bsz, -1, self.num_heads, self.head_dim)` does, whose
+    -1 then folds half the heads into the sequence with no error. Code that counts heads from its
+    tensors' sizes (`view(..., -1, self.head_dim)`: transformers' Llama, torchtitan) reads none."""
     for module in attention.modules():
-        for owner in (module, getattr(module, "config", None)):
-            for name in names:
-                value = getattr(owner, name, None)
-                if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                    return value
+        try:
+            source = inspect.getsource(type(module).forward)
+        except (OSError, TypeError):  # a built-in or generated forward: no source to read
+            continue
+        found = WHOLE_READ.search(source)
+        if found:
+            return (
+                f"{type(module).__name__}.forward reads {found.group(0)}, the whole count, not a rank's: not proposed"
+            )
+    return ""
+
+
+def _per_head(q: nn.Linear, heads: int | None) -> int | None:
+    return q.out_features // heads if heads and q.out_features % heads == 0 else None
+
+
+def _attribute(attention: nn.Module, names: tuple[str, ...], configs: bool = True) -> int | None:
+    """The first positive int among `names` on the attention or its submodules, else (`configs`) on
+    their configs: a model's config is the whole model's, and may count another attention's heads (a
+    Whisper config's num_key_value_heads, which its attention does not use)."""
+    owners = list(attention.modules())
+    owners += [getattr(m, "config", None) for m in attention.modules()] if configs else []
+    for owner in owners:
+        for name in names:
+            value = getattr(owner, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
     return None
 
 
@@ -209,16 +247,26 @@ def _uneven_heads(heads: tuple, out: nn.Linear, tp: int) -> str:
     return ""
 
 
-def _unsplit_norms(attention: nn.Module, norms: list, head_dim: int) -> str:
-    """Why the attention's other parameters rule it out: only a per-head norm (one head's width, shared
-    by every head) runs on each rank's heads as it is; one norm per head (StableLM's) would be applied by
+def _per_head_norms(norms: list, roles: dict, head_dim: int, attention: nn.Module) -> tuple[list[str], str]:
+    """The attention's other parameter holders sorted: (the per-head norms, "") or ([], why one rules the
+    attention out). A per-head norm (one head's width, shared by every head: Qwen3's q_norm) runs on each
+    rank's own heads, and its gradient is summed over tp. A norm of the model's width beside the output
+    projection or around the whole (BERT's `output.LayerNorm`, T5's `layer_norm`) sees whole activations
+    and needs no rule; one beside q, k and v (OLMo2's q_norm, the width of every head) would normalise a
+    rank's heads as if they were all of them, and one norm per head (StableLM's) would be applied by
     position to the rank's own heads."""
+    width = roles["q"][1].in_features
+    beside_qkv = {roles[r][0].rpartition(".")[0] for r in "qkv"}
+    per_head = []
     for path, m in norms:
+        sizes = {p.numel() if p.ndim == 1 else -1 for p in m.parameters(recurse=False)}
         if _in_container(attention, path):
-            return f"it holds {path}, one of a norm per head: not proposed"
-        if any(p.ndim != 1 or p.numel() != head_dim for p in m.parameters(recurse=False)):
-            return f"it holds {path}, whose parameters are no per-head norm's: not proposed"
-    return ""
+            return [], f"it holds {path}, one of a norm per head: not proposed"
+        if sizes == {head_dim}:
+            per_head.append(path)
+        elif sizes != {width} or path.rpartition(".")[0] in beside_qkv:
+            return [], f"it holds {path}, whose parameters are neither a per-head norm's nor whole: not proposed"
+    return per_head, ""
 
 
 def _mlp_rules(module: nn.Module, tp: int) -> list[tuple[str, str, str | None, str]]:
