@@ -131,6 +131,49 @@ def test_nothing_uneven_is_proposed(sizes, tp, left_whole):
         ]
 
 
+def test_a_tied_output_is_found_by_its_weight_and_a_tie_no_rule_places_keeps_both_whole():
+    model = _Model()
+    model.decoder_out, model.aux = nn.Linear(24, 64, bias=False), model.lm_head  # two layers to the vocabulary
+    del model.lm_head
+    model.decoder_out.weight = model.embed_tokens.weight
+    assert _kept(model)[-2:] == [("embed_tokens", "rowwise(input=replicate)"), ("decoder_out", "colwise_gather_output")]
+    model.layers[0].shared = nn.Linear(24, 64, bias=False)
+    model.layers[0].shared.weight = model.embed_tokens.weight
+    assert "also layers.0.shared's" in _comments(model)["embed_tokens"]
+
+
+def test_embeddings_tied_to_one_weight_all_get_the_rule():
+    """T5's `shared` and its encoder's and decoder's `embed_tokens`: three modules, one weight."""
+    model = _Model()
+    model.encoder_embed_tokens, model.decoder_embed_tokens = nn.Embedding(64, 24), nn.Embedding(64, 24)
+    model.encoder_embed_tokens.weight = model.decoder_embed_tokens.weight = model.embed_tokens.weight
+    model.lm_head.weight = model.embed_tokens.weight
+    vocabulary = [(key, style) for key, style in _kept(model) if "layers" not in key]
+    assert vocabulary == [
+        ("embed_tokens", "rowwise(input=replicate)"),
+        ("encoder_embed_tokens", "rowwise(input=replicate)"),
+        ("decoder_embed_tokens", "rowwise(input=replicate)"),
+        ("lm_head", "colwise_gather_output"),
+    ]
+
+
+def test_a_list_of_one_class_is_left_to_ep_and_a_list_of_several_is_structure():
+    """Two MLPs of one class in a ModuleList are experts (a rule on the first would miss the second); T5's
+    `layer` list (attention, MLP) is how a block is laid out."""
+    model = _Model()
+    for block in model.layers:
+        block.experts = nn.ModuleList(nn.Sequential(nn.Linear(24, 48), nn.Linear(48, 24)) for _ in range(2))
+        block.layer = nn.ModuleList([block.self_attn, block.mlp])
+        del block.self_attn, block.mlp
+    assert _kept(model)[:4] == [
+        ("layers.*.layer.0.{q_proj,k_proj,v_proj}", "colwise"),
+        ("layers.*.layer.0.o_proj", "rowwise"),
+        ("layers.*.layer.1.0", "colwise"),
+        ("layers.*.layer.1.2", "rowwise"),
+    ]
+    assert not [key for key, _ in _proposed(model) if "experts" in key]
+
+
 def test_an_attention_whose_heads_cannot_be_told_stays_whole():
     model = _Model()
     for block in model.layers:

@@ -2,7 +2,8 @@
 carries no TP plan of its own (a plain nn.Module: torchtitan's, a user's): each attention's q, k and v
 column-wise and its output row-wise, each MLP's gate and up column-wise and its down row-wise, the token
 embedding split by vocabulary and the output layer gathering its logits. Nothing here runs the model: it
-proposes only splits that divide evenly, and init's lint step then drops those the model cannot run.
+reads the module tree, its attributes and its attentions' source, proposes only splits that divide evenly,
+and init's lint step then drops those the model cannot run.
 
 The rules use torch's default layouts (docs/language.md §4.2): between two rules every activation is whole
 on every tp rank, so a norm, a residual or a rotary embedding in between needs no rule of its own.
@@ -107,12 +108,15 @@ def _outermost(block: nn.Module, matches) -> list[str]:
 
 
 def _in_container(block: nn.Module, path: str) -> bool:
-    """Whether `path` lies inside a ModuleList or ModuleDict of the block (a list of experts, say)."""
+    """Whether `path` lies inside a ModuleList or ModuleDict of the block whose members are all of one
+    class (a list of experts, a norm per head), where a rule on the first would leave the others out. A
+    list of modules of different classes (T5's `layer`: attention, cross-attention, MLP) is structure."""
     parts = path.split(".")
-    return any(
-        isinstance(block.get_submodule(".".join(parts[:i])), (nn.ModuleList, nn.ModuleDict))
-        for i in range(1, len(parts))
-    )
+    for i in range(1, len(parts)):
+        container = block.get_submodule(".".join(parts[:i]))
+        if isinstance(container, (nn.ModuleList, nn.ModuleDict)) and len({type(m) for m in container.children()}) == 1:
+            return True
+    return False
 
 
 def _leaves_with_parameters(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -308,22 +312,43 @@ def _down(leaves) -> tuple[str, nn.Linear] | None:
 
 def _vocabulary_rules(model: nn.Module, stacks: tuple[str, ...], tp: int) -> list[tuple[str, str, str | None, str]]:
     """The token embedding split by vocabulary and the output layer (the Linear back to the vocabulary)
-    gathering its logits, outside the stacks; both or neither where they share one weight."""
+    gathering its logits, outside the stacks. Where the embedding's weight is tied, every module holding
+    it gets its rule (T5's `shared` and its encoder's and decoder's `embed_tokens`, GPT-2's `lm_head`),
+    or none does."""
     outside = [(f, m) for f, m in model.named_modules() if f and not any(within(f, s) for s in stacks)]
     linears = [(f, m) for f, m in outside if isinstance(m, nn.Linear)]
     embeddings = [(f, m) for f, m in outside if isinstance(m, nn.Embedding)]
-    embedding = _named_or_only(embeddings, EMBEDDING) or _only(
-        [(f, m) for f, m in embeddings if any(o.out_features == m.num_embeddings for _, o in linears)]
+    embedding = (
+        _named_or_only(embeddings, EMBEDDING)
+        or _only([(f, m) for f, m in embeddings if any(o.out_features == m.num_embeddings for _, o in linears)])
+        or _only(list({id(m.weight): (f, m) for f, m in embeddings}.values()))  # one weight, tied
     )
     if embedding is None:
         return []
-    vocab = embedding[1].num_embeddings
-    output = _named_or_only([(f, m) for f, m in linears if m.out_features == vocab], OUTPUT)
-    found = [(embedding[0], EMBEDDING_STYLE)] + ([(output[0], OUTPUT_STYLE)] if output else [])
+    vocab, weight = embedding[1].num_embeddings, embedding[1].weight
+    holders = {f: m for f, m in embeddings + linears if m.weight is weight}
+    if not any(isinstance(m, nn.Linear) for m in holders.values()):  # untied: the output layer by name
+        output = _named_or_only([(f, m) for f, m in linears if m.out_features == vocab], OUTPUT)
+        holders.update([output] if output else [])
+    found = [(f, EMBEDDING_STYLE if isinstance(m, nn.Embedding) else OUTPUT_STYLE) for f, m in holders.items()]
+    sharing = _sharing(model, weight) - set(holders)
+    if sharing:  # a tied weight placed by one rule and not the other: SL203's different placements
+        why = f"its weight is also {min(sharing)}'s, which no rule proposed here places: not proposed"
+        return [(fqn, SOURCE, None, why) for fqn, _ in found]
     if vocab % tp:
         why = f"its vocabulary of {vocab} does not split over tp={tp}: not proposed"
         return [(fqn, SOURCE, None, why) for fqn, _ in found]
     return [(fqn, SOURCE, style, "") for fqn, style in found]
+
+
+def _sharing(model: nn.Module, weight) -> set[str]:
+    """The modules holding `weight` as their own parameter (tied, under each name)."""
+    return {
+        owner
+        for name, parameter in model.named_parameters(remove_duplicate=False)
+        if parameter is weight
+        for owner in [name.rpartition(".")[0]]
+    }
 
 
 def _named_or_only(candidates: list, names: set[str]):
