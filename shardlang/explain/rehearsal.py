@@ -76,7 +76,7 @@ def rehearse(
     seen from rank 0, after `init meta`'s initialisers run on the meta model (SL224). `resolution` is lint's
     (for the cut). The plan must lint clean."""
     from ..compiler.rules.devices import unwritten_under_meta
-    from ..runtime.materialise import left_unwritten
+    from .unwritten import left_unwritten
 
     unwritten = left_unwritten(model, plan.init.method) if plan.init.mode == "meta" else None
     found = unwritten_under_meta(plan, unwritten)
@@ -239,8 +239,10 @@ def _forward_backward(step, watch: Watch, full: tuple, expected: Any) -> tuple[l
     return [], True
 
 
-def _unsharded(ctx, reference: nn.Module, full: tuple) -> tuple[Any, dict[str, tuple], dict[str, tuple], str | None]:
-    """The unsharded model's output, its parameters' shapes, what each of its modules received, for what
+def _unsharded(
+    ctx, reference: nn.Module, full: tuple
+) -> tuple[Any, dict[str, tuple], dict[str, list[tuple]], str | None]:
+    """The unsharded model's output, its parameters' shapes, what each of its modules received in each call, for what
     SL221 and SL222 compare with, and what it raised (None: nothing). Under context_parallel a module whose gradients a data-parallel block
     over the cp dim reduces is compared with what the unsharded model hands it on this rank's shard of the
     sequence (each cp rank's gradient is its shard's share, and that block sums the shares), any other with
@@ -255,14 +257,14 @@ def _unsharded(ctx, reference: nn.Module, full: tuple) -> tuple[Any, dict[str, t
         return None, {}, {}, raised.summary(e)
     cp = ctx.plan.context_parallel
     if cp is None:
-        return expected, shapes, unsharded.received, None
+        return expected, shapes, unsharded.calls, None
     try:
         with Watch(reference) as sharded, torch.no_grad():
             on_shard = reference(*_sequence_shard(ctx, full))
     except Exception:  # noqa: BLE001 - compared with the whole sequence's, as without context_parallel
-        return expected, shapes, unsharded.received, None
+        return expected, shapes, unsharded.calls, None
     summed = _reduced_over(ctx, cp.mesh)
-    received = {n: sharded.received.get(n, got) if summed(n) else got for n, got in unsharded.received.items()}
+    received = {n: sharded.calls.get(n, got) if summed(n) else got for n, got in unsharded.calls.items()}
     return (expected if cp.whole_output else on_shard), shapes, received, None
 
 
@@ -331,20 +333,23 @@ def _on_meta(model: nn.Module) -> bool:
 
 class Watch:
     """Hooks on every module of a model while a step runs: what each received (its tensor arguments, as
-    `_describe` tells them, next to what `unsharded` received), when each last finished its forward (for
+    `_describe` tells them, next to what `unsharded` received in the same call: the k-th call of a module
+    called several times, such as Pegasus-X's projections of global and local tokens, next to the unsharded
+    model's k-th), when each last finished its forward (for
     localise.governing), whose output's gradient arrived last (the module whose backward runs), and the
     modules whose whole plain parameters (the shapes of the unsharded model's, `shapes`) met a piece of
     what the unsharded model hands them (`split`, in the order they ran)."""
 
     def __init__(
-        self, model: nn.Module, unsharded: dict[str, tuple] | None = None, shapes: dict[str, tuple] | None = None
+        self, model: nn.Module, unsharded: dict[str, list[tuple]] | None = None, shapes: dict[str, tuple] | None = None
     ):
         from ..verification.localise import plain_name
 
         self.names = {id(m): plain_name(n) for n, m in model.named_modules()}
         self.unsharded = unsharded or {}
         self.shapes = shapes or {}
-        self.received: dict[str, tuple] = {}
+        self.received: dict[str, tuple] = {}  # each module's last call
+        self.calls: dict[str, list[tuple]] = {}  # each module's calls, in order
         self.finished: dict[str, int] = {}
         self.backward: list[str] = []
         self.split: dict[str, tuple[str, ...]] = {}
@@ -368,6 +373,7 @@ class Watch:
         name = self.names.get(id(module))
         if name is not None:
             self.received[name] = tuple(a for a in args if isinstance(a, torch.Tensor))
+            self.calls.setdefault(name, []).append(self.received[name])
             self._running.append(name)
 
     def _after(self, module, args, output) -> None:
@@ -397,12 +403,19 @@ class Watch:
         """What module `fqn` received as a plain piece of what the unsharded model hands it."""
         from torch.distributed.tensor import DTensor
 
-        got, want = self.received.get(fqn, ()), self.unsharded.get(fqn, ())
+        got, want = self.received.get(fqn, ()), self._unsharded_call(fqn)
         return tuple(
             f"argument {i}: {_describe(t, w)}"
             for i, (t, w) in enumerate(zip(got, want))
-            if not isinstance(t, DTensor) and t.dim() == w.dim() and tuple(t.shape) != tuple(w.shape)
+            if not isinstance(t, DTensor) and _piece_of(tuple(t.shape), tuple(w.shape))
         )
+
+    def _unsharded_call(self, fqn: str) -> tuple:
+        """What the unsharded model handed module `fqn` in the call it is in now (its k-th): nothing where the
+        unsharded model called it fewer times."""
+        calls = self.unsharded.get(fqn, [])
+        k = len(self.calls.get(fqn, ())) - 1
+        return calls[k] if 0 <= k < len(calls) else ()
 
     def running(self) -> str | None:
         """The innermost module whose forward is running (None outside every module)."""
@@ -410,8 +423,13 @@ class Watch:
 
     def inputs(self, fqn: str) -> tuple[str, ...]:
         """What module `fqn` received, one line per tensor argument."""
-        got, want = self.received.get(fqn, ()), self.unsharded.get(fqn, ())
+        got, want = self.received.get(fqn, ()), self._unsharded_call(fqn)
         return tuple(f"argument {i}: {_describe(t, want[i] if i < len(want) else None)}" for i, t in enumerate(got))
+
+
+def _piece_of(shape: tuple, whole: tuple) -> bool:
+    """Whether a tensor of `shape` is a piece of one of `whole`: as many dims, none larger, one smaller."""
+    return len(shape) == len(whole) and shape != whole and all(g <= w for g, w in zip(shape, whole))
 
 
 def _describe(tensor: torch.Tensor, unsharded: torch.Tensor | None, whose: str = "the unsharded model hands it") -> str:

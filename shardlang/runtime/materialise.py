@@ -42,31 +42,6 @@ def init_on_mesh(model, device, method, seed):
                 initialise_below(model, module, method, written, device, hugging_face)
 
 
-def left_unwritten(model, method) -> list[str] | None:
-    """The parameters of `model`, a model built on the meta device, that `init meta` (with `method`, None
-    for the model's own way) would leave as allocated, holding whatever memory held: init_on_mesh run on a
-    copy, still on the meta device (no memory), the parameters whose version counters did not move. None
-    when an initialiser cannot run there (it reads values) or the model is not on meta. Lint's step (SL224)
-    and `shardlang init` ask it."""
-    import copy
-
-    if not any(p.is_meta for p in model.parameters()):
-        return None
-    model = copy.deepcopy(model)
-    named = dict(model.named_parameters())
-    before = {name: (id(p), p._version) for name, p in named.items()}
-    try:
-        init_on_mesh(model, "meta", method, 0)
-    except Exception:  # noqa: BLE001 - the model's own initialisers, on meta: "could not tell"
-        return None
-    after = {name: p for name, p in model.named_parameters()}
-    return [
-        name
-        for name, (identity, version) in before.items()
-        if name in after and id(after[name]) == identity and after[name]._version == version
-    ]
-
-
 def allocate_on(model, device):
     """Allocate every tensor of a meta model on `device` (`to_empty`), then put back the buffers its
     constructor computed, which building on meta kept real (rotary tables, causal masks, position ids)."""
