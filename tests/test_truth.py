@@ -101,3 +101,30 @@ def test_a_kernel_without_float64_gives_a_float32_truth_that_says_so(pools, tmp_
     assert result.status == "pass", result.message
     assert result.data["truth"].startswith("float32 (float64 failed: RuntimeError: fused_gelu")
     assert "truth float32" in result.message and "measured by a bfloat16 copy" in result.message
+
+
+FSDP = """mesh world = cpu[dp=auto]
+fully_shard on world.dp { each mlp.w1; each mlp.w2 }
+verify gradients(steps=2)
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("fault", ["nan_float64", "nan_everywhere"])
+def test_a_truth_not_finite_in_float64_falls_back_and_one_not_finite_anywhere_is_left_out(pools, tmp_path, fault):
+    """LED and Longformer (the zoo): their float64 gradients are NaN where float32's are not."""
+    import shardlang
+
+    plan = tmp_path / "fsdp.sl"
+    plan.write_text(FSDP)
+    job = Job(str(plan), {}, str(ROOT / f"tests/faults/{fault}.py"), None, shardlang.load(plan).checks)
+    (result,) = pools(2).run(run, job)[0].checks
+    assert result.status == "pass", result.message
+    assert result.data["truth"].startswith("float32 (float64 failed: FloatingPointError: gradients not finite")
+    left_out = ["mlp.act.scale"] if fault == "nan_everywhere" else []
+    assert result.data["not_compared"] == left_out
+    # the NaN gradient makes its parameter NaN: the second step's loss is not finite, and the check stops
+    assert (result.data["stopped"] or "").startswith("stopped at step 1") == (fault == "nan_everywhere")
+    assert ("1 gradients not compared, the unsharded model's own not finite (mlp.act.scale)" in result.message) == (
+        fault == "nan_everywhere"
+    )

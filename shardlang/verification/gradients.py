@@ -39,6 +39,7 @@ plan statements that govern it.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -96,6 +97,9 @@ class Training:
         self.localised = None
         self.replayable = routing.replayable(ctx.plan)
         self.notes: dict[str, str] = {}
+        self.not_compared: set[str] = set()  # the unsharded model's own gradient is not finite
+        self.compared = 0  # steps compared to the end
+        self.stopped: str | None = None  # why it stopped before its last step
 
     def step(self, step: int) -> bool:
         """One training step, compared: whether to go on (every rank answers alike)."""
@@ -109,6 +113,9 @@ class Training:
         self.optim.zero_grad(set_to_none=True)
         sharded_loss = self._sharded(batches[where.replica])
         losses = references.forward_backward(ctx, batches, pipeline.microbatches if pipeline else 1)
+        if not self._set_aside_not_finite(step, losses):
+            self.ctx.model.zero_grad(set_to_none=True)
+            return False
         grads = {n: full(p.grad) for n, p in ctx.model.named_parameters() if p.grad is not None}
         failed_before = len(self.tally.failures)
         self._judge_routing(step)
@@ -119,7 +126,28 @@ class Training:
             self.localised = localise.localise(ctx, references, batches[where.replica], where, self.args, failing)
             return False
         self._compare_updates(step, grads)
+        self.compared += 1
         return not _anywhere(bool(self.tally.failures))
+
+    def _set_aside_not_finite(self, step: int, losses) -> bool:
+        """The gradients the unsharded model itself computes not finite are not compared (said in the
+        outcome). Where its loss or every gradient is not finite, nothing is: at the first step the check is
+        skipped; at a later one (its parameters updated from such gradients) it stops after the steps it
+        compared, saying so. Whether to compare this step."""
+        unfinite = self.references.not_finite()
+        held = {n for n, p in self.references.truth.named_parameters() if p.grad is not None}
+        loss = losses[0][self.where.replica]
+        if math.isfinite(loss) and not (held and unfinite >= held):
+            self.not_compared |= unfinite
+            return True
+        what = f"its loss is {loss}" if not math.isfinite(loss) else "every gradient holds a NaN or an infinity"
+        if step == 0:
+            raise TruthUnavailable(
+                f"the unsharded model's own step is not finite on the example input ({what}): there is "
+                "nothing to compare the sharded model with; fix the model or its example_input"
+            )
+        self.stopped = f"stopped at step {step}: the unsharded model's own step is not finite ({what})"
+        return False
 
     def _sharded(self, batch: tuple):
         """The sharded model's step on this replica's batch: its loss (None on a pipeline's other stages,
@@ -165,6 +193,8 @@ class Training:
         references, tally = self.references, self.tally
         scale = references.gradient_scale()
         for name, p in self.ctx.model.named_parameters():
+            if name in self.not_compared:
+                continue
             t, s = references.truth.get_parameter(name), references.same.get_parameter(name)
             what = f"step {step}: gradient of {name}"
             if (p.grad is None) != (t.grad is None):
@@ -175,6 +205,8 @@ class Training:
         if self.ctx.pipeline is not None or self.fixed is not None:
             return
         for name, spread in _spreads(grads).items():
+            if name in self.not_compared:
+                continue
             t, s = references.truth.get_parameter(name), references.same.get_parameter(name)
             what = f"step {step}: gradient of {name}"
             tally.compare_ranks(what, f"grad {name}", spread, t.grad, s.grad, scale, own=references.own_error(name))
@@ -190,6 +222,8 @@ class Training:
         self.ref_optim.step()
         with torch.no_grad():
             for name, p in self.ctx.model.named_parameters():
+                if name in self.not_compared:
+                    continue
                 what = f"step {step}: {name} after the optimizer step"
                 ref = reference.get_parameter(name)
                 self.tally.compare_update(what, f"update {name}", full(p.detach()), ref, before[name])
@@ -217,6 +251,8 @@ class Training:
             "routing": self.notes,
             "step": phases_everywhere(self.runner),
             "loss_compiled_by": self.runner.compiled_by,
+            "not_compared": sorted(self.not_compared),
+            "stopped": self.stopped,
         }
         top = table[0] if table else {"tensor": "-", "ratio": 0.0}
         if tally.failures:
@@ -228,9 +264,17 @@ class Training:
             return Outcome(FAIL, worst + "; ".join(tally.failures[:LISTED]) + more, data, top["ratio"])
         replicas = f"{self.where.replicas} replica{'s' if self.where.replicas > 1 else ''}"
         resumed = f"; {self.resumed}" if self.resumed else ""
+        if self.stopped:
+            resumed += f"; {self.stopped}"
+        if self.not_compared:
+            resumed += (
+                f"; {len(self.not_compared)} gradients not compared, the unsharded model's own not finite "
+                f"({', '.join(sorted(self.not_compared)[:3])}{', ...' if len(self.not_compared) > 3 else ''})"
+            )
         return Outcome(
             PASS,
-            f"{args['steps']} steps on {replicas} match the unsharded model: loss, every gradient and the "
+            f"{self.compared} step{'s' if self.compared != 1 else ''} on {replicas} match the unsharded model: loss, every gradient"
+            f"{' compared' if self.not_compared else ''} and the "
             f"{args['optimizer']} update ({references.precision}, truth {data['truth']}, {data['rule']}); "
             f"worst {top['ratio']:.2f} of the allowed error ({top['tensor']})" + resumed + _routing_note(self.notes),
             data,

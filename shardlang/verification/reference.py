@@ -209,6 +209,10 @@ class References:
             self._fall_back(error)
             truth = _losses(ctx, self.truth, full, microbatches, replay=self.replay)
         same = _losses(ctx, self.same, full, microbatches, cast=False, replay=self.replay)
+        unfinite = self.not_finite() if self.fallback is None else frozenset()
+        if unfinite - not_finite_gradients(self.same):  # float64's own overflow (LED's masks)
+            self._fall_back(FloatingPointError("gradients not finite where the same-precision reference's are"))
+            truth = _losses(ctx, self.truth, full, microbatches, replay=self.replay)
         if self.coarse is not None:
             try:
                 coarse = _losses(ctx, self.coarse, full, microbatches, replay=self.replay)
@@ -235,6 +239,11 @@ class References:
         replay_under(self.truth, self.replay, "truth")
         replay_under(self.coarse, self.replay, "coarse")
 
+    def not_finite(self) -> frozenset[str]:
+        """The parameters whose gradient the truth itself computed not finite this step (the unsharded model's
+        own NaN: LED's and Longformer's attention over a padded window): nothing to compare them with."""
+        return not_finite_gradients(self.truth)
+
     def own_error(self, name: str) -> float:
         """The truth's own measured error in the gradient of `name` this step (0 for the float64 truth)."""
         return self.own_errors.get(name, 0.0)
@@ -248,16 +257,24 @@ class References:
         measured on many numbers."""
         error = size = 0.0
         for (name, t), s in zip(self.truth.named_parameters(), self.same.parameters()):
-            if t.grad is not None and s.grad is not None:
+            if t.grad is not None and s.grad is not None and name not in self.not_finite():
                 error += float((s.grad.double() - t.grad.double()).pow(2).sum()) + self.own_error(name) ** 2
                 size += float(t.grad.double().pow(2).sum())
         return math.sqrt(error / size) if size else 0.0
 
     def gradient_scale(self) -> float:
         """The root-mean-square value of the truth's gradients this step."""
-        grads = [p.grad for p in self.truth.parameters() if p.grad is not None]
+        unfinite = self.not_finite()
+        grads = [p.grad for n, p in self.truth.named_parameters() if p.grad is not None and n not in unfinite]
         total = sum(g.numel() for g in grads)
         return math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads) / total) if total else 0.0
+
+
+def not_finite_gradients(model) -> frozenset[str]:
+    """The parameters of `model` whose gradient holds a NaN or an infinity."""
+    return frozenset(
+        name for name, p in model.named_parameters() if p.grad is not None and not bool(torch.isfinite(p.grad).all())
+    )
 
 
 class TruthUnavailable(Exception):
