@@ -218,6 +218,7 @@ def test_init_applies_the_plan_it_writes(tmp_path, capsys, monkeypatch):
     assert "    model.layers.*.mlp.down_proj           : rowwise\n" in plan.read_text()
 
 
+@pytest.mark.distributed  # init lints with the simulated step, in a forked child
 def test_init_says_what_it_did_not_check(tmp_path, capsys, monkeypatch):
     from shardlang.cli.main import main
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 import torch.nn as nn
 
 from ..frontend.patterns import modules_matching, pattern_regex, within
+from .dropping import Drops
 from .initialisers import is_hugging_face
 from .predict import expert_tp_layout, stacked_experts
 from .proposed import proposed_tp_rules
@@ -235,6 +236,16 @@ def root_initialiser(model: nn.Module) -> str | None:
     return next((name for name in ROOT_INITIALISERS if callable(getattr(model, name, None))), None)
 
 
+def _left_out(rules, dropped: Mapping[str, str]) -> list[tuple[str, str, str | None, str]]:
+    """`rules` (init_plan's 4-tuples) with those whose key `dropped` names turned into comments saying why."""
+    return [
+        (key, style, None, f"left out (lint's simulated step: {dropped[key]})")
+        if key in dropped and ours is not None
+        else (key, style, ours, why)
+        for key, style, ours, why in rules
+    ]
+
+
 def _rule_lines(rules) -> list[str]:
     """A parallelize block's body: each (key, transformers style, ours, why not) a rule, or a comment
     saying why there is none, the names aligned."""
@@ -255,6 +266,7 @@ def init_plan(
     name: str = "the model",
     order: Order | None = None,
     unwritten: Sequence[str] = (),
+    drops: Drops | None = None,
 ) -> str:
     """A commented starter plan for `model` (built on any device, meta included) at `tp`-way tensor
     parallelism (1: none), `dp`-way data parallelism (None: whatever the world leaves) and `ep`-way expert
@@ -265,12 +277,15 @@ def init_plan(
     never run. `cp`-way context parallelism (1: none) over each block's attention module
     (`attention_patterns`); the cp ranks reduce with the data-parallel ones. `unwritten`: the parameters
     that `init meta`'s initialisers leave unwritten (runtime.materialise.left_unwritten): then `init rank0`,
-    which keeps what the constructor computed, and a comment naming them."""
+    which keeps what the constructor computed, and a comment naming them. `drops`: what lint's step found
+    cannot run (compiler.dropping), each left out with a comment saying why."""
+    drops = drops or Drops()
     stacks = block_stacks(model, order)
     experts = _ep_rules(model) if ep > 1 else []
     from_ep_plan = any(ours is not None for _, _, ours, _ in experts)
     if ep > 1 and not from_ep_plan:
         experts = _stacked_expert_rules(model, stacks) or experts
+    experts = _left_out(experts, drops.rules)
     keeps_ep = any(ours is not None for _, _, ours, _ in experts)
     split = [key for key, _, ours, _ in experts if ours is not None]
     rules = [(key, style, *translate(model, key, style)) for key, style in hf_tp_plan(model).items()] if tp > 1 else []
@@ -284,8 +299,11 @@ def init_plan(
         else (key, style, ours, why)
         for key, style, ours, why in rules
     ]
+    rules = _left_out(rules, drops.rules)
     keeps_tp = any(ours is not None for _, _, ours, _ in rules)
     attention, no_attention = attention_patterns(model, stacks) if cp > 1 else ((), "")
+    if drops.cp:
+        attention, no_attention = (), f"lint's simulated step says: {drops.cp}"
     keeps_cp = bool(attention)
     dims = [f"dp={dp if dp else 'auto'}"] + ([f"ep={ep}"] if keeps_ep else [])
     dims += ([f"cp={cp}"] if keeps_cp else []) + ([f"tp={tp}"] if keeps_tp else [])
@@ -306,6 +324,8 @@ def init_plan(
     elif tp > 1:
         why = "none of its rules has a shardlang style" if rules else "the model carries no tp_plan of its own"
         why = "it carries no tp_plan of its own and no rule proposed from its structure fits it" if proposed else why
+        if any(reason.startswith("left out") for *_, reason in rules):
+            why = "lint's simulated step found that none of its rules runs"
         said = (
             f"--tp {tp} asked for, but {why}: no tensor parallelism, and so no tp dim (a mesh dim that no "
             "statement uses trains its ranks on different data and never averages them: SL217). To add it, "
@@ -349,9 +369,16 @@ def init_plan(
         lines.append("# No stack of repeated blocks with parameters was found: the root is the only unit.")
     reduced = ["dp"] + (["ep"] if keeps_ep else []) + (["cp"] if keeps_cp else [])
     over = "[" + "*".join(reduced) + "]" if len(reduced) > 1 else ".dp"
+    for unit, why in drops.units.items():
+        said = f"{unit} are not units, the root holds them (lint's simulated step: {why})."
+        lines += [f"# {line}" for line in textwrap.wrap(said, 98)]
+    if drops.mixed_precision:
+        said = f"No mixed_precision (lint's simulated step, with bf16 parameters: {drops.mixed_precision})."
+        lines += [f"# {line}" for line in textwrap.wrap(said, 98)]
     lines.append(f"fully_shard on world{over} {{")
-    lines += [f"    each {stack}.*" for stack in stacks]
-    lines += ["    mixed_precision(param=bf16, reduce=fp32)", "}"]
+    lines += [f"    each {stack}.*" for stack in stacks if f"{stack}.*" not in drops.units]
+    lines += [] if drops.mixed_precision else ["    mixed_precision(param=bf16, reduce=fp32)"]
+    lines += ["}"]
     method = root_initialiser(model)
     if unwritten:
         said = (

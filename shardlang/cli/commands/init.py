@@ -19,6 +19,9 @@ from ..output import Out, check_output, emit_diagnostics
 from ..signals import terminable
 from ..status import FOUND, OK, UNUSABLE, UsageError
 
+#: At most this many features left out, one a round, before init writes what it has and says what failed.
+ROUNDS = 6
+
 if TYPE_CHECKING:
     from ...runtime.modelfile import ModelFile
 
@@ -29,10 +32,9 @@ def run_init(args: argparse.Namespace) -> int:
     to edit; the last line (stderr when the plan goes to stdout) says what was found: exit 0 when it lints
     clean and passes its checks, 1 when lint found errors or a check failed, 2 when the checks could not
     run (a model file without example_input says so, and exits 0 after a clean lint)."""
-    from ...compiler.lint import lint
+    from ...compiler.dropping import Drops
     from ...compiler.starter import init_plan, root_initialiser
-    from ...frontend.read import read_source
-    from ...runtime.materialise import left_unwritten
+    from ...explain.unwritten import left_unwritten
 
     check_output(args.output)
     model_file = load_model(args)
@@ -43,25 +45,28 @@ def run_init(args: argparse.Namespace) -> int:
     model = meta_model(model_file)
     order = order_always(model, model_file)
     unwritten = left_unwritten(model, root_initialiser(model)) or ()
-    text = init_plan(
-        model,
-        tp=args.tp,
-        dp=args.dp,
-        ep=args.ep,
-        cp=args.cp,
-        name=model_arg(args).strip(),
-        order=order,
-        unwritten=unwritten,
-    )
-    source = Source(args.output or "<init>", text)
-    plan, found = read_source(source, None, None)
-    world = (
-        plan.meshes[0].fixed_size * (1 if args.dp else 2)
-        if plan is not None
-        else args.tp * args.ep * args.cp * (args.dp or 2)
-    )
-    if plan is not None:
-        found = sorted([*found, *lint(plan, model, world, order=order).diagnostics], key=sort_key)
+    drops = Drops()
+    for _ in range(ROUNDS):  # each round leaves out one feature that lint's step found cannot run
+        text = init_plan(
+            model,
+            tp=args.tp,
+            dp=args.dp,
+            ep=args.ep,
+            cp=args.cp,
+            name=model_arg(args).strip(),
+            order=order,
+            unwritten=unwritten,
+            drops=drops,
+        )
+        source = Source(args.output or "<init>", text)
+        plan, found, world = _linted(args, source, model, model_file, order)
+        error = next((d for d in found if d.is_error and d.span is not None and d.span.file == source.name), None)
+        fewer = error and drops.after(text, error.span.line, error.message)
+        if not fewer:
+            break
+        drops = fewer
+    for line in drops.said():
+        print(f"init: {line}", file=sys.stdout if args.output else sys.stderr)
     if args.output:
         Path(args.output).write_text(text, encoding="utf-8")
     else:
@@ -82,6 +87,21 @@ def run_init(args: argparse.Namespace) -> int:
         )
         return OK
     return _check_init(args, plan, source, model_file, world, order)
+
+
+def _linted(args: argparse.Namespace, source: Source, model, model_file: ModelFile, order):
+    """The starter `source` read and linted against the model, with the simulated step where the model file
+    gives example_input: its plan (None when unreadable), every diagnostic, and the world it was linted at."""
+    from ...frontend.read import read_source
+    from .lint import lint_against
+
+    plan, found = read_source(source, None, None)
+    if plan is None:
+        return None, found, args.tp * args.ep * args.cp * (args.dp or 2)
+    world = plan.meshes[0].fixed_size * (1 if args.dp else 2)
+    step = model_file.example_input is not None
+    linted, _ = lint_against(plan, model, model_file, world, order, step)
+    return plan, sorted([*found, *linted], key=sort_key), world
 
 
 def _said(args: argparse.Namespace, what: str) -> None:

@@ -20,15 +20,10 @@ def run_lint(args: argparse.Namespace) -> int:
     if plan is not None and model_file is not None:
         model = meta_model(model_file)
         world = plan_world(plan, args.world)
-        linted = _lint_model(plan, model, world, order_for(plan, model, model_file))
-        found = sorted([*found, *linted.diagnostics], key=sort_key)
-        if linted.ok and not args.no_step:
-            from ...explain.rehearsal import rehearse
-
-            rehearsal = rehearse(plan, model, model_file, world, linted.resolution)
-            if rehearsal.ran:  # what SL210 guesses from the plan, the step saw (SL222)
-                found = [d for d in found if d.code != "SL210"]
-            found, note = sorted([*found, *rehearsal.diagnostics], key=sort_key), rehearsal.note
+        linted, note = lint_against(
+            plan, model, model_file, world, order_for(plan, model, model_file), not args.no_step
+        )
+        found = sorted([*found, *linted], key=sort_key)
     emit_diagnostics(found, sources, args.format)
     if plan is None:
         return UNUSABLE
@@ -37,6 +32,21 @@ def run_lint(args: argparse.Namespace) -> int:
     elif args.format == "text" and note:
         print(f"lint: {note}", file=sys.stderr)
     return FOUND if any(d.is_error for d in found) else OK
+
+
+def lint_against(plan: Plan, model, model_file, world: int, order, step: bool = True) -> tuple[list, str]:
+    """lint of `plan` against `model` (on meta) at `world`: the rules, then (with `step`, when they found no
+    error) the simulated training step; its diagnostics, and the step's note. `lint` and `init` run it."""
+    linted = _lint_model(plan, model, world, order)
+    found = list(linted.diagnostics)
+    if not (linted.ok and step):
+        return found, ""
+    from ...explain.rehearsal import rehearse
+
+    rehearsal = rehearse(plan, model, model_file, world, linted.resolution)
+    if rehearsal.ran:  # what SL210 guesses from the plan, the step saw (SL222)
+        found = [d for d in found if d.code != "SL210"]
+    return [*found, *rehearsal.diagnostics], rehearsal.note
 
 
 def _lint_model(plan: Plan, model, world: int, order):

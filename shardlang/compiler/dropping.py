@@ -1,0 +1,85 @@
+"""What `shardlang init` leaves out of a starter plan after lint's simulated step found it cannot run, and why.
+
+init writes a plan, lints it with the step, and where an error points at a line it wrote, leaves that line's
+feature out and tries again (cli.commands.init): a tensor- or expert-parallel rule (Llama 4's rowwise
+`shared_expert.down_proj`, whose output the model adds to in place), context parallelism (a Mamba mixer beside
+the attention it splits: SL223), `mixed_precision` (a model that meets a float32 mask with a bf16 weight, or
+runs an FFT bf16 has no kernel for), and last a stack's blocks as fully_shard units (a model that reads a
+block's parameter outside its forward), the root then holding them. Each is written as a comment saying what
+lint found, so the plan says why it is smaller than what was asked for.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+import attrs
+from attrs import frozen
+
+#: A block's opening line in the plans init writes, and which feature its lines belong to.
+BLOCKS = (
+    (re.compile(r"^parallelize\b"), "rule"),
+    (re.compile(r"^context_parallel\b"), "cp"),
+    (re.compile(r"^fully_shard\b"), "unit"),
+)
+
+
+@frozen
+class Drops:
+    """What a starter leaves out, each with why: rules by key (tensor- and expert-parallel), context
+    parallelism, mixed precision, units by pattern (`stack.*`)."""
+
+    rules: Mapping[str, str] = attrs.field(factory=dict)
+    cp: str | None = None
+    mixed_precision: str | None = None
+    units: Mapping[str, str] = attrs.field(factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.rules or self.cp or self.mixed_precision or self.units)
+
+    def said(self) -> list[str]:
+        """One line per feature left out, for init's output."""
+        lines = [f"left out rule {key}: {why}" for key, why in self.rules.items()]
+        lines += [f"left out context parallelism: {self.cp}"] if self.cp else []
+        lines += [f"left out mixed_precision: {self.mixed_precision}"] if self.mixed_precision else []
+        return lines + [f"left out the units {key}: {why}" for key, why in self.units.items()]
+
+    def after(self, text: str, line: int, message: str) -> Drops | None:
+        """These drops and the feature of `text`'s line `line` (1-based) that an error `message` points at,
+        or None when that line is no feature init can leave out (or it already did)."""
+        lines = text.splitlines()
+        if not 0 < line <= len(lines):
+            return None
+        why = _why(message)
+        block = _block_of(lines, line - 1)
+        here = lines[line - 1].strip()
+        if block == "rule" and ":" in here and not here.startswith(("parallelize", "#")):
+            key = here.split(":", 1)[0].strip()
+            return None if key in self.rules else attrs.evolve(self, rules={**self.rules, key: why})
+        if block == "cp":
+            return None if self.cp else attrs.evolve(self, cp=why)
+        if block != "unit":
+            return None
+        if self.mixed_precision is None and any(m.strip().startswith("mixed_precision") for m in lines):
+            return attrs.evolve(self, mixed_precision=why)
+        unit = here.removeprefix("each ").strip() if here.startswith("each ") else None
+        if unit is None or unit in self.units:
+            return None
+        return attrs.evolve(self, units={**self.units, unit: why})
+
+
+def _block_of(lines: list[str], index: int) -> str | None:
+    """The feature of the block holding line `index`: the nearest opening line at or above it."""
+    for text in reversed(lines[: index + 1]):
+        stripped = text.strip()
+        if text and not text[0].isspace() and not stripped.startswith("#"):
+            return next((kind for pattern, kind in BLOCKS if pattern.match(stripped)), None)
+    return None
+
+
+def _why(message: str) -> str:
+    """A diagnostic's message, short enough for a comment: its first line without the step's name (the
+    comments name it), cut at a word within 200 characters."""
+    first = message.split("\n", 1)[0].removeprefix("the simulated training step ").rstrip(".")
+    return first if len(first) <= 200 else first[:200].rsplit(" ", 1)[0] + " ..."

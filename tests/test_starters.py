@@ -1,0 +1,169 @@
+"""What the zoo (issue 41) found wrong in init's starter plans, and lint missed: init meta's initialisers
+dispatched as transformers dispatches them (a vision tower's own `_init_weights`), the parameters they leave
+unwritten (SL224, and init writing `init rank0` for them), mixed dtypes that fake kernels let through, and
+init leaving out what lint's step finds cannot run (compiler.dropping). Fast lane but for the last tests,
+which run init and lint's step in a forked child."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from benchmarks import zoo  # noqa: E402
+from shardlang.compiler.dropping import Drops  # noqa: E402
+from shardlang.compiler.initialisers import initialisation_calls  # noqa: E402
+from shardlang.compiler.starter import init_plan  # noqa: E402
+from shardlang.explain.unwritten import left_unwritten  # noqa: E402
+
+
+def _meta(name: str) -> torch.nn.Module:
+    with torch.device("meta"):
+        return zoo.build(zoo.family(name))
+
+
+def test_a_vision_tower_is_initialised_by_its_own_init_weights():
+    """Gemma 3's SigLIP tower: from_config gives its position embedding std 1/sqrt(width) (0.125 at width
+    64), not the language model's 0.02; init meta's calls, made on a model allocated on the CPU, do too."""
+    torch.manual_seed(0)
+    built = zoo.build(zoo.family("gemma3"))
+    model = _meta("gemma3").to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for _, call, _ in initialisation_calls(model):
+            call()
+    name = "model.vision_tower.embeddings.position_embedding.weight"
+    want, got = dict(built.named_parameters())[name].std(), dict(model.named_parameters())[name].std()
+    assert want > 0.08 and abs(got / want - 1) < 0.2, (float(want), float(got))
+
+
+@pytest.mark.parametrize(
+    "name, unwritten",
+    [
+        ("apertus", [f"model.layers.{i}.mlp.act_fn.alpha_{s}" for i in (0, 1) for s in "pn"]),
+        ("nystromformer", ["cls.predictions.bias"]),
+        ("llama", []),
+        ("gemma3", []),
+    ],
+)
+def test_the_parameters_init_meta_leaves_unwritten(name, unwritten):
+    assert sorted(left_unwritten(_meta(name), None)) == sorted(unwritten)
+
+
+def test_unwritten_parameters_make_init_write_rank0():
+    model = _meta("apertus")
+    text = init_plan(model, name="apertus", unwritten=left_unwritten(model, None))
+    assert "\ninit rank0\n" in text and "\ninit meta" not in text
+    assert "model.layers.0.mlp.act_fn.alpha_p" in text and "SL224" in text
+
+
+def test_fake_kernels_refuse_mixed_dtypes_as_the_real_ones_do():
+    from shardlang.explain.fakestep import StandIns, recording_fake_mode
+    from shardlang.verification.comms import Calls
+
+    mode = recording_fake_mode(Calls(), StandIns())
+    a = mode.from_tensor(torch.ones(2, 3))
+    b, weight = (mode.from_tensor(torch.ones(shape, dtype=torch.bfloat16)) for shape in ((3, 4), (3,)))
+    with mode:
+        assert (a.bfloat16() @ b).dtype == torch.bfloat16
+        with pytest.raises(RuntimeError, match="same dtype"):
+            torch.mm(a, b)
+        assert torch.nn.functional.layer_norm(a.bfloat16(), (3,), weight.float()).dtype == torch.bfloat16
+        with pytest.raises(RuntimeError, match="layer_norm of a float32 input"):
+            torch.nn.functional.layer_norm(a, (3,), weight)
+
+
+TP_TEXT = """shardlang 1
+
+mesh world = auto[dp=auto, tp=2]
+
+parallelize on world.tp {
+    model.layers.*.self_attn.q_proj : colwise
+    model.layers.*.mlp.down_proj    : rowwise
+}
+
+context_parallel on world.cp {
+    each model.layers.*.self_attn
+}
+
+fully_shard on world.dp {
+    each model.layers.*
+    mixed_precision(param=bf16, reduce=fp32)
+}
+
+init meta
+"""
+
+
+def test_what_an_error_at_a_line_leaves_out():
+    line = {text.strip(): n for n, text in enumerate(TP_TEXT.splitlines(), 1)}
+    drops = Drops().after(TP_TEXT, line["model.layers.*.mlp.down_proj    : rowwise"], "raises in module 'x'\nmore")
+    assert drops.rules == {"model.layers.*.mlp.down_proj": "raises in module 'x'"}
+    assert drops.after(TP_TEXT, line["model.layers.*.mlp.down_proj    : rowwise"], "again") is None  # once
+    assert Drops().after(TP_TEXT, line["each model.layers.*.self_attn"], "mixes positions").cp == "mixes positions"
+    unit = line["each model.layers.*"]
+    first = Drops().after(TP_TEXT, unit, "Unsupported dtype BFloat16")
+    assert first.mixed_precision and not first.units  # mixed precision goes first, then the unit
+    assert first.after(TP_TEXT, unit, "still").units == {"model.layers.*": "still"}
+    assert Drops().after(TP_TEXT, line["init meta"], "SL224") is None
+    assert Drops().after(TP_TEXT, 99, "out of the text") is None
+
+
+def test_init_writes_what_it_left_out_as_comments():
+    model = _meta("llama")
+    drops = Drops(
+        rules={"model.layers.*.mlp.down_proj": "raises"},
+        mixed_precision="Unsupported dtype BFloat16",
+        units={"model.layers.*": "reads a weight outside its forward"},
+    )
+    text = init_plan(model, tp=2, name="llama", drops=drops)
+    assert "    # model.layers.*.mlp.down_proj    : rowwise: left out (lint's simulated step: raises)\n" in text
+    assert "mixed_precision(" not in text and "No mixed_precision" in text
+    assert "each model.layers.*" not in text and "the root holds them" in text
+    assert "model.layers.*.mlp.up_proj" in text and "tp=2" in text
+    every = Drops(rules={key: "raises" for key in zoo_tp_keys(model)})
+    fsdp_only = init_plan(model, tp=2, name="llama", drops=every)
+    assert "mesh world = auto[dp=auto]\n" in fsdp_only  # no rule left: no tp dim (SL217)
+    assert "found that none of its rules runs" in fsdp_only
+
+
+def zoo_tp_keys(model) -> list[str]:
+    from shardlang.compiler.starter import hf_tp_plan
+
+    return list(hf_tp_plan(model))
+
+
+@pytest.mark.distributed
+def test_lint_finds_what_init_meta_leaves_unwritten(tmp_path, capsys, monkeypatch):
+    from shardlang.cli.main import main
+
+    model = _model_file(tmp_path, "apertus")
+    plan = tmp_path / "apertus.sl"
+    plan.write_text("shardlang 1\nmesh world = cpu[dp=2]\nfully_shard on world.dp { each model.layers.* }\ninit meta\n")
+    assert main(["lint", str(plan), str(model), "--format", "json"]) == 1
+    out = capsys.readouterr().out
+    assert '"code": "SL224"' in out and "alpha_p" in out and '"line": 4' in out
+
+
+@pytest.mark.distributed
+def test_init_leaves_out_mixed_precision_where_the_model_cannot_run_bf16(tmp_path, capsys):
+    """FNet's Fourier transform has no bf16 kernel: init's first plan fails lint's step in the unit holding
+    it; the plan it writes has no mixed_precision, says why, and passes every check."""
+    from shardlang.cli.main import main
+
+    plan = tmp_path / "fnet.sl"
+    assert main(["init", str(_model_file(tmp_path, "fnet")), "-o", str(plan)]) == 0
+    out = capsys.readouterr().out
+    assert "init: left out mixed_precision: raises in module 'fnet.encoder.layer.0.fourier.self'" in out
+    assert "linted clean and applied at world 2 on CPU" in out
+    text = plan.read_text()
+    assert "mixed_precision(" not in text and "# No mixed_precision (lint's simulated step" in text
+
+
+def _model_file(tmp_path, name: str):
+    from benchmarks.zoo.build import MODEL_FILE
+
+    path = tmp_path / f"{name}.py"
+    path.write_text(MODEL_FILE.format(model_class=zoo.family(name).model_class, name=name))
+    return path
