@@ -30,7 +30,7 @@ def run(fam: Family, mode: str, timeout: float) -> dict:
     ran = shardlang(["init", str(model), *MODES[mode], "--no-check", "-o", str(plan)], timeout)
     record = {"init": init_verdict(ran)}
     if not plan.exists():
-        record["crash"] = ran.crashed or ran.exit == 2
+        record["crash"] = ran.crashed  # exit 2 with a diagnostic and no traceback is init refusing, not a crash
         record["tail"] = ran.tail()
         return record
     world = str(record["init"]["world"] or (2 if mode == "plain" else 4))
@@ -96,8 +96,8 @@ def table(path: Path) -> str:
         "",
     ]
     lines += [
-        "| mode | tried | built | pass | fail | crash | lint agrees | false alarm | miss | lint crash |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | tried | built | pass | fail | crash | init refused | lint agrees | false alarm | miss | lint crash |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode in MODES:
         rows = [r for r in records if r["mode"] == mode]
@@ -106,7 +106,7 @@ def table(path: Path) -> str:
             built = sum(r.get("built") is True for r in rows)
             lines.append(
                 f"| {mode} | {len(rows)} | {built} | {count('outcome', 'pass')} | {count('outcome', 'fail')} "
-                f"| {count('outcome', 'crash')} | {count('agreement', 'agree')} | "
+                f"| {count('outcome', 'crash')} | {count('outcome', 'init refused')} | {count('agreement', 'agree')} | "
                 f"{count('agreement', 'false alarm')} | {count('agreement', 'miss')} | "
                 f"{count('agreement', 'lint crash')} |"
             )

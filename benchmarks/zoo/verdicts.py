@@ -115,8 +115,9 @@ def judged(record: dict) -> dict:
     if "built" in record and record["built"] is not True:
         return {"outcome": "not built", "agreement": "-", "class": None}
     lint, applied = record.get("lint"), record.get("apply")
-    if lint is None:
-        return {"outcome": "crash", "agreement": "-", "class": f"init: {normalised(record['init']['said'])}"}
+    if lint is None:  # init wrote no plan: a crash (a traceback, a timeout), or init refusing the model, saying why
+        outcome = "crash" if record.get("crash", True) else "init refused"
+        return {"outcome": outcome, "agreement": "-", "class": f"init: {normalised(record['init']['said'])}"}
     outcome = "crash" if record["crash"] else {"pass": "pass", "fail": "fail"}.get(applied["verdict"], "crash")
     if lint["verdict"] == "crash":
         agreement = "lint crash"
