@@ -19,15 +19,17 @@ RESULTS = ROOT / "benchmarks" / "zoo_results.jsonl"
 MODES = {"plain": (), "tp": ("--tp", "2"), "ep": ("--ep", "2"), "cp": ("--cp", "2")}
 
 
-def run(fam: Family, mode: str, timeout: float) -> dict:
-    """init, lint and apply of one family's starter plan in one mode, each in its own process."""
+def run(fam: Family, mode: str, timeout: float, dp: int | None = None) -> dict:
+    """init, lint and apply of one family's starter plan in one mode, each in its own process; `dp`: init's
+    --dp (None: its own, 2 where the plan says auto)."""
     CACHE.mkdir(parents=True, exist_ok=True)
     (CACHE / ".gitignore").write_text("*\n")  # generated files, never committed
     model = CACHE / f"{fam.name.replace('-', '_')}.py"
     model.write_text(MODEL_FILE.format(model_class=fam.model_class, name=fam.name), encoding="utf-8")
     plan = CACHE / f"{model.stem}.{mode}.sl"
     plan.unlink(missing_ok=True)
-    ran = shardlang(["init", str(model), *MODES[mode], "--no-check", "-o", str(plan)], timeout)
+    given = ["--dp", str(dp)] if dp else []
+    ran = shardlang(["init", str(model), *MODES[mode], *given, "--no-check", "-o", str(plan)], timeout)
     record = {"init": init_verdict(ran)}
     if not plan.exists():
         record["crash"] = ran.crashed  # exit 2 with a diagnostic and no traceback is init refusing, not a crash
@@ -73,7 +75,7 @@ def sweep(args: argparse.Namespace) -> None:
             elif not applies(fam, mode):
                 continue
             else:
-                record |= {"built": True, **run(fam, mode, args.timeout)}
+                record |= {"built": True, **run(fam, mode, args.timeout, args.dp)}
             record |= judged(record) | {"seconds": round(time.perf_counter() - start, 1)}
             with args.results.open("a", encoding="utf-8") as out:
                 out.write(json.dumps(record) + "\n")
@@ -153,6 +155,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="families (model_type names) to run")
     parser.add_argument("--shard", default="0/1", help="I/N: every Nth family from the Ith (0-based)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per command")
+    parser.add_argument("--dp", type=int, help="init's --dp (1: the tp, ep or cp ranks alone, world 2 at size 2)")
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--table", action="store_true", help="print the summary of the results file and exit")
     parser.add_argument("--built", action="store_true", help="only build each family and run its unsharded step")
