@@ -45,6 +45,25 @@ def test_examples_mlp_gets_the_rules_of_plans_mlp_tp():
     assert _proposed(mlp.build_model()) == [("net1", "colwise"), ("net2", "rowwise")]
 
 
+class _Named(nn.Module):
+    def __init__(self, first: str, second: str, width: int):
+        super().__init__()
+        setattr(self, first, nn.Linear(16, width))
+        setattr(self, second, nn.Linear(width, 16))
+
+
+@pytest.mark.parametrize(
+    "mlp, up, down",
+    [
+        (nn.Sequential(nn.Linear(16, 4), nn.ReLU(), nn.Linear(4, 16)), "0", "2"),  # a bottleneck runs 0 then 2
+        (_Named("fc2", "fc1", 16), "fc1", "fc2"),  # square and declared down first: the names tell
+        (_Named("w_in", "fc2", 32), "w_in", "fc2"),
+    ],
+)
+def test_an_mlps_down_projection_is_the_one_that_runs_last(mlp, up, down):
+    assert _proposed(mlp) == [(up, "colwise"), (down, "rowwise")]
+
+
 def test_torchtitans_llama3_gets_its_nested_projections():
     """torchtitan's GQAttention holds q, k and v inside its qkv_linear; 4 heads and 2 kv heads split over 2."""
     titan = pytest.importorskip("examples.titan_llama3")

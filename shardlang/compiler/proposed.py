@@ -275,8 +275,9 @@ def _per_head_norms(norms: list, roles: dict, head_dim: int, attention: nn.Modul
 
 def _mlp_rules(module: nn.Module, tp: int) -> list[tuple[str, str, str | None, str]]:
     """An MLP by its shape: a module whose only parameters are two or three nn.Linear children, one
-    (or two: gate and up) from the model width d to a hidden width h and one back from h to d. Its up
-    projections column-wise and its down row-wise, if h splits over tp; keys relative to the module."""
+    (or two: gate and up) from the model width d to a hidden width h and one back from h to d (`_down`).
+    Its up projections column-wise and its down row-wise, if h splits over tp; keys relative to the
+    module."""
     leaves = list(_leaves_with_parameters(module))
     if not 2 <= len(leaves) <= 3 or any("." in path for path, _ in leaves):
         return []
@@ -300,14 +301,14 @@ def _pair(leaves) -> bool:
 
 
 def _down(leaves) -> tuple[str, nn.Linear] | None:
-    """The down projection: the one Linear that narrows (h -> d) where the others widen, or, when the
-    widths are equal, the one named as a down projection."""
-    narrowing = [(p, m) for p, m in leaves if m.in_features > m.out_features]
-    widening = [(p, m) for p, m in leaves if m.in_features < m.out_features]
-    if len(narrowing) == 1 and len(widening) == len(leaves) - 1:
-        return narrowing[0]
+    """The down projection, which runs last: of three, the one whose shape is not the other two's (those
+    are gate and up); of two, the one named as a down projection (`fc2`, `w2`, ...), else the second
+    declared (a bottleneck d -> r -> d narrows first, so which one narrows cannot tell)."""
     named = [(p, m) for p, m in leaves if p.lower() in DOWN]
-    return named[0] if len(named) == 1 and not narrowing and not widening else None
+    if len(leaves) == 3:
+        odd = [(p, m) for p, m in leaves if sum(o.weight.shape == m.weight.shape for _, o in leaves) == 1]
+        return odd[0] if len(odd) == 1 else named[0] if len(named) == 1 else None
+    return named[0] if len(named) == 1 else leaves[-1]
 
 
 def _vocabulary_rules(model: nn.Module, stacks: tuple[str, ...], tp: int) -> list[tuple[str, str, str | None, str]]:
