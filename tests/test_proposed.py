@@ -9,7 +9,7 @@ import pytest
 import torch.nn as nn
 
 from examples import llama, mlp
-from shardlang.compiler.proposed import proposed_tp_rules
+from shardlang.compiler.proposed import proposed_tp_groups, proposed_tp_rules, with_partners
 from shardlang.compiler.starter import block_stacks, init_plan
 from shardlang.frontend.patterns import modules_matching
 
@@ -274,6 +274,22 @@ def test_init_plan_keeps_the_comment_when_nothing_proposed_fits():
     said = " ".join(line.lstrip("# ") for line in text.splitlines())
     assert "no tp_plan of its own and no rule proposed from its structure fits it" in said
     assert "#     layers.*.feed_forward.w2 : structure: its hidden width 64 does not split over tp=3" in text
+
+
+def test_a_rule_left_out_takes_its_group_with_it():
+    """Falcon adds in place to its MLP's row-wise output, a view: lint's step leaves out the down projection,
+    and the up projection goes with it (alone it would hand the down a split activation); the attention,
+    another group, stays. An untied embedding and output layer are each a group of their own."""
+    from shardlang.compiler.dropping import Drops
+
+    why = "raises in module 'layers.0' (TransformerBlock), in its forward: RuntimeError: ... modified inplace"
+    text = init_plan(llama.build_model(), tp=2, name="llama", drops=Drops(rules={"layers.*.feed_forward.w2": why}))
+    assert (
+        "    # layers.*.feed_forward.{w1,w3} : structure: left out (lint's simulated step: it runs only with " in text
+    )
+    assert "    layers.*.attention.wo         : rowwise\n" in text and "    output                        : " in text
+    groups = proposed_tp_groups(llama.build_model(), ("layers",), 2)
+    assert with_partners(groups, {"output": "why"}) == {"output": "why"}
 
 
 @pytest.mark.distributed

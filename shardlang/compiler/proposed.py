@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch.nn as nn
 
@@ -64,30 +64,50 @@ def proposed_tp_rules(model: nn.Module, stacks: tuple[str, ...], tp: int) -> lis
     (compiler.starter.block_stacks), written `stack.*.path`, each attention's projections and each MLP's
     pair; outside the stacks, MLPs, the token embedding and the output layer. Only splits that divide
     evenly by `tp`."""
-    rules = []
+    return [rule for group in proposed_tp_groups(model, stacks, tp) for rule in group]
+
+
+def proposed_tp_groups(model: nn.Module, stacks: tuple[str, ...], tp: int) -> list[list[tuple]]:
+    """proposed_tp_rules' rules in the groups that only run together: an attention's, an MLP's (a
+    column-wise half hands a split activation to its row-wise half), the holders of one tied weight;
+    an untied embedding and output layer each alone."""
+    groups = []
     for stack in stacks:
         first = next(iter(model.get_submodule(stack).named_children()), None)
         if first is not None:
-            rules += [(f"{stack}.*.{key}", *rest) for key, *rest in _block_rules(first[1], tp)]
+            groups += [[(f"{stack}.*.{key}", *rest) for key, *rest in group] for group in _block_groups(first[1], tp)]
     for fqn, module in model.named_modules():
         if not any(within(fqn, stack) for stack in stacks):
-            rules += [(_joined(fqn, key), *rest) for key, *rest in _mlp_rules(module, tp)]
-    return rules + _vocabulary_rules(model, stacks, tp)
+            groups.append([(_joined(fqn, key), *rest) for key, *rest in _mlp_rules(module, tp)])
+    return [group for group in groups + _vocabulary_groups(model, stacks, tp) if group]
+
+
+def with_partners(groups: list[list[tuple]], dropped: Mapping[str, str]) -> dict[str, str]:
+    """`dropped` (rule key -> why it is left out) and, for each, the other rules of its group (which
+    cannot run without it: a column-wise up projection whose row-wise down was left out would hand the
+    model a split activation), each with why."""
+    together = dict(dropped)
+    for group in groups:
+        gone = next((key for key, _, ours, _ in group if key in dropped and ours is not None), None)
+        for key, _, ours, _ in group if gone else ():
+            if ours is not None and key not in together:
+                together[key] = f"it runs only with {gone}, left out: {dropped[gone]}"
+    return together
 
 
 def _joined(prefix: str, path: str) -> str:
     return f"{prefix}.{path}" if prefix else path
 
 
-def _block_rules(block: nn.Module, tp: int) -> list[tuple[str, str, str | None, str]]:
-    """The rules inside one block, keys relative to it: its attentions, then its MLPs (not inside an
-    attention, nor inside a container of the block: experts are `--ep`'s)."""
+def _block_groups(block: nn.Module, tp: int) -> list[list[tuple]]:
+    """The rules inside one block, keys relative to it, a group each attention and MLP: its attentions,
+    then its MLPs (not inside an attention, nor inside a list of experts: those are `--ep`'s)."""
     attentions = _outermost(block, _is_attention)
-    rules = [rule for path in attentions for rule in _attention_rules(block.get_submodule(path), path, tp)]
+    groups = [_attention_rules(block.get_submodule(path), path, tp) for path in attentions]
     for path, module in block.named_modules():
         if not any(within(path, a) for a in attentions) and not _in_container(block, path):
-            rules += [(_joined(path, key), *rest) for key, *rest in _mlp_rules(module, tp)]
-    return rules
+            groups.append([(_joined(path, key), *rest) for key, *rest in _mlp_rules(module, tp)])
+    return groups
 
 
 def _is_attention(module: nn.Module) -> bool:
@@ -311,7 +331,7 @@ def _down(leaves) -> tuple[str, nn.Linear] | None:
     return named[0] if len(named) == 1 else leaves[-1]
 
 
-def _vocabulary_rules(model: nn.Module, stacks: tuple[str, ...], tp: int) -> list[tuple[str, str, str | None, str]]:
+def _vocabulary_groups(model: nn.Module, stacks: tuple[str, ...], tp: int) -> list[list[tuple]]:
     """The token embedding split by vocabulary and the output layer (the Linear back to the vocabulary)
     gathering its logits, outside the stacks. Where the embedding's weight is tied, every module holding
     it gets its rule (T5's `shared` and its encoder's and decoder's `embed_tokens`, GPT-2's `lm_head`),
@@ -335,11 +355,13 @@ def _vocabulary_rules(model: nn.Module, stacks: tuple[str, ...], tp: int) -> lis
     sharing = _sharing(model, weight) - set(holders)
     if sharing:  # a tied weight placed by one rule and not the other: SL203's different placements
         why = f"its weight is also {min(sharing)}'s, which no rule proposed here places: not proposed"
-        return [(fqn, SOURCE, None, why) for fqn, _ in found]
+        return [[(fqn, SOURCE, None, why) for fqn, _ in found]]
     if vocab % tp:
         why = f"its vocabulary of {vocab} does not split over tp={tp}: not proposed"
-        return [(fqn, SOURCE, None, why) for fqn, _ in found]
-    return [(fqn, SOURCE, style, "") for fqn, style in found]
+        return [[(fqn, SOURCE, None, why) for fqn, _ in found]]
+    rules = [(fqn, SOURCE, style, "") for fqn, style in found]
+    tied = [rule for rule in rules if holders[rule[0]].weight is weight]
+    return ([tied] if len(tied) > 1 else []) + [[rule] for rule in rules if len(tied) == 1 or rule not in tied]
 
 
 def _sharing(model: nn.Module, weight) -> set[str]:

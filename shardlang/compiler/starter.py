@@ -15,7 +15,7 @@ from ..frontend.patterns import modules_matching, pattern_regex, within
 from .dropping import Drops
 from .initialisers import is_hugging_face
 from .predict import expert_tp_layout, stacked_experts
-from .proposed import proposed_tp_rules
+from .proposed import proposed_tp_groups, with_partners
 from .trace import Order
 
 #: Hugging Face TP styles (transformers' ParallelInterface names) and the shardlang style that does the
@@ -290,7 +290,8 @@ def init_plan(
     split = [key for key, _, ours, _ in experts if ours is not None]
     rules = [(key, style, *translate(model, key, style)) for key, style in hf_tp_plan(model).items()] if tp > 1 else []
     proposed = tp > 1 and not rules  # no tp_plan of its own: rules read off its structure (compiler.proposed)
-    rules = proposed_tp_rules(model, stacks, tp) if proposed else rules
+    groups = proposed_tp_groups(model, stacks, tp) if proposed else []
+    rules = [rule for group in groups for rule in group] if proposed else rules
     # Tensor parallelism inside the experts expert parallelism splits: not both (expert_tensor_parallel
     # and expert_parallel on one module: not yet).
     rules = [
@@ -299,7 +300,7 @@ def init_plan(
         else (key, style, ours, why)
         for key, style, ours, why in rules
     ]
-    rules = _left_out(rules, drops.rules)
+    rules = _left_out(rules, with_partners(groups, drops.rules))  # a proposed rule's group goes with it
     keeps_tp = any(ours is not None for _, _, ours, _ in rules)
     attention, no_attention = attention_patterns(model, stacks) if cp > 1 else ((), "")
     if drops.cp:
