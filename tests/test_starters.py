@@ -167,3 +167,22 @@ def _model_file(tmp_path, name: str):
     path = tmp_path / f"{name}.py"
     path.write_text(MODEL_FILE.format(model_class=zoo.family(name).model_class, name=name))
     return path
+
+
+@pytest.mark.distributed
+def test_init_moves_on_when_the_init_check_alone_fails(tmp_path, capsys, monkeypatch):
+    """`init meta with init_weights` where build_model() never calls init_weights fails its init check:
+    init writes plain `init meta` instead, with a comment, and that plan passes every check."""
+    from shardlang.cli.main import main
+
+    from .conftest import ROOT
+
+    monkeypatch.chdir(ROOT)
+    plan = tmp_path / "plan.sl"
+    assert main(["init", "tests/faults/uncalled_init_weights.py", "-o", str(plan)]) == 0
+    captured = capsys.readouterr()
+    assert "`init meta with init_weights` failed its init check" in captured.err
+    assert "init: left out `init meta with init_weights`: its init check failed" in captured.out
+    assert "linted clean and applied at world 2 on CPU" in captured.out
+    text = plan.read_text()
+    assert "\ninit meta\n" in text and "# Not `init meta with init_weights`: its init check failed" in text

@@ -236,6 +236,38 @@ def root_initialiser(model: nn.Module) -> str | None:
     return next((name for name in ROOT_INITIALISERS if callable(getattr(model, name, None))), None)
 
 
+def _init_lines(method: str | None, unwritten: Sequence[str], failed: Mapping[str, str]) -> list[str]:
+    """The init statement and its comment: `init meta with METHOD` where the root has a whole-model
+    initialiser, else `init meta`, else `init rank0` (rank 0 builds the model as build_model() does), the
+    first whose init check did not fail (`failed`, from init's apply), and `init rank0` at once where init
+    meta's initialisers leave parameters unwritten (SL224)."""
+    if unwritten:
+        said = (
+            f"Not `init meta`: the model's initialisers leave {len(unwritten)} parameter"
+            f"{'s' if len(unwritten) > 1 else ''} unwritten, whose values only its constructor computes "
+            f"({', '.join(unwritten[:3])}{', ...' if len(unwritten) > 3 else ''}; SL224). Rank 0 builds the "
+            "model on its CPU and sends each rank its shards."
+        )
+        return [*(f"# {line}" for line in textwrap.wrap(said, 98)), "init rank0"]
+    tried = [f"Not `init {key}`: its init check failed ({why})." for key, why in failed.items()]
+    said = [f"# {line}" for text in tried for line in textwrap.wrap(text, 98)]
+    if method is not None and f"meta with {method}" not in failed:
+        return [
+            *said,
+            f"# Parameters on the meta device, initialised on their ranks by the model's own `{method}()`, called",
+            "# on the root as a whole-model initialiser is (if build_model() initialises another way, say which).",
+            f"init meta with {method}",
+        ]
+    if "meta" not in failed:
+        return [
+            *said,
+            "# Parameters on the meta device, each shard initialised on its own rank by the model's own",
+            "# initialisers; buffers computed at construction are kept.",
+            "init meta",
+        ]
+    return [*said, "# Rank 0 builds the model as build_model() does and sends each rank its shards.", "init rank0"]
+
+
 def _left_out(rules, dropped: Mapping[str, str]) -> list[tuple[str, str, str | None, str]]:
     """`rules` (init_plan's 4-tuples) with those whose key `dropped` names turned into comments saying why."""
     return [
@@ -380,29 +412,7 @@ def init_plan(
     lines += [f"    each {stack}.*" for stack in stacks if f"{stack}.*" not in drops.units]
     lines += [] if drops.mixed_precision else ["    mixed_precision(param=bf16, reduce=fp32)"]
     lines += ["}"]
-    method = root_initialiser(model)
-    if unwritten:
-        said = (
-            f"Not `init meta`: the model's initialisers leave {len(unwritten)} parameter"
-            f"{'s' if len(unwritten) > 1 else ''} unwritten, whose values only its constructor computes "
-            f"({', '.join(unwritten[:3])}{', ...' if len(unwritten) > 3 else ''}; SL224). Rank 0 builds the "
-            "model on its CPU and sends each rank its shards."
-        )
-        lines += ["", *(f"# {line}" for line in textwrap.wrap(said, 98)), "init rank0"]
-    elif method is None:
-        lines += [
-            "",
-            "# Parameters on the meta device, each shard initialised on its own rank by the model's own",
-            "# initialisers; buffers computed at construction are kept.",
-            "init meta",
-        ]
-    else:
-        lines += [
-            "",
-            f"# Parameters on the meta device, initialised on their ranks by the model's own `{method}()`, called",
-            "# on the root as a whole-model initialiser is (if build_model() initialises another way, say which).",
-            f"init meta with {method}",
-        ]
+    lines += ["", *_init_lines(root_initialiser(model), unwritten, drops.inits)]
     lines += [
         "",
         "# No verify statement: apply runs all six checks.",

@@ -45,9 +45,9 @@ def run_init(args: argparse.Namespace) -> int:
     model = meta_model(model_file)
     order = order_always(model, model_file)
     unwritten = left_unwritten(model, root_initialiser(model)) or ()
-    drops = Drops()
-    for _ in range(ROUNDS):  # each round leaves out one feature that lint's step found cannot run
-        text = init_plan(
+
+    def written(drops: Drops) -> str:
+        return init_plan(
             model,
             tp=args.tp,
             dp=args.dp,
@@ -58,6 +58,25 @@ def run_init(args: argparse.Namespace) -> int:
             unwritten=unwritten,
             drops=drops,
         )
+
+    drops = Drops()
+    while True:  # lint, then apply's checks; an init mode whose init check alone fails gives way to the next
+        text, source, plan, found, world, drops = _lint_rounds(args, written, drops, model, model_file, order)
+        verdict = _verdict(args, text, source, plan, found, world, drops, model_file)
+        if verdict is not None:
+            return verdict
+        status, failed_init = _check_init(args, plan, source, model_file, world, order)
+        fewer = failed_init and drops.after_init(plan.init, failed_init)
+        if not fewer:
+            return status
+        drops = fewer
+
+
+def _lint_rounds(args, written, drops, model, model_file: ModelFile, order):
+    """The starter written and linted, leaving out one feature a round that an error points at (at most
+    ROUNDS): its text, source, plan, diagnostics, world, and what was left out."""
+    for _ in range(ROUNDS):
+        text = written(drops)
         source = Source(args.output or "<init>", text)
         plan, found, world = _linted(args, source, model, model_file, order)
         error = next((d for d in found if d.is_error and d.span is not None and d.span.file == source.name), None)
@@ -65,6 +84,11 @@ def run_init(args: argparse.Namespace) -> int:
         if not fewer:
             break
         drops = fewer
+    return text, source, plan, found, world, drops
+
+
+def _verdict(args, text: str, source: Source, plan, found, world: int, drops, model_file: ModelFile) -> int | None:
+    """Write the plan and say what lint found; the exit status, or None when the plan is to be applied."""
     for line in drops.said():
         print(f"init: {line}", file=sys.stdout if args.output else sys.stderr)
     if args.output:
@@ -86,7 +110,7 @@ def run_init(args: argparse.Namespace) -> int:
             "gradients check needs: add one, or run `shardlang apply --verify ...` yourself",
         )
         return OK
-    return _check_init(args, plan, source, model_file, world, order)
+    return None
 
 
 def _linted(args: argparse.Namespace, source: Source, model, model_file: ModelFile, order):
@@ -112,8 +136,11 @@ def _said(args: argparse.Namespace, what: str) -> None:
         print(f"shardlang init: {what}", file=sys.stderr)
 
 
-def _check_init(args: argparse.Namespace, plan: Plan, source: Source, model_file: ModelFile, world: int, order) -> int:
-    """Apply init's plan at `world` on CPU workers (gloo), as `apply --device cpu` does, with its checks."""
+def _check_init(
+    args: argparse.Namespace, plan: Plan, source: Source, model_file: ModelFile, world: int, order
+) -> tuple[int, str | None]:
+    """Apply init's plan at `world` on CPU workers (gloo), as `apply --device cpu` does, with its checks: the
+    exit status, and the init check's message where it alone failed (another init mode may pass)."""
     from ...launch.failures import WorkerError
     from ...launch.job import Job
 
@@ -126,13 +153,21 @@ def _check_init(args: argparse.Namespace, plan: Plan, source: Source, model_file
     except WorkerError as e:
         worker_failed(e, {source.name: source}, False, Out(json=False))
         _said(args, f"applied at world {world} on CPU: it did not run to the end; do not train with it as it is")
-        return UNUSABLE
+        return UNUSABLE, None
     counts = report.summary
     if report.ok and report.usable:
         _said(args, f"linted clean and applied at world {world} on CPU: {counts or 'every check passed'}")
-        return OK
+        return OK, None
+    failed = {c.check: c.message for c in report.checks if c.status == "fail"}
+    if list(failed) == ["init"] and plan.init.mode == "meta":
+        print(f"init: `{_init_text(plan)}` failed its init check; trying the next init mode", file=sys.stderr)
+        return FOUND, failed["init"]
     from ...launch.report import render
 
     render(report, {source.name: source}, Console(file=sys.stderr, highlight=False, soft_wrap=True))
     _said(args, f"applied at world {world} on CPU, its checks FAILED ({counts}): edit it before training with it")
-    return FOUND
+    return FOUND, None
+
+
+def _init_text(plan: Plan) -> str:
+    return f"init {plan.init.mode}" + (f" with {plan.init.method}" if plan.init.method else "")
