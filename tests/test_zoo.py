@@ -82,3 +82,16 @@ def test_a_class_names_the_first_code_with_names_and_numbers_blanked():
     assert zoo.judged(_record("clean", "fail"))["class"] == "apply gradients: gradients: Nx"
     assert zoo.normalised("model.layers.0.mlp.act_fn.alpha_p: off by 0.203") == "_._: off by N"
     assert zoo.judged({"built": "TypeError: no"})["outcome"] == "not built"
+
+
+def test_the_planted_mistake_removes_the_first_rowwise_rule_in_the_blocks():
+    from benchmarks.zoo.plant import named, planted
+
+    text = "parallelize on world.tp {\n    lm_head : rowwise\n    model.layers.*.self_attn.o_proj : rowwise\n"
+    text += "    model.layers.*.mlp.down_proj    : rowwise(output=shard(1))\n}\n"
+    wrong, rule = planted(text)
+    assert rule == "model.layers.*.self_attn.o_proj" and "o_proj" not in wrong and "down_proj" in wrong
+    assert planted("parallelize on world.tp {\n    lm_head : rowwise\n}\n") is None
+    assert named(rule, "raises in module 'model.layers.0.self_attn.o_proj' (Linear)")
+    assert not named(rule, "raises in module 'model.layers.0.self_attn.o_proj_extra'")
+    assert not named(rule, "raises in module 'model.layers.0.self_attn'")

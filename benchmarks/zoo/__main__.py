@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from benchmarks.zoo.build import MODEL_FILE, ROOT, Family, applies, families, probe
+from benchmarks.zoo.plant import plant
 from benchmarks.zoo.verdicts import apply_verdict, init_verdict, judged, lint_verdict, normalised, shardlang
 
 CACHE = ROOT / "benchmarks" / ".zoo"
@@ -44,6 +45,8 @@ def run(fam: Family, mode: str, timeout: float, dp: int | None = None) -> dict:
     record["crash"] = any(r.crashed for r in (ran, ran_lint, ran_apply))
     if record["crash"] or record["apply"]["verdict"] != "pass":
         record["tail"] = next((r.tail() for r in (ran, ran_lint, ran_apply) if r.crashed), ran_apply.tail())
+    elif mode == "tp":  # a plan that passed: its planted mistake must fail, named
+        record["planted"] = plant(plan, model, world, timeout, shardlang)
     return record
 
 
@@ -112,6 +115,15 @@ def table(path: Path) -> str:
                 f"{count('agreement', 'false alarm')} | {count('agreement', 'miss')} | "
                 f"{count('agreement', 'lint crash')} |"
             )
+    plants = {r["family"]: r["planted"] for r in records if r.get("planted")}
+    if plants:
+        missed = [f for f, p in plants.items() if not p["caught"]]
+        lines += [
+            "",
+            f"planted mistakes (tp: the first rowwise rule in the blocks removed): {len(plants) - len(missed)} of "
+            f"{len(plants)} failed in lint and in apply, naming the module"
+            + (f"; not: {', '.join(missed)}" if missed else ""),
+        ]
     lines += ["", "| class | mode | outcome / lint vs apply | families |", "|---|---|---|---|"]
     classes: dict[tuple, list[str]] = {}
     for r in records:
