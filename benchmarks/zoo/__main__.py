@@ -93,8 +93,12 @@ def sweep(args: argparse.Namespace) -> None:
 
 def table(path: Path) -> str:
     """The summary: outcomes and lint-vs-apply by mode, then the failures grouped by class with examples."""
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    records = [r | judged(r) for r in records]  # classes as this version of the sweep names them
+    newest = {}
+    for line in path.read_text().splitlines():  # the newest record of each (family, mode): a re-run after a fix
+        if line.strip():
+            record = json.loads(line)
+            newest[(record["family"], record["mode"])] = record
+    records = [r | judged(r) for r in newest.values()]  # classes as this version of the sweep names them
     lines = [
         f"{len({r['family'] for r in records})} families tried, "
         f"{len({r['family'] for r in records if r.get('built') is True})} built",
