@@ -186,3 +186,22 @@ def test_init_moves_on_when_the_init_check_alone_fails(tmp_path, capsys, monkeyp
     assert "linted clean and applied at world 2 on CPU" in captured.out
     text = plan.read_text()
     assert "\ninit meta\n" in text and "# Not `init meta with init_weights`: its init check failed" in text
+
+
+def test_init_says_which_proposed_rules_went_with_one_left_out():
+    """examples/mlp.py has no TP plan: init proposes net1 colwise and net2 rowwise, a group. Where lint's step
+    leaves net2 out, net1 goes too, and init's output says so for each."""
+    import importlib.util
+
+    from shardlang.cli.commands.init import _partners_left_out
+
+    from .conftest import ROOT
+
+    spec = importlib.util.spec_from_file_location("mlp", ROOT / "examples" / "mlp.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with torch.device("meta"):
+        model = module.build_model()
+    text = init_plan(model, tp=2, name="mlp", drops=Drops(rules={"net2": "raises"}))
+    assert "mesh world = auto[dp=auto]\n" in text  # no rule left: no tp dim
+    assert _partners_left_out(text) == ["left out rule net1: it runs only with net2, left out: raises"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -89,7 +90,7 @@ def _lint_rounds(args, written, drops, model, model_file: ModelFile, order):
 
 def _verdict(args, text: str, source: Source, plan, found, world: int, drops, model_file: ModelFile) -> int | None:
     """Write the plan and say what lint found; the exit status, or None when the plan is to be applied."""
-    for line in drops.said():
+    for line in [*drops.said(), *_partners_left_out(text)]:
         print(f"init: {line}", file=sys.stdout if args.output else sys.stderr)
     if args.output:
         Path(args.output).write_text(text, encoding="utf-8")
@@ -126,6 +127,15 @@ def _linted(args: argparse.Namespace, source: Source, model, model_file: ModelFi
     step = model_file.example_input is not None
     linted, _ = lint_against(plan, model, model_file, world, order, step)
     return plan, sorted([*found, *linted], key=sort_key), world
+
+
+#: A proposed rule left out with its group (compiler.proposed.with_partners), as init_plan comments it.
+PARTNER = re.compile(r"^ *# +(\S+) +: [^:\n]+: left out \(lint's simulated step: (it runs only with [^\n]*)\)$", re.M)
+
+
+def _partners_left_out(text: str) -> list[str]:
+    """The rules of the plan `text` left out because a rule of their group was, for init's output."""
+    return [f"left out rule {key}: {why}" for key, why in PARTNER.findall(text)]
 
 
 def _said(args: argparse.Namespace, what: str) -> None:
