@@ -162,11 +162,9 @@ def test_init_leaves_out_mixed_precision_where_the_model_cannot_run_bf16(tmp_pat
 
 
 def _model_file(tmp_path, name: str):
-    from benchmarks.zoo.build import MODEL_FILE
+    from benchmarks.zoo.build import write_model_file
 
-    path = tmp_path / f"{name}.py"
-    path.write_text(MODEL_FILE.format(model_class=zoo.family(name).model_class, name=name))
-    return path
+    return write_model_file(name, tmp_path / f"{name}.py")
 
 
 @pytest.mark.distributed

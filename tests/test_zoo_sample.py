@@ -11,8 +11,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from benchmarks import zoo  # noqa: E402
-from benchmarks.zoo.build import MODEL_FILE  # noqa: E402
+from benchmarks.zoo.build import write_model_file  # noqa: E402
 from shardlang.launch.job import Job, run  # noqa: E402
 
 SAMPLE = {
@@ -41,8 +40,7 @@ def test_the_starter_plan_lints_clean_and_passes_every_check(name, pools, tmp_pa
     import shardlang
     from shardlang.cli.main import main
 
-    model = tmp_path / f"{name}.py"
-    model.write_text(MODEL_FILE.format(model_class=zoo.family(name).model_class, name=name), encoding="utf-8")
+    model = write_model_file(name, tmp_path / f"{name}.py")
     plan = tmp_path / f"{name}.sl"
     assert main(["init", str(model), "--no-check", "-o", str(plan)]) == 0  # 1 on any lint error
     said = capsys.readouterr().out

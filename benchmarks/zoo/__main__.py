@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.zoo.build import MODEL_FILE, ROOT, Family, applies, families, probe
+from benchmarks.zoo.build import ROOT, Family, applies, families, probe, write_model_file
 from benchmarks.zoo.plant import plant
 from benchmarks.zoo.verdicts import apply_verdict, init_verdict, judged, lint_verdict, normalised, shardlang
 
@@ -25,8 +25,7 @@ def run(fam: Family, mode: str, timeout: float, dp: int | None = None) -> dict:
     --dp (None: its own, 2 where the plan says auto)."""
     CACHE.mkdir(parents=True, exist_ok=True)
     (CACHE / ".gitignore").write_text("*\n")  # generated files, never committed
-    model = CACHE / f"{fam.name.replace('-', '_')}.py"
-    model.write_text(MODEL_FILE.format(model_class=fam.model_class, name=fam.name), encoding="utf-8")
+    model = write_model_file(fam.name, CACHE / f"{fam.name.replace('-', '_')}.py")
     plan = CACHE / f"{model.stem}.{mode}.sl"
     plan.unlink(missing_ok=True)
     given = ["--dp", str(dp)] if dp else []

@@ -261,6 +261,12 @@ build_model, example_input, loss = model_file({name!r})
 '''
 
 
+def write_model_file(name: str, path: Path) -> Path:
+    """Family `name`'s model file (MODEL_FILE) at `path`: what the sweep and the tests hand shardlang."""
+    path.write_text(MODEL_FILE.format(model_class=family(name).model_class, name=name), encoding="utf-8")
+    return path
+
+
 #: A tiny model has well under a million parameters; more means a size the shrink did not reach.
 MAX_PARAMETERS = 20_000_000
 

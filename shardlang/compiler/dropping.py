@@ -34,7 +34,8 @@ class Drops:
     cp: str | None = None
     mixed_precision: str | None = None
     units: Mapping[str, str] = attrs.field(factory=dict)
-    #: Init modes ("meta with init_states", "meta") whose init check alone failed in apply, with its message.
+    #: Init statements ("init meta with init_states", "init meta") whose init check alone failed in apply, with
+    #: its message.
     inits: Mapping[str, str] = attrs.field(factory=dict)
 
     def __bool__(self) -> bool:
@@ -46,13 +47,13 @@ class Drops:
         lines += [f"left out context parallelism: {self.cp}"] if self.cp else []
         lines += [f"left out mixed_precision: {self.mixed_precision}"] if self.mixed_precision else []
         lines += [f"left out the units {key}: {why}" for key, why in self.units.items()]
-        return lines + [f"left out `init {key}`: its init check failed" for key in self.inits]
+        return lines + [f"left out `{key}`: its init check failed" for key in self.inits]
 
     def after_init(self, init, message: str) -> Drops | None:
         """These drops and the plan's `init` statement (an ir.Init) whose init check alone failed in apply
         (torchtitan's Llama built by a build_model() that never calls init_states: nn.Linear's own
         initialisation, not init_states'), or None where it was tried already."""
-        key = init.mode + (f" with {init.method}" if init.method else "")
+        key = str(init)
         return None if key in self.inits else attrs.evolve(self, inits={**self.inits, key: _why(message)})
 
     def after(self, text: str, line: int, message: str) -> Drops | None:

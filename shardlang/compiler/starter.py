@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 
 import torch.nn as nn
 
+from ..frontend.ir import Init
 from ..frontend.patterns import modules_matching, pattern_regex, within
 from .dropping import Drops
 from .initialisers import is_hugging_face
@@ -249,16 +250,16 @@ def _init_lines(method: str | None, unwritten: Sequence[str], failed: Mapping[st
             "model on its CPU and sends each rank its shards."
         )
         return [*(f"# {line}" for line in textwrap.wrap(said, 98)), "init rank0"]
-    tried = [f"Not `init {key}`: its init check failed ({why})." for key, why in failed.items()]
+    tried = [f"Not `{key}`: its init check failed ({why})." for key, why in failed.items()]
     said = [f"# {line}" for text in tried for line in textwrap.wrap(text, 98)]
-    if method is not None and f"meta with {method}" not in failed:
+    if method is not None and str(Init("meta", method)) not in failed:
         return [
             *said,
             f"# Parameters on the meta device, initialised on their ranks by the model's own `{method}()`, called",
             "# on the root as a whole-model initialiser is (if build_model() initialises another way, say which).",
             f"init meta with {method}",
         ]
-    if "meta" not in failed:
+    if str(Init("meta")) not in failed:
         return [
             *said,
             "# Parameters on the meta device, each shard initialised on its own rank by the model's own",
@@ -308,7 +309,7 @@ def init_plan(
     the order the model's modules run in (compiler.trace), to keep FSDP units off stacks whose blocks
     never run. `cp`-way context parallelism (1: none) over each block's attention module
     (`attention_patterns`); the cp ranks reduce with the data-parallel ones. `unwritten`: the parameters
-    that `init meta`'s initialisers leave unwritten (runtime.materialise.left_unwritten): then `init rank0`,
+    that `init meta`'s initialisers leave unwritten (explain.unwritten.left_unwritten): then `init rank0`,
     which keeps what the constructor computed, and a comment naming them. `drops`: what lint's step found
     cannot run (compiler.dropping), each left out with a comment saying why."""
     drops = drops or Drops()

@@ -14,7 +14,7 @@ hit, at the plan line of the rule governing the module where it happens.
   cp dim holds the module: it sums the shards' shares, SPEC §11; such a module is compared with what the
   unsharded model hands it on that shard.)
 - SL224: under `init meta`, parameters that the model's initialisers, run on the meta model first, leave
-  unwritten (compiler.rules.devices; runtime.materialise.left_unwritten).
+  unwritten (compiler.rules.devices; explain.unwritten).
 
 It runs in a forked child (runtime.simulated.in_fork: the command's process stays without a process group,
 and a step that hangs costs its diagnostics, not the command), as rank 0 of the world, on the model cut to

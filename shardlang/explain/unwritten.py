@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from ..compiler.initialisers import calls_below, initialisation_calls
+from ..runtime.materialise import allocate_on
 
 
 def left_unwritten(model: nn.Module, method: str | None) -> list[str] | None:
@@ -31,19 +32,10 @@ def left_unwritten(model: nn.Module, method: str | None) -> list[str] | None:
     try:
         model = copy.deepcopy(model)  # of meta tensors (a fake mode cannot copy them)
         with quiet("torch._subclasses.fake_tensor"), FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
-            return _unwritten(_allocated(model), method)
+            allocate_on(model, "cpu")  # fake CPU tensors, the buffers the constructor computed kept
+            return _unwritten(model, method)
     except Exception:  # noqa: BLE001 - a model that cannot be copied or allocated: "could not tell"
         return None
-
-
-def _allocated(model: nn.Module) -> nn.Module:
-    """The meta model's tensors as fake CPU ones, the buffers its constructor computed kept."""
-    computed = {n: b for n, b in model.named_buffers() if not b.is_meta}
-    model.to_empty(device="cpu")
-    for name, buffer in computed.items():
-        owner, _, leaf = name.rpartition(".")
-        model.get_submodule(owner)._buffers[leaf] = buffer
-    return model
 
 
 def _unwritten(model: nn.Module, method: str | None) -> list[str]:

@@ -279,6 +279,9 @@ class Init:
     method: str | None = None
     span: Span | None = None
 
+    def __str__(self) -> str:
+        return f"init {self.mode}" + (f" with {self.method}" if self.method else "")
+
 
 @frozen
 class Sync:

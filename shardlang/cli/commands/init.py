@@ -170,14 +170,10 @@ def _check_init(
         return OK, None
     failed = {c.check: c.message for c in report.checks if c.status == "fail"}
     if list(failed) == ["init"] and plan.init.mode == "meta":
-        print(f"init: `{_init_text(plan)}` failed its init check; trying the next init mode", file=sys.stderr)
+        print(f"init: `{plan.init}` failed its init check; trying the next init mode", file=sys.stderr)
         return FOUND, failed["init"]
     from ...launch.report import render
 
     render(report, {source.name: source}, Console(file=sys.stderr, highlight=False, soft_wrap=True))
     _said(args, f"applied at world {world} on CPU, its checks FAILED ({counts}): edit it before training with it")
     return FOUND, None
-
-
-def _init_text(plan: Plan) -> str:
-    return f"init {plan.init.mode}" + (f" with {plan.init.method}" if plan.init.method else "")

@@ -74,7 +74,7 @@ def uninitialised_on_meta(
 
 def unwritten_under_meta(plan: ir.Plan, unwritten: list[str] | None) -> list[Diagnostic]:
     """SL224: under `init meta`, the parameters that running the model's initialisers on the meta model left
-    unwritten (runtime.materialise.left_unwritten): a value its constructor computed (transformers' xIELU
+    unwritten (explain.unwritten.left_unwritten): a value its constructor computed (transformers' xIELU
     activation's alpha, a head's bias of zeros) that no `_init_weights`, `reset_parameters` or METHOD sets
     again. On the mesh they would hold whatever memory held; apply's init check fails on them. Lint's step
     (explain.rehearsal) runs it, as it runs the model's other code."""
