@@ -20,9 +20,9 @@ RESULTS = ROOT / "benchmarks" / "zoo_results.jsonl"
 MODES = {"plain": (), "tp": ("--tp", "2"), "ep": ("--ep", "2"), "cp": ("--cp", "2")}
 
 
-def run(fam: Family, mode: str, timeout: float, dp: int | None = None) -> dict:
+def run(fam: Family, mode: str, timeout: float, dp: int | None = None, device: str = "cpu") -> dict:
     """init, lint and apply of one family's starter plan in one mode, each in its own process; `dp`: init's
-    --dp (None: its own, 2 where the plan says auto)."""
+    --dp (None: its own, 2 where the plan says auto); `device`: apply's (cuda: NCCL, one GPU a rank)."""
     CACHE.mkdir(parents=True, exist_ok=True)
     (CACHE / ".gitignore").write_text("*\n")  # generated files, never committed
     model = write_model_file(fam.name, CACHE / f"{fam.name.replace('-', '_')}.py")
@@ -38,7 +38,19 @@ def run(fam: Family, mode: str, timeout: float, dp: int | None = None) -> dict:
     world = str(record["init"]["world"] or (2 if mode == "plain" else 4))
     ran_lint = shardlang(["lint", str(plan), str(model), "--world", world, "--format", "json"], timeout)
     ran_apply = shardlang(
-        ["apply", str(plan), str(model), "--nproc", world, "--json", "--timeout", str(int(timeout))], timeout + 30
+        [
+            "apply",
+            str(plan),
+            str(model),
+            "--nproc",
+            world,
+            "--device",
+            device,
+            "--json",
+            "--timeout",
+            str(int(timeout)),
+        ],
+        timeout + 30,
     )
     record |= {"world": int(world), "lint": lint_verdict(ran_lint), "apply": apply_verdict(ran_apply)}
     record["crash"] = any(r.crashed for r in (ran, ran_lint, ran_apply))
@@ -52,7 +64,13 @@ def run(fam: Family, mode: str, timeout: float, dp: int | None = None) -> dict:
 def done_keys(path: Path) -> set[tuple[str, str]]:
     if not path.exists():
         return set()
-    return {(r["family"], r["mode"]) for r in map(json.loads, path.read_text().splitlines()) if r}
+    return {key(r) for r in map(json.loads, path.read_text().splitlines()) if r}
+
+
+def key(record: dict) -> tuple[str, str]:
+    """A record's (family, mode), the mode named with its device where that is not the CPU."""
+    device = record.get("device", "cpu")
+    return record["family"], record["mode"] if device == "cpu" else f"{record['mode']} on {device}"
 
 
 def selected(args: argparse.Namespace) -> list[Family]:
@@ -65,19 +83,19 @@ def sweep(args: argparse.Namespace) -> None:
     """Each selected family not yet in the results file, one (family, mode) at a time, a line each."""
     done, chosen = done_keys(args.results), selected(args)
     for number, fam in enumerate(chosen, 1):
-        todo = [m for m in args.mode if (fam.name, m) not in done]
+        todo = [m for m in args.mode if key({"family": fam.name, "mode": m, "device": args.device}) not in done]
+        todo = [m for m in todo if applies(fam, m)]
         if not todo:
             continue
         start = time.perf_counter()
         why = probe(fam)
         for mode in todo:
             record = {"family": fam.name, "kind": fam.kind, "model_class": fam.model_class, "mode": mode}
+            record["device"] = args.device
             if why is not None:
                 record |= {"built": why}
-            elif not applies(fam, mode):
-                continue
             else:
-                record |= {"built": True, **run(fam, mode, args.timeout, args.dp)}
+                record |= {"built": True, **run(fam, mode, args.timeout, args.dp, args.device)}
             record |= judged(record) | {"seconds": round(time.perf_counter() - start, 1)}
             with args.results.open("a", encoding="utf-8") as out:
                 out.write(json.dumps(record) + "\n")
@@ -96,7 +114,7 @@ def table(path: Path) -> str:
     for line in path.read_text().splitlines():  # the newest record of each (family, mode): a re-run after a fix
         if line.strip():
             record = json.loads(line)
-            newest[(record["family"], record["mode"])] = record
+            newest[key(record)] = record
     records = [r | judged(r) for r in newest.values()]  # classes as this version of the sweep names them
     lines = [
         f"{len({r['family'] for r in records})} families tried, "
@@ -107,8 +125,8 @@ def table(path: Path) -> str:
         "| mode | tried | built | pass | fail | crash | init refused | lint agrees | false alarm | miss | lint crash |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for mode in MODES:
-        rows = [r for r in records if r["mode"] == mode]
+    for mode in [*MODES, *(f"{m} on cuda" for m in MODES)]:
+        rows = [r for r in records if key(r)[1] == mode]
         if rows:
             count = _counter(rows)
             built = sum(r.get("built") is True for r in rows)
@@ -118,9 +136,9 @@ def table(path: Path) -> str:
                 f"{count('agreement', 'false alarm')} | {count('agreement', 'miss')} | "
                 f"{count('agreement', 'lint crash')} |"
             )
-    plants = {r["family"]: r["planted"] for r in records if r.get("planted")}
+    plants = {key(r): r["planted"] for r in records if r.get("planted")}
     if plants:
-        missed = [f for f, p in plants.items() if not p["caught"]]
+        missed = [" ".join(k) for k, p in plants.items() if not p["caught"]]
         lines += [
             "",
             f"planted mistakes (tp: the first rowwise rule in the blocks removed): {len(plants) - len(missed)} of "
@@ -131,7 +149,7 @@ def table(path: Path) -> str:
     classes: dict[tuple, list[str]] = {}
     for r in records:
         if r.get("class"):
-            classes.setdefault((r["class"], r["mode"], f"{r['outcome']} / {r['agreement']}"), []).append(r["family"])
+            classes.setdefault((r["class"], key(r)[1], f"{r['outcome']} / {r['agreement']}"), []).append(r["family"])
     for (name, mode, outcome), fams in sorted(classes.items(), key=lambda item: -len(item[1])):
         shown = ", ".join(fams[:4]) + (f" (+{len(fams) - 4})" if len(fams) > 4 else "")
         lines.append(f"| {name.replace('|', '/')} | {mode} | {outcome} | {len(fams)}: {shown} |")
@@ -171,6 +189,7 @@ def main() -> None:
     parser.add_argument("--shard", default="0/1", help="I/N: every Nth family from the Ith (0-based)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per command")
     parser.add_argument("--dp", type=int, help="init's --dp (1: the tp, ep or cp ranks alone, world 2 at size 2)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="apply's (cuda: NCCL, a GPU a rank)")
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--table", action="store_true", help="print the summary of the results file and exit")
     parser.add_argument("--built", action="store_true", help="only build each family and run its unsharded step")
