@@ -307,8 +307,9 @@ class CountedExperts(torch.nn.Module):
         self.w2 = torch.nn.Parameter(torch.randn(experts, hidden, width, dtype=torch.float64) * 0.3)
 
     def forward(self, x, counts):
-        assert counts.shape == (self.w1.shape[0],), counts.shape  # each rank's own experts only
-        chunks = x.split(counts.tolist())
+        listed = isinstance(counts, list)  # JetMoE's convention: a list of ints
+        assert len(counts) == self.w1.shape[0] if listed else counts.shape == (self.w1.shape[0],), counts
+        chunks = x.split(counts if listed else counts.tolist())
         return torch.cat([torch.tanh(c @ w1.T) @ w2.T for c, w1, w2 in zip(chunks, self.w1, self.w2)])
 
 
@@ -323,11 +324,14 @@ def _grouped_rows(tokens: int, seed: int, experts: int = 4, only_first_rank: boo
     return rows, counts, torch.randn(tokens * 2, 8, generator=g, dtype=torch.float64)
 
 
-def counted_ep_matches_whole_experts(shared: bool, tokens: int = 5, only_first_rank: bool = False):
+def counted_ep_matches_whole_experts(
+    shared: bool, tokens: int = 5, only_first_rank: bool = False, listed: bool = False
+):
     """Experts that take their rows grouped by expert with the counts (CountedExperts), split over ep = the
     world: each rank's rows (its own, or its slice of rows every rank holds alike) go to the ranks holding
     their experts and back. The output, the rows' gradient and this rank's experts' gradients (summed over
-    every rank's rows) equal the whole experts'. The largest difference of each."""
+    every rank's rows) equal the whole experts'. The largest difference of each. `listed`: the counts
+    given as a list of ints (JetMoE's experts), the local ones handed on as one too."""
     world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
     whole = CountedExperts()
@@ -335,7 +339,7 @@ def counted_ep_matches_whole_experts(shared: bool, tokens: int = 5, only_first_r
     assert split.num_experts == 4 and split.w1.to_local().shape[0] == 4 // world
     sources = [0] if shared else range(world)
     rows, counts, upstream = _grouped_rows(tokens + (0 if shared else rank), 0 if shared else rank, 4, only_first_rank)
-    out = split(rows, counts)
+    out = split(rows, counts.tolist() if listed else counts)
     (out * upstream).sum().backward()
     errors = {"output": 0.0, "rows_grad": 0.0}
     for source in sources:

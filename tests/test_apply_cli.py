@@ -142,6 +142,25 @@ def test_unusable_plan_exits_2_before_starting_workers(capsys, monkeypatch):
     assert report["ok"] is False and {d["code"] for d in report["diagnostics"]} == {"SL200"}
 
 
+def test_more_ranks_than_gpus_on_cuda_exits_2_before_starting_workers(capsys, monkeypatch):
+    """Local workers take a GPU each: 4 ranks on a machine of 2 GPUs are refused, saying so, before any
+    worker starts (they died with CUDA's 'invalid device ordinal')."""
+    import multiprocessing.process
+
+    import torch
+
+    from shardlang.cli import main
+
+    started = []
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", lambda self: started.append(self) or 1 / 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.chdir(ROOT)
+    status = main(["apply", "plans/llama_2d.sl", "examples/llama.py", "--nproc", "4", "--device", "cuda"])
+    assert status == 2 and started == []
+    assert "4 ranks on cuda need 4 GPUs, one each, and this machine has 2" in capsys.readouterr().err
+
+
 def test_verify_none_and_steps_override():
     common = ("plans/mlp_tp.sl", "examples/mlp.py", "--nproc", "2", "--json", "--verify")
     none = shardlang_apply(*common, "none")

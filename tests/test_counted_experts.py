@@ -44,6 +44,14 @@ def test_counted_experts_split_over_ep_equal_whole_ones(pools, world, shared):
 
 
 @pytest.mark.distributed
+def test_counted_experts_given_their_counts_as_a_list(pools):
+    """JetMoE's experts take the counts as a list of ints (its router's .tolist()): split over ep, they are
+    handed their local counts as a list too, and equal the whole experts."""
+    for errors in pools(2).run(expert_jobs.counted_ep_matches_whole_experts, False, 5, False, True):
+        assert max(errors.values()) < 1e-12, errors
+
+
+@pytest.mark.distributed
 def test_counted_experts_on_a_rank_that_receives_no_row(pools):
     """Every row goes to the experts of rank 0: rank 1 computes on no rows, still takes part in both
     all-to-alls, and its experts get a zero gradient."""

@@ -7,7 +7,7 @@ DeepSeek-V2/V3, gpt-oss, ...): one module holding every expert's weights stacked
 `num_experts` and `forward(hidden_states [tokens, hidden], top_k_index [tokens, k], top_k_weights
 [tokens, k]) -> [tokens, hidden]`; on torchtitan's grouped experts, whose forward takes the rows already
 grouped by expert and each expert's count (`forward(x [rows, dim], num_tokens_per_expert [experts])`, the
-routing weights applied by its token dispatcher outside); and on experts held as the members of a
+routing weights applied by its token dispatcher outside; JetMoE's take the counts as a list of ints); and on experts held as the members of a
 ModuleList or ModuleDict. The router, outside it, stays whole on every rank. The three share one dispatch
 and one combine; each form here is only what it computes on the rows its rank received.
 
@@ -139,6 +139,10 @@ def _counted_forward(local_forward, ranks):
     (torchtitan's dispatcher)."""
 
     def forward(self, rows, counts, *args, **kwargs):
+        import torch
+
+        listed = isinstance(counts, (list, tuple))  # JetMoE's experts take a list of ints (its router's .tolist())
+        counts = torch.as_tensor(counts, dtype=torch.long, device=rows.device) if listed else counts
         if counts.dim() != 1 or counts.shape[0] != ranks.experts:
             raise ValueError(
                 f"expert_parallel: the experts' forward took rows grouped by expert and their counts, which must "
@@ -147,6 +151,7 @@ def _counted_forward(local_forward, ranks):
         arrived, sent = dispatch(rows, counts, ranks)
         grouped, by_expert = by_local_expert(arrived, sent)
         local_counts = sent.received_counts.view(ranks.size, ranks.per_rank).sum(0)
+        local_counts = local_counts.tolist() if listed else local_counts
         out = _on_local_experts(self, ranks.per_rank, grouped, local_forward, local_counts, *args, **kwargs)
         return combine(in_arrival_order(out, by_expert), sent)
 

@@ -65,6 +65,7 @@ def _apply(args: argparse.Namespace, out: Out) -> int:
         return _apply_unusable(found, sources, out, world or 0, device)
     if world is None:
         world = _default_nproc(plan, device)
+    _enough_gpus(device, world, torchrun)
     out.world = world
     model_file = load_model(args)
     if model_file is None:
@@ -159,6 +160,18 @@ def _apply_device(choice: str, world: int | None) -> str:
     from ...launch.workers import under_torchrun
 
     return "cuda" if gpus and (world is None or world <= gpus or under_torchrun()) else "cpu"
+
+
+def _enough_gpus(device: str, world: int, torchrun: bool) -> None:
+    """Local workers on cuda take one GPU each: refuse a world larger than the GPUs before any starts."""
+    import torch
+
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    if device == "cuda" and not torchrun and world > gpus:
+        raise UsageError(
+            f"{world} ranks on cuda need {world} GPUs, one each, and this machine has {gpus}: give --nproc {gpus} "
+            f"or fewer (with a plan whose meshes fit), or run on the CPU with --device cpu (gloo)"
+        )
 
 
 def _default_nproc(plan: Plan, device: str) -> int:
