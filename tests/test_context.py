@@ -415,3 +415,27 @@ def test_init_writes_context_parallel_over_each_blocks_attention():
     assert "context_parallel on world.cp {\n    each layers.*.attention\n}" in text
     assert "fully_shard on world[dp*cp] {" in text
     assert not [d for d in shardlang.loads(text).lint(model, world_size=4) if d.is_error]
+
+
+@pytest.mark.distributed
+def test_a_transformers_decoder_without_a_cache_is_one_sequence_not_packed_ones(tmp_path, pools):
+    """transformers' Llama with use_cache=False (as in training): the head-tail shard's positions jump,
+    which transformers reads as packed sequences and masks apart, unless context parallelism says they are
+    one sequence's. lint's step (fake tensors) is clean, and every check passes at world 2."""
+    pytest.importorskip("transformers")
+    import shardlang
+    from shardlang.launch.job import Job, run
+
+    model = tmp_path / "uncached_llama.py"
+    model.write_text(
+        "from transformers import LlamaForCausalLM\n\n"
+        "from examples.hf_llama import config, example_input, loss  # noqa: F401\n\n\n"
+        "def build_model():\n    return LlamaForCausalLM(config().__class__(**{**config().to_dict(), 'use_cache': False}))\n"
+    )
+    plan = ROOT / "plans" / "hf" / "llama_cp.sl"
+    from shardlang.cli.main import main
+
+    assert main(["lint", str(plan), str(model), "--world", "2"]) == 0
+    report = pools(2).run(run, Job(str(plan), {}, str(model), None, shardlang.load(plan).checks))[0]
+    assert report.ok, [(c.check, c.status, c.message) for c in report.checks]
+    assert {c.check: c.status for c in report.checks}["gradients"] == "pass"

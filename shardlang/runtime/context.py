@@ -60,6 +60,26 @@ def whole_sequences(output, local: int, group, layout):
     return output
 
 
+def one_sequence():
+    """While the model runs (until the returned undo is called): transformers reads no packed sequences in
+    the position_ids context parallelism gives it. A head-tail shard's positions jump ([0..3, 12..15]), which
+    transformers takes, where there is no cache (use_cache=False, as in training), for sequences packed
+    side by side, and builds a mask keeping them apart, which no SDPA over the whole sequence can take;
+    they are one sequence's, and SDPA keeps is_causal. A no-op where transformers is not imported."""
+    import sys
+
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
+        return lambda: None
+    found = masking.find_packed_sequence_indices
+    masking.find_packed_sequence_indices = lambda position_ids: None
+
+    def undo():
+        masking.find_packed_sequence_indices = found
+
+    return undo
+
+
 @dataclass
 class ContextState:
     """What context parallelism set up on a model (or a pipeline stage) shares between its hooks and
@@ -72,6 +92,8 @@ class ContextState:
     layout: SequenceLayout
     #: this rank's shard's length of the last forward's sequence (None before one)
     local: int | None = None
+    #: while the model runs on positions it was given here: what undoes `one_sequence` (None otherwise)
+    unpacked: object = None
 
     def shard(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's shard of `tensor` along its sequence dim, as the inputs are split."""
@@ -138,8 +160,14 @@ def context_parallel(model, patterns, mesh, layout: type[SequenceLayout], whole_
         if takes_positions and kwargs.get("position_ids") is None:
             positions = state.layout.positions(length, state.rank, first.device)
             kwargs["position_ids"] = positions.expand(first.shape[0], -1)
+            state.unpacked = one_sequence()
         state.local = length // state.layout.ranks
         return args, kwargs
+
+    def restore(module, args, output):
+        if state.unpacked is not None:
+            state.unpacked, undo = None, state.unpacked
+            undo()
 
     def gather(module, args, output):
         if getattr(module, "shardlang_sends", False):  # a pipeline stage's activation for the next stage
@@ -148,6 +176,7 @@ def context_parallel(model, patterns, mesh, layout: type[SequenceLayout], whole_
 
     model._shardlang_context = state
     model.register_forward_pre_hook(split, with_kwargs=True)
+    model.register_forward_hook(restore, always_call=True)
     if whole_output:
         model.register_forward_hook(gather)
     return model
