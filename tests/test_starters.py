@@ -203,3 +203,29 @@ def test_init_says_which_proposed_rules_went_with_one_left_out():
     text = init_plan(model, tp=2, name="mlp", drops=Drops(rules={"net2": "raises"}))
     assert "mesh world = auto[dp=auto]\n" in text  # no rule left: no tp dim
     assert _partners_left_out(text) == ["left out rule net1: it runs only with net2, left out: raises"]
+
+
+def test_a_rule_of_the_models_own_tp_plan_left_out_takes_its_siblings():
+    """transformers' Llama: lint's step leaving out the MLP's gate_proj (colwise) leaves out up_proj and
+    down_proj with it, each saying why; the attention's rules stay (torch 2.11's fake step left out gate_proj
+    but not up_proj, and apply failed on the split activation that plan made)."""
+    from transformers import LlamaForCausalLM
+
+    from examples.hf_llama import config
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config())
+    text = init_plan(model, tp=2, drops=Drops(rules={"model.layers.*.mlp.gate_proj": "it raises"}))
+    rules = [line.split(":")[0].strip() for line in text.splitlines() if line.startswith("    model.layers")]
+    assert "model.layers.*.self_attn.o_proj" in rules and not any(".mlp." in rule for rule in rules), text
+    assert "it runs only with model.layers.*.mlp.gate_proj, left out: it raises" in text
+
+
+def test_context_attentions_own_refusal_leaves_out_context_parallelism_wherever_it_points():
+    """LayoutLM: the explicit mask is refused in `attention.self`, inside the attention the cp statement
+    matches, and the diagnostic points at the fully_shard unit holding it: what init leaves out is the cp."""
+    text = "shardlang 1\nmesh world = auto[dp=auto, cp=2]\ncontext_parallel on world.cp {\n    each a.*.attention\n}\n"
+    text += "fully_shard on world[dp*cp] {\n    each a.*\n    mixed_precision(param=bf16, reduce=fp32)\n}\n"
+    message = "raises in module 'a.0.attention.self': NotImplementedError: context parallelism takes attention without"
+    drops = Drops().after(text, 6, message)
+    assert drops.cp and drops.cp.startswith("raises in module 'a.0.attention.self'") and not drops.mixed_precision

@@ -63,6 +63,10 @@ class Drops:
         if not 0 < line <= len(lines):
             return None
         why = _why(message)
+        if "context parallelism" in message and not self.cp and any(t.startswith("context_parallel") for t in lines):
+            # context attention's own refusal (an explicit mask, dropout), raised in a module inside a matched
+            # attention: the diagnostic points at the unit holding it, and what cannot run is the cp
+            return attrs.evolve(self, cp=why)
         block = _block_of(lines, line - 1)
         here = lines[line - 1].strip()
         if block == "rule" and ":" in here and not here.startswith(("parallelize", "#")):

@@ -279,6 +279,16 @@ def _left_out(rules, dropped: Mapping[str, str]) -> list[tuple[str, str, str | N
     ]
 
 
+def _sibling_groups(rules) -> list[list[tuple]]:
+    """A model's own tp_plan rules grouped by the module that holds them (an attention's q/k/v/o, an MLP's
+    gate/up/down): a rule lint's step leaves out takes its siblings with it (compiler.proposed.with_partners),
+    since a column-wise projection without its row-wise partner hands the model a split activation."""
+    groups: dict[str, list[tuple]] = {}
+    for rule in rules:
+        groups.setdefault(rule[0].rpartition(".")[0], []).append(rule)
+    return [group for group in groups.values() if len(group) > 1]
+
+
 def _rule_lines(rules) -> list[str]:
     """A parallelize block's body: each (key, transformers style, ours, why not) a rule, or a comment
     saying why there is none, the names aligned."""
@@ -323,7 +333,7 @@ def init_plan(
     split = [key for key, _, ours, _ in experts if ours is not None]
     rules = [(key, style, *translate(model, key, style)) for key, style in hf_tp_plan(model).items()] if tp > 1 else []
     proposed = tp > 1 and not rules  # no tp_plan of its own: rules read off its structure (compiler.proposed)
-    groups = proposed_tp_groups(model, stacks, tp) if proposed else []
+    groups = proposed_tp_groups(model, stacks, tp) if proposed else _sibling_groups(rules)
     rules = [rule for group in groups for rule in group] if proposed else rules
     # Tensor parallelism inside the experts expert parallelism splits: not both (expert_tensor_parallel
     # and expert_parallel on one module: not yet).

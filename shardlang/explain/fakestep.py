@@ -69,7 +69,7 @@ def recording_fake_mode(recorder, stand_ins: StandIns | None = None):
                 return NotImplemented
             recorder.note(func, args)
             if stand_ins is not None:
-                refuse_mixed_dtypes(func, args)
+                refuse_mixed_dtypes(func, args, products=not stand_ins.uncast_units)
             if stand_ins is not None and func in GROUPED_MM and stand_ins.refused_dtype(args):
                 run = super().__torch_dispatch__
                 return stand_ins.in_bf16(lambda a, k: run(func, types, a, k), args, kwargs or {})
@@ -100,11 +100,12 @@ NORMS = frozenset({torch.ops.aten.native_layer_norm.default})
 REDUCED = (torch.bfloat16, torch.float16)
 
 
-def refuse_mixed_dtypes(func, args) -> None:
+def refuse_mixed_dtypes(func, args, products: bool = True) -> None:
     """Raise as the CPU and CUDA kernels do where lint's fake step would otherwise run on: a product of
-    floating operands of different dtypes (SAME_DTYPE), a layer norm whose weight is in a dtype its input
-    does not take (a float32 input takes only float32 parameters; a bf16 or fp16 one its own or float32)."""
-    if func in SAME_DTYPE:
+    floating operands of different dtypes (SAME_DTYPE; not with `products` false), a layer norm whose weight
+    is in a dtype its input does not take (a float32 input takes only float32 parameters; a bf16 or fp16 one
+    its own or float32)."""
+    if func in SAME_DTYPE and products:
         dtypes = [t.dtype for t in args if isinstance(t, torch.Tensor) and t.is_floating_point()]
         if len(set(dtypes)) > 1:
             raise RuntimeError(
@@ -146,6 +147,9 @@ class StandIns:
         self.where = where or (lambda: None)
         self.seen: list[StandIn] = []
         self.float32_grouped_mm: list[str | None] = []
+        #: units over one rank with mixed_precision whose parameters fake tensors leave uncast on this torch
+        #: (torchcompat.fake_fsdp_casts_one_rank_units): their products' dtypes go unchecked, and the note says so
+        self.uncast_units: tuple[str, ...] = ()
 
     @property
     def guessed(self) -> bool:

@@ -182,6 +182,7 @@ def _step(plan: ir.Plan, model: nn.Module, model_file: ModelFile) -> tuple[list[
     ctx = Context(plan, applied, model_file)
     _without_ddp(applied.model)
     stand_ins = StandIns()
+    stand_ins.uncast_units = _uncast_units(ctx)
     step = Step.of(ctx, compile_with=not_compiled)  # a simulated world compiles nothing
     with quiet("torch._subclasses.fake_tensor"), recording_fake_mode(Calls(), stand_ins), idle_conversions():
         full = step.batch()
@@ -199,6 +200,23 @@ def _step(plan: ir.Plan, model: nn.Module, model_file: ModelFile) -> tuple[list[
     if found and unrun is not None:  # the model's own failure on these inputs, not the plan's
         return [], False, (f"the step stopped: {found[0].message}; the unsharded model raises too ({unrun})",), phases
     return (_partial_gradients(ctx, watch) if ran else found), ran, _stood_in(stand_ins), phases
+
+
+def _uncast_units(ctx) -> tuple[str, ...]:
+    """The fully_shard blocks (their spans) with mixed_precision over a mesh of one rank, where this torch's
+    fake tensors do not cast their parameters as real ones do (torchcompat.fake_fsdp_casts_one_rank_units):
+    the step cannot tell their products' dtypes, and says so rather than raise on what apply runs."""
+    from ..runtime.torchcompat import fake_fsdp_casts_one_rank_units
+
+    if fake_fsdp_casts_one_rank_units():
+        return ()
+    return tuple(
+        f"{block.span.file}:{block.span.line}"
+        for block in ctx.plan.units
+        if block.kind == "fully_shard"
+        and ctx.applied.mesh(block.mesh).size() == 1
+        and (any(u.get("mixed_precision") for u in block.units) or bool(dict(block.options).get("mixed_precision")))
+    )
 
 
 def _without_ddp(model: nn.Module) -> None:
@@ -295,8 +313,14 @@ def _reduced_over(ctx, mesh: ir.MeshRef):
 
 
 def _stood_in(stand_ins) -> tuple[str, ...]:
-    """The step's notes on what it ran on stand-ins (fakestep.StandIns)."""
+    """The step's notes on what it ran on stand-ins (fakestep.StandIns), and what it could not check."""
     notes = []
+    if stand_ins.uncast_units:
+        notes.append(
+            f"the dtypes of products in fully_shard units over one rank with mixed_precision "
+            f"({', '.join(stand_ins.uncast_units)}) not checked: under fake tensors torch {torch.__version__} "
+            "leaves their parameters uncast (apply runs them)"
+        )
     for sound, how in ((True, "masks all true"), (False, "tensors of ones where fake tensors held no value")):
         seen = [s for s in stand_ins.seen if s.sound == sound]
         if seen:

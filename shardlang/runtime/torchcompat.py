@@ -20,6 +20,16 @@ def fsdp_strided_shard() -> bool:
     return hasattr(placement_types, "_StridedShard")
 
 
+def fake_fsdp_casts_one_rank_units() -> bool:
+    """Whether, under fake tensors, FSDP2 casts to `mixed_precision`'s param dtype the parameters of a unit
+    over one rank (a dp dim of size 1 beside TP), as it does on real tensors. torch 2.11 does not: lint's step
+    met float32 weights with bf16 inputs there, where apply's real run casts and passes (plans/llama_2d.sl
+    at world 2, 2026-11-28). 2.13 does; 2.12 is not tried and counted with 2.11."""
+    import torch
+
+    return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
 def composable_checkpoint():
     """Non-reentrant activation checkpointing that keeps module FQNs (no public path exists)."""
     from torch.distributed._composable import checkpoint

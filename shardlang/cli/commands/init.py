@@ -129,7 +129,7 @@ def _linted(args: argparse.Namespace, source: Source, model, model_file: ModelFi
     return plan, sorted([*found, *linted], key=sort_key), world
 
 
-#: A proposed rule left out with its group (compiler.proposed.with_partners), as init_plan comments it.
+#: A rule left out with its group (compiler.proposed.with_partners), as init_plan comments it.
 PARTNER = re.compile(r"^ *# +(\S+) +: [^:\n]+: left out \(lint's simulated step: (it runs only with [^\n]*)\)$", re.M)
 
 
