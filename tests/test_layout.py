@@ -35,6 +35,7 @@ STAGES = (
     "verification",
     "launch",
     "explain",
+    "search",
     "api",
     "cli",
     "",  # shardlang/__init__.py: the library surface

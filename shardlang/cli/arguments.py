@@ -188,6 +188,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     init.set_defaults(plan=None, params=[], world=None)
 
+    search = commands.add_parser(
+        "search", help="the plan explain predicts fastest among those that fit, linted and applied before it is written"
+    )
+    add_model(search, required=False)
+    search.add_argument("--world", type=_positive, required=True, metavar="N", help="the number of GPUs to plan for")
+    search.add_argument("--gpu", default="h100", choices=("h100", "h200", "a100", "b200"), help="the accelerator")
+    search.add_argument(
+        "--gpus-per-node", type=_positive, default=8, metavar="G", help="GPUs a node holds (tp stays within one)"
+    )
+    search.add_argument(
+        "--memory", metavar="SIZE", help="what a GPU's predicted peak may take (default: 92%% of the GPU's memory)"
+    )
+    search.add_argument(
+        "--tokens-per-step",
+        type=_positive,
+        metavar="T",
+        help="tokens per optimizer step over every replica, held fixed (default: 2 sequences per GPU)",
+    )
+    search.add_argument("-o", "--output", metavar="PLAN", help="write the chosen plan to PLAN instead of stdout")
+    search.add_argument(
+        "--check",
+        type=int,
+        default=3,
+        metavar="K",
+        help="lint (with the step) and apply on CPU workers the best K, in order, until one passes (default 3; 0: none)",
+    )
+    search.add_argument(
+        "--jobs", type=int, default=0, metavar="J", help="explain processes side by side (default: cores, at most 8)"
+    )
+    search.add_argument(
+        "--timeout", type=_seconds, default=600.0, metavar="S", help="how long each CPU check may take (default 600)"
+    )
+    search.set_defaults(plan=None, params=[])
+
     convert = commands.add_parser("convert", help="a checkpoint directory to a torch state dict file, or back")
     convert.add_argument("source", metavar="SOURCE", help="a checkpoint directory, or a .pt file of a state dict")
     convert.add_argument("target", metavar="TARGET", help="the .pt file to write, or the checkpoint directory")

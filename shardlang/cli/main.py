@@ -14,6 +14,7 @@ from .commands.convert import run_convert
 from .commands.explain import run_explain
 from .commands.init import run_init
 from .commands.lint import run_lint
+from .commands.search import run_search
 from .signals import Terminated
 from .status import UNUSABLE, UsageError
 
@@ -24,6 +25,7 @@ COMMANDS: dict[str, Callable[..., int]] = {
     "explain": run_explain,
     "compile": run_compile,
     "init": run_init,
+    "search": run_search,
     "convert": run_convert,
 }
 

@@ -1,0 +1,122 @@
+"""The plans `shardlang search` weighs: each mesh factorisation the model takes (data, tensor, context and
+expert parallelism), written by `init`'s starter (compiler.starter.init_plan) with what it proposes for
+each dim, and the options around it: activation checkpointing (none, every block, every other block),
+FSDP's `reshard_after_forward`, and `compile` of the blocks and the loss.
+
+A factorisation the model cannot take (no rule to shard over tp, no SDPA attention for cp, no experts for
+ep) is not a candidate: init leaves that dim out, and the search would weigh a plan it did not ask for."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+from attrs import evolve, frozen
+
+from ..compiler.starter import block_stacks, init_plan
+
+#: Activation checkpointing of a stack's blocks.
+CHECKPOINTING = ("none", "every other", "every")
+#: The largest tensor-parallel size weighed: TP past one node's NVLink domain is never the fastest.
+MAX_TP = 8
+
+
+@frozen
+class Layout:
+    """One factorisation of the world: world = dp x ep x cp x tp (ep borrows data-parallel ranks)."""
+
+    dp: int
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    def __str__(self) -> str:
+        parts = [f"dp{self.dp}"] + [f"{name}{size}" for name, size in self.extra() if size > 1]
+        return " ".join(parts)
+
+    def extra(self) -> tuple[tuple[str, int], ...]:
+        return (("ep", self.ep), ("cp", self.cp), ("tp", self.tp))
+
+
+@frozen
+class Candidate:
+    """A plan: its layout and options, and its text."""
+
+    layout: Layout
+    text: str
+    checkpoint: str = "none"
+    reshard: bool = True
+    compiled: bool = False
+
+    @property
+    def name(self) -> str:
+        options = [f"ac {self.checkpoint}" if self.checkpoint != "none" else "no ac"]
+        options += [] if self.reshard else ["no reshard"]
+        options += ["compiled"] if self.compiled else []
+        return f"{self.layout}, {', '.join(options)}"
+
+
+def layouts(model: nn.Module, world: int, gpus_per_node: int, experts: bool, attention: bool) -> list[Layout]:
+    """Every factorisation of `world` the search weighs: tp within a node (at most MAX_TP), cp where the
+    model has SDPA attention, ep where it has experts, dp what is left (at least 1)."""
+    sizes = [d for d in range(1, world + 1) if world % d == 0]
+    found = []
+    for tp in (d for d in sizes if d <= min(gpus_per_node, MAX_TP)):
+        for cp in (d for d in sizes if d <= 8) if attention else (1,):
+            for ep in sizes if experts else (1,):
+                if world % (tp * cp * ep) == 0:
+                    found.append(Layout(world // (tp * cp * ep), tp, cp, ep))
+    return found
+
+
+def base_plans(model: nn.Module, world: int, gpus_per_node: int, name: str, order=None) -> list[Candidate]:
+    """One starter plan per layout the model takes: init_plan's, whose mesh keeps every dim asked for."""
+    from ..compiler.predict import stacked_experts
+    from ..compiler.starter import attention_patterns
+
+    stacks = block_stacks(model, order)
+    experts = any(stacked_experts(m) for m in model.modules())
+    attention = bool(attention_patterns(model, stacks)[0])
+    found = []
+    for layout in layouts(model, world, gpus_per_node, experts, attention):
+        text = init_plan(model, tp=layout.tp, dp=layout.dp, ep=layout.ep, cp=layout.cp, name=name, order=order)
+        mesh = next(line for line in text.splitlines() if line.startswith("mesh "))
+        if all(size == 1 or f"{dim}={size}" in mesh for dim, size in layout.extra()):
+            found.append(Candidate(layout, text))
+    return found
+
+
+def with_options(base: Candidate, model: nn.Module, checkpoint: str, reshard: bool, compiled: bool) -> Candidate:
+    """`base` with activation checkpointing of its stacks' blocks, `reshard_after_forward = false` on its
+    fully_shard block where not `reshard`, and `compile` of each stack's blocks and of the loss."""
+    lines = base.text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("fully_shard on "))
+    end = next(i for i in range(start, len(lines)) if lines[i] == "}")
+    stacks = [line.strip().removeprefix("each ").removesuffix(".*") for line in lines[start:end]]
+    stacks = [s for s in stacks if _is_stack(model, s)]
+    inside = [] if reshard else ["    reshard_after_forward = false"]
+    after = []
+    if checkpoint != "none" and stacks:
+        after += ["", "# Activation checkpointing: each block's activations recomputed in the backward."]
+        after += [f"checkpoint {_blocks(model, stack, checkpoint)}" for stack in stacks]
+    if compiled and stacks:
+        after += ["", "# torch.compile of each block, and of the loss."]
+        after += [f"compile {stack}.*" for stack in stacks] + ["compile loss"]
+    text = "\n".join([*lines[:end], *inside, lines[end], *after, *lines[end + 1 :]])
+    return evolve(base, text=text, checkpoint=checkpoint, reshard=reshard, compiled=compiled)
+
+
+def _is_stack(model: nn.Module, name: str) -> bool:
+    try:
+        stack = model.get_submodule(name)
+    except AttributeError:
+        return False
+    return isinstance(stack, (nn.ModuleList, nn.ModuleDict, nn.Sequential)) and len(stack) > 0
+
+
+def _blocks(model: nn.Module, stack: str, checkpoint: str) -> str:
+    """The pattern of the blocks of `stack` to checkpoint: every block, or every other one (the even
+    indices; a stack of one block: that block)."""
+    if checkpoint == "every":
+        return f"{stack}.*"
+    names = list(model.get_submodule(stack)._modules)
+    chosen = names[::2] or names
+    return f"{stack}.{{{','.join(chosen)}}}" if len(chosen) > 1 else f"{stack}.{chosen[0]}"

@@ -1,0 +1,114 @@
+"""What explain predicts for one candidate plan, at the tokens per step the search holds fixed: its peak
+memory per GPU, its step time and tokens per second, and the micro-batch and accumulation that fit.
+
+Each candidate is explained in a process of its own (explain keeps torch's DTensor caches of a simulated
+world per process; explain.simulate), a pool of them side by side, the model file loaded again there."""
+
+from __future__ import annotations
+
+import math
+
+from attrs import frozen
+
+from ..explain.timing import Hardware
+
+#: The share of a GPU's memory a plan's predicted peak may take by default: the caching allocator's
+#: fragmentation and NCCL's buffers take the rest.
+HEADROOM = 0.92
+#: Bytes per GPU by accelerator name (explain.timing.GPUS' keys).
+MEMORY = {"a100": 80 << 30, "h100": 80 << 30, "h200": 141 << 30, "b200": 180 << 30}
+#: Accumulation steps tried past the first fit, doubling: a candidate that needs more does not fit.
+MAX_ACCUMULATION = 64
+
+
+@frozen
+class Prediction:
+    """explain's prediction for one candidate (by its index in the search's list): the peak at the
+    micro-batch chosen, the step at the tokens per step (micro-batch x accumulation x replicas x sequence),
+    or `why` it has none (does not fit, cannot be predicted, does not build)."""
+
+    index: int
+    peak: int | None = None
+    seconds: float | None = None
+    tokens_per_s: float | None = None
+    micro_batch: int | None = None
+    accumulation: int | None = None
+    why: str | None = None
+    fits: bool = False
+
+
+@frozen
+class Task:
+    """One candidate to predict, as a worker process takes it."""
+
+    index: int
+    text: str
+    replicas: int  # data-parallel replicas: dp x ep
+    world: int
+    model_file: object  # a runtime.modelfile.ModelFile, pickled by path
+    machine: Hardware
+    memory: int
+    tokens: int  # per step, over every replica
+    sequence: int
+
+
+def predict(task: Task) -> Prediction:
+    """The candidate's prediction (in a worker process): explain at the micro-batch the tokens per step
+    give each replica; where that does not fit, the largest that does, from the activations' share of the
+    peak, with the accumulation that keeps the tokens per step, explained again to confirm it."""
+    from ..frontend.diagnostics import PlanError
+    from ..frontend.read import read_source
+    from ..frontend.source import Source
+
+    plan, found = read_source(Source("<search>", task.text), None, task.world)
+    if plan is None:
+        return Prediction(task.index, why=f"does not compile: {found[0].message}")
+    per_replica, rest = divmod(task.tokens, task.replicas * task.sequence)
+    if rest or not per_replica:
+        return Prediction(task.index, why=f"{task.tokens} tokens do not split into {task.replicas} replicas' sequences")
+    model = task.model_file.build_on_meta()
+    accumulation = 1
+    try:
+        while accumulation <= MAX_ACCUMULATION:
+            batch = per_replica // accumulation
+            explanation = _explain(plan, model, task, batch)
+            if explanation.peak is None or explanation.time is None:
+                note = "; ".join(explanation.notes) or "explain simulated no step"
+                return Prediction(task.index, why=f"not predicted: {note}")
+            peak = explanation.peak.bytes
+            if peak <= task.memory:
+                seconds = explanation.time.seconds * accumulation
+                return Prediction(task.index, peak, seconds, task.tokens / seconds, batch, accumulation, fits=True)
+            accumulation = _next_accumulation(explanation.peak, batch, per_replica, accumulation, task.memory)
+            if accumulation is None:
+                return Prediction(task.index, peak, why=f"does not fit: {_gib(peak)} at micro-batch 1")
+    except PlanError as e:
+        return Prediction(task.index, why=f"does not fit the model: {e.diagnostics[0].message}")
+    return Prediction(task.index, peak, why=f"does not fit within {MAX_ACCUMULATION} accumulation steps")
+
+
+def _explain(plan, model, task: Task, batch: int):
+    from ..explain.options import ExplainOptions
+    from ..explain.simulate import explain
+
+    options = ExplainOptions(task.world, 0, None, True, False, batch, task.machine, None)
+    return explain(plan, model, options, task.model_file)
+
+
+def _next_accumulation(peak, batch: int, per_replica: int, accumulation: int, memory: int) -> int | None:
+    """The accumulation whose micro-batch the activations' share of `peak` (at `batch`) says fits, at
+    least twice `accumulation`, dividing `per_replica`; None where not even a micro-batch of 1 would."""
+    activations = peak.category("activations")
+    per_example = activations / batch if batch else 0
+    fixed = peak.bytes - activations
+    if batch == 1 or per_example <= 0 or fixed >= memory:
+        return None
+    fitting = max(1, int((memory - fixed) // per_example))
+    wanted = max(2 * accumulation, math.ceil(per_replica / fitting))
+    while per_replica % wanted and wanted <= per_replica:
+        wanted += 1
+    return wanted if wanted <= per_replica else None
+
+
+def _gib(size: int) -> str:
+    return f"{size / (1 << 30):.1f} GiB"

@@ -1,0 +1,91 @@
+"""`shardlang search` (issue 42): the candidates it weighs, the accumulation it picks where a micro-batch does
+not fit, the exit status when nothing fits, and a search run end to end (explain in worker processes, the
+chosen plan linted with the step and applied on CPU workers) on a small model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardlang.frontend.read import read_source
+from shardlang.frontend.source import Source
+from shardlang.search.candidates import Layout, base_plans, layouts, with_options
+from shardlang.search.ranking import _next_accumulation
+
+from .conftest import ROOT, shardlang_cli
+
+
+def _llama():
+    from examples.llama import build_model
+
+    with torch.device("meta"):
+        return build_model()
+
+
+def test_layouts_factor_the_world_with_tp_in_a_node_and_cp_and_ep_where_the_model_takes_them():
+    model = _llama()
+    found = layouts(model, 8, 4, experts=False, attention=True)
+    assert Layout(8) in found and Layout(2, tp=4) in found and Layout(1, tp=4, cp=2) in found
+    assert all(layout.tp <= 4 and layout.ep == 1 for layout in found)
+    assert all(layout.dp * layout.tp * layout.cp * layout.ep == 8 for layout in found)
+    assert layouts(model, 4, 8, experts=False, attention=False) == [Layout(4), Layout(2, tp=2), Layout(1, tp=4)]
+
+
+def test_every_candidate_is_a_plan_that_compiles_with_the_options_it_names():
+    """examples/llama.py at world 4: each layout's starter, with checkpointing of every block or every
+    other one (layers.0 of its 2), no resharding after forward, and compiled blocks and loss."""
+    model = _llama()
+    bases = base_plans(model, 4, 8, "examples/llama.py")
+    assert {str(b.layout) for b in bases} >= {"dp4", "dp2 tp2", "dp2 cp2"}
+    for base in bases:
+        candidate = with_options(base, model, "every other", False, True)
+        plan, found = read_source(Source("<candidate>", candidate.text), None, 4)
+        assert plan is not None and not [d for d in found if d.is_error], (candidate.name, found)
+        assert "checkpoint layers.0\n" in candidate.text and "reshard_after_forward = false" in candidate.text
+        assert "compile layers.*" in candidate.text and "compile loss" in candidate.text
+    every = with_options(bases[0], model, "every", True, False)
+    assert "checkpoint layers.*" in every.text and "compile" not in every.text and "reshard" not in every.text
+
+
+def test_accumulation_comes_from_the_activations_share_of_the_peak():
+    """At micro-batch 8 the peak is 10 GiB, 8 of them activations (1 GiB an example): within 6 GiB, 4
+    examples fit beside the 2 GiB that do not scale, so 2 accumulation steps of 4 keep the 8 per replica."""
+    from shardlang.explain.fakestep import Peak
+
+    gib = 1 << 30
+    peak = Peak(10 * gib, (("activations", 8 * gib), ("parameters", 2 * gib)), (), 8, 8 * 16, 1)
+    assert _next_accumulation(peak, 8, 8, 1, 6 * gib) == 2
+    assert _next_accumulation(peak, 8, 8, 1, 2 * gib) is None  # not even one example fits beside the rest
+    assert _next_accumulation(peak, 8, 6, 1, 4 * gib + gib // 2) == 3  # 2 fit: 3 steps of 2 divide 6
+
+
+def test_nothing_fits_exits_2_with_the_smallest_peak(monkeypatch, capsys):
+    import shardlang.search as search
+    from shardlang.cli.main import main
+    from shardlang.search import Ranked
+    from shardlang.search.candidates import Candidate
+    from shardlang.search.ranking import Prediction
+
+    def nothing(model_file, model, settings, name, order=None, done=None):
+        return [Ranked(Candidate(Layout(2), "shardlang 1\n"), Prediction(0, 3 << 30, why="does not fit"))]
+
+    monkeypatch.setattr(search, "search", nothing)
+    monkeypatch.chdir(ROOT)
+    assert main(["search", "examples/llama.py", "--world", "2", "--memory", "1GiB"]) == 2
+    assert "no plan fits 1.0 GiB per GPU; the smallest peak found: 3.0 GiB" in capsys.readouterr().err
+
+
+@pytest.mark.distributed
+def test_search_writes_the_fastest_plan_that_fits_after_applying_it(tmp_path):
+    """examples/mlp.py at world 2: plain FSDP and tensor parallelism (the rules init proposes), with and
+    without resharding after forward; explain's fastest is applied with every check on CPU workers and
+    written with its prediction and runners-up in its header."""
+    out = tmp_path / "best.sl"
+    done = shardlang_cli("search", "examples/mlp.py", "--world", "2", "--jobs", "2", "-o", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "applied at world 2 on CPU" in done.stdout
+    text = out.read_text()
+    assert text.startswith("# Written by `shardlang search` at world 2 on H100 SXM")
+    assert "# Runners-up (explain's prediction):" in text and "tokens/s" in text
+    plan, found = read_source(Source(str(out), text), None, 2)
+    assert plan is not None and not [d for d in found if d.is_error]
