@@ -152,6 +152,12 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--dry-run", action="store_true", help="check this script on CPU workers (gloo) with the tiny model"
     )
+    parser.add_argument(
+        "--plan",
+        type=Path,
+        help="shardlang's side runs this plan (e.g. what `shardlang search` wrote) instead of the config's; "
+        "torchtitan's side is the config's, eager unless --compile",
+    )
     return parser.parse_args(argv)
 
 
@@ -187,10 +193,12 @@ def main(argv=None) -> None:
 
     config = source.configure(tiny)
     name = f"{source.__name__.rsplit('.', 1)[-1]}_{args.config}{'_compile' if args.compile else ''}{'_loss' if args.compile_loss else ''}.sl"
-    if not (ROOT / "benchmarks" / "plans" / name).exists():
+    if args.plan is None and not (ROOT / "benchmarks" / "plans" / name).exists():
         raise SystemExit(f"no plan benchmarks/plans/{name} for --config {args.config} with these flags")
-    params = {"backend": backend} if args.compile else None
-    plan = shardlang.load(ROOT / "benchmarks" / "plans" / name, params, world_size=world)
+    params = {"backend": backend} if args.compile and args.plan is None else None
+    path = args.plan or ROOT / "benchmarks" / "plans" / name
+    name = str(args.plan) if args.plan else f"benchmarks/plans/{name}"
+    plan = shardlang.load(path, params, world_size=world)
 
     def build_shardlang():
         torch.manual_seed(0)
@@ -248,7 +256,8 @@ def main(argv=None) -> None:
     counts = {}
     # A dispatch mode (the Recorder) cannot run inside compiled code: with --compile the compiled blocks
     # run eagerly for the count (torch.compiler.set_stance("force_eager")), the same modules and hooks.
-    eager = torch.compiler.set_stance("force_eager") if args.compile else contextlib.nullcontext()
+    compiled = args.compile or bool(plan.compiles) or plan.compile_loss is not None
+    eager = torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext()
     for side in SIDES:
         recorder = Recorder()
         with eager, recorder:
@@ -266,7 +275,7 @@ def main(argv=None) -> None:
 
         result = {
             "config": args.config,
-            "plan": f"benchmarks/plans/{name}",
+            "plan": name,
             "compile": backend if args.compile else None,
             "compile_loss": args.compile_loss,
             "titan_eager": args.titan_eager,
