@@ -229,3 +229,22 @@ def test_context_attentions_own_refusal_leaves_out_context_parallelism_wherever_
     message = "raises in module 'a.0.attention.self': NotImplementedError: context parallelism takes attention without"
     drops = Drops().after(text, 6, message)
     assert drops.cp and drops.cp.startswith("raises in module 'a.0.attention.self'") and not drops.mixed_precision
+
+
+def test_a_tied_weight_written_through_either_name_is_written():
+    """torchtitan's Llama3 1B ties tok_embeddings to lm_head and its init_states writes lm_head's: SL224
+    said tok_embeddings.weight was left unwritten (allocating the fake copy had untied the two)."""
+
+    class Tied(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok_embeddings = torch.nn.Embedding(8, 4)
+            self.lm_head = torch.nn.Linear(4, 8, bias=False)
+            self.lm_head.weight = self.tok_embeddings.weight
+
+        def init_states(self):
+            torch.nn.init.normal_(self.lm_head.weight)
+
+    with torch.device("meta"):
+        model = Tied()
+    assert left_unwritten(model, "init_states") == []

@@ -25,6 +25,7 @@ def left_unwritten(model: nn.Module, method: str | None) -> list[str] | None:
     allocated as fake tensors (could not tell)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from ..runtime.ties import retie, tied_parameter_groups
     from .fakestep import quiet
 
     if not any(p.is_meta for p in model.parameters()):
@@ -32,7 +33,9 @@ def left_unwritten(model: nn.Module, method: str | None) -> list[str] | None:
     try:
         model = copy.deepcopy(model)  # of meta tensors (a fake mode cannot copy them)
         with quiet("torch._subclasses.fake_tensor"), FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+            groups = tied_parameter_groups(model)
             allocate_on(model, "cpu")  # fake CPU tensors, the buffers the constructor computed kept
+            retie(model, groups)  # to_empty gave each alias of a tied weight its own tensor
             return _unwritten(model, method)
     except Exception:  # noqa: BLE001 - a model that cannot be copied or allocated: "could not tell"
         return None
