@@ -89,3 +89,19 @@ def test_search_writes_the_fastest_plan_that_fits_after_applying_it(tmp_path):
     assert "# Runners-up (explain's prediction):" in text and "tokens/s" in text
     plan, found = read_source(Source(str(out), text), None, 2)
     assert plan is not None and not [d for d in found if d.is_error]
+
+
+def test_attention_flops_take_grouped_query_attention():
+    """explain counts SDPA's FLOPs as torch's formulas do, with fewer key/value heads than query heads
+    (torchtitan's 1B: 32 over 8), which torch 2.11's formulas refused: every dp candidate of the 1B was
+    'not predicted' there. 2 x heads x queries x keys x (query width + value width) forward."""
+    from shardlang.explain.memory import attention_flops
+
+    q, k, v = (2, 32, 128, 64), (2, 8, 256, 64), (2, 8, 256, 48)
+    assert attention_flops(q, k, v) == 2 * 2 * 32 * 128 * 256 * (64 + 48)
+    assert attention_flops(q, k, v, backward=True) == 2 * 2 * 32 * 128 * 256 * (3 * 64 + 2 * 48)
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    same = (2, 32, 128, 64)
+    assert attention_flops(same, same, same) == sdpa_flop_count(same, same, same)
+    assert attention_flops(same, same, same, backward=True) == sdpa_backward_flop_count(same, same, same, same)

@@ -50,7 +50,7 @@ from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _ModSta
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from torch.utils._pytree import tree_flatten
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import flop_registry
 
 from ..runtime.torchcompat import (
     fsdp_group_forward_hooks,
@@ -90,11 +90,22 @@ _UNWRITTEN = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "ne
 
 
 def _cpu_attention(query, key, value, *args, out_val=None, **kwargs) -> int:
-    return sdpa_flop_count(query.shape, key.shape, value.shape)
+    return attention_flops(query.shape, key.shape, value.shape)
 
 
 def _cpu_attention_backward(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
-    return sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+    return attention_flops(query.shape, key.shape, value.shape, backward=True)
+
+
+def attention_flops(query, key, value, backward: bool = False) -> int:
+    """torch.utils.flop_counter's SDPA formulas (scores, then values; the backward's five products: the
+    scores again, the gradients of the probabilities, the values, the queries and the keys), with
+    grouped-query attention's fewer key/value heads broadcast to the query's, as the kernel does: torch
+    2.11's formulas refuse such shapes, 2.13's take them and count the same."""
+    batch, heads, queries, width = query
+    keys, value_width = key[-2], value[-1]
+    products = 3 * width + 2 * value_width if backward else width + value_width
+    return 2 * batch * heads * queries * keys * products
 
 
 #: The fake step runs on CPU, where SDPA is the CPU flash kernel, which torch's FLOP formulas do not
