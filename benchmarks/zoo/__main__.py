@@ -122,8 +122,9 @@ def table(path: Path) -> str:
         "",
     ]
     lines += [
-        "| mode | tried | built | pass | fail | crash | init refused | lint agrees | false alarm | miss | lint crash |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| mode | tried | built | pass | fail | crash | timed out | init refused | lint agrees | false alarm | miss "
+        "| lint crash |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for mode in [*MODES, *(f"{m} on cuda" for m in MODES)]:
         rows = [r for r in records if key(r)[1] == mode]
@@ -132,7 +133,8 @@ def table(path: Path) -> str:
             built = sum(r.get("built") is True for r in rows)
             lines.append(
                 f"| {mode} | {len(rows)} | {built} | {count('outcome', 'pass')} | {count('outcome', 'fail')} "
-                f"| {count('outcome', 'crash')} | {count('outcome', 'init refused')} | {count('agreement', 'agree')} | "
+                f"| {count('outcome', 'crash')} | {count('outcome', 'timed out')} | {count('outcome', 'init refused')} "
+                f"| {count('agreement', 'agree')} | "
                 f"{count('agreement', 'false alarm')} | {count('agreement', 'miss')} | "
                 f"{count('agreement', 'lint crash')} |"
             )

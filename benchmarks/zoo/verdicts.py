@@ -111,7 +111,8 @@ def _last_words(ran: Ran) -> str:
 
 
 def judged(record: dict) -> dict:
-    """The record's outcome (pass, fail, crash, not built), lint against apply, and its failure's class."""
+    """The record's outcome (pass, fail, crash, timed out, not built), lint against apply, and its failure's
+    class."""
     if "built" in record and record["built"] is not True:
         return {"outcome": "not built", "agreement": "-", "class": None}
     lint, applied = record.get("lint"), record.get("apply")
@@ -126,6 +127,9 @@ def judged(record: dict) -> dict:
     else:
         agreement = "false alarm" if applied["verdict"] == "pass" else "agree"
     named = failure_class(record, agreement)
+    if outcome == "crash" and "timed out after" in (applied.get("said") or "") + (record.get("tail") or ""):
+        # the model slower than the sweep's --timeout (Mamba's reference kernels on one CPU thread), no traceback
+        outcome = "timed out"
     if outcome == "crash" and named is None:  # every verdict given, yet a command hung or died after it
         last = (record.get("tail") or "").strip().splitlines()[-1:]
         named = f"crash after the verdicts: {normalised(last[0] if last else '')}"

@@ -218,7 +218,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--jobs", type=int, default=0, metavar="J", help="explain processes side by side (default: cores, at most 8)"
     )
     search.add_argument(
-        "--timeout", type=_seconds, default=600.0, metavar="S", help="how long each CPU check may take (default 600)"
+        "--candidates",
+        metavar="DIR",
+        help="also write every plan that fits to DIR, best first (01.sl, 02.sl, ...), each with its prediction",
+    )
+    search.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=600.0,
+        metavar="S",
+        help="how long each check (lint's step, then apply on CPU) may take (default 600)",
     )
     search.set_defaults(plan=None, params=[])
 

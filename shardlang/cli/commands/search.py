@@ -18,7 +18,7 @@ from ...frontend.source import Source
 from ..inputs import load_model, meta_model, model_arg, order_always
 from ..launcher import run_local, worker_failed
 from ..output import Out, check_output, emit_diagnostics
-from ..signals import terminable
+from ..signals import terminable, time_limit
 from ..status import OK, UNUSABLE, UsageError
 
 #: The most local CPU workers a candidate is applied on; a larger world is only linted (with the step).
@@ -73,6 +73,8 @@ def run_search(args: argparse.Namespace) -> int:
         smallest = f"; the smallest peak found: {min(peaks) / (1 << 30):.1f} GiB" if peaks else ""
         print(f"shardlang search: no plan fits {memory / (1 << 30):.1f} GiB per GPU{smallest}", file=sys.stderr)
         return UNUSABLE
+    if args.candidates:
+        _write_candidates(Path(args.candidates), fitting, settings)
     for position, chosen in enumerate(fitting[: max(args.check, 1)]):
         said = (
             _checked(args, chosen.candidate.text, model, model_file, order) if args.check else "not checked (--check 0)"
@@ -92,6 +94,15 @@ def run_search(args: argparse.Namespace) -> int:
     return UNUSABLE
 
 
+def _write_candidates(folder: Path, fitting, settings) -> None:
+    """Every plan that fits, best first, each with its prediction in its header (to measure them)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for number, ranked in enumerate(fitting, 1):
+        said = f"candidate {number} of {len(fitting)}, not checked"
+        text = _header(ranked, [], 0, said, settings) + ranked.candidate.text
+        (folder / f"{number:02d}.sl").write_text(text, encoding="utf-8")
+
+
 def _sequence(model_file) -> int:
     """The sequence length of the model file's example_input: its first tensor's dim 1."""
     inputs = model_file.example_input(1, torch.Generator().manual_seed(0))
@@ -108,7 +119,12 @@ def _checked(args, text: str, model, model_file, order) -> str | None:
     source = Source(args.output or "<search>", text)
     plan, found = read_source(source, None, args.world)
     if plan is not None:
-        linted, _ = lint_against(plan, model, model_file, args.world, order, True)
+        try:
+            with time_limit(args.timeout, "lint's simulated step"):
+                linted, _ = lint_against(plan, model, model_file, args.world, order, True)
+        except UsageError as e:
+            print(f"search: {e}; the next one is checked", file=sys.stderr)
+            return None
         found = sorted([*found, *linted], key=sort_key)
     if plan is None or any(d.is_error for d in found):
         emit_diagnostics(found, {source.name: source}, "text", stream=sys.stderr)

@@ -1,0 +1,129 @@
+"""`shardlang search` measured (issue 42): the plan it writes for torchtitan's Llama3 1B (or Qwen3-MoE) and its
+runners-up, each timed against torchtitan's default layout by benchmarks/titan_compare.py on the GPUs, beside
+what explain predicted for it. One table: predicted and measured step time, tokens/s and peak memory per
+candidate, and each candidate's throughput over torchtitan's default (FSDP over every GPU, eager, no
+activation checkpointing) and over torchtitan compiled (blocks and loss, its fastest layout at 2 GPUs).
+
+    python benchmarks/search_compare.py --nproc 2 --gpu h200 --top 5 --runs 3
+
+runs `shardlang search benchmarks/titan_1b.py --world 2 --tokens-per-step <batch x 2048 x 2>
+--candidates DIR` on this host's CPUs, then for each of the best `--top` candidates `--runs` runs of
+titan_compare in each build order against torchtitan's default, and one against torchtitan compiled. Each
+titan_compare run alternates the two sides step by step (30 steps each after warm-up): the medians of the
+runs are reported. Results (card, date, numbers) go to benchmarks/RESULTS.md by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SEQ = 2048
+
+
+def arguments(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2, help="GPUs (the search's world)")
+    parser.add_argument("--gpu", default="h200", choices=("h100", "h200"))
+    parser.add_argument("--batch", type=int, default=4, help="sequences per GPU per step (titan_compare's --batch)")
+    parser.add_argument("--top", type=int, default=5, help="candidates measured, best first")
+    parser.add_argument("--runs", type=int, default=3, help="titan_compare runs per build order and candidate")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--jobs", type=int, default=0, help="search's explain processes (default: its own)")
+    return parser.parse_args(argv)
+
+
+def searched(args, folder: Path) -> tuple[list[Path], float]:
+    """The search's candidate plans, best first, and how long it took."""
+    tokens = args.batch * SEQ * args.nproc
+    command = [sys.executable, "-m", "shardlang", "search", "benchmarks/titan_1b.py", "--world", str(args.nproc)]
+    command += ["--gpu", args.gpu, "--tokens-per-step", str(tokens), "--check", "0", "--candidates", str(folder)]
+    command += ["--jobs", str(args.jobs)] if args.jobs else []
+    command += ["-o", str(folder / "chosen.sl")]
+    start = time.perf_counter()
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, env=_cpu_only())
+    if done.returncode:
+        raise SystemExit(f"search failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return sorted(folder.glob("[0-9][0-9].sl")), time.perf_counter() - start
+
+
+def measured(args, plan: Path, order: str, titan_compiled: bool) -> dict:
+    """One titan_compare run of `plan` against torchtitan (eager, or compiled with its loss): its RESULT."""
+    command = ["torchrun", "--nproc-per-node", str(args.nproc), "benchmarks/titan_compare.py", "--config", "fsdp"]
+    command += ["--plan", str(plan), "--order", order, "--steps", str(args.steps), "--batch", str(args.batch)]
+    command += ["--compile", "--compile-loss"] if titan_compiled else []
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    found = re.search(r"^RESULT (\{.*\})$", done.stdout, re.M)
+    if not found:
+        raise SystemExit(f"titan_compare failed on {plan}:\n{(done.stdout + done.stderr)[-3000:]}")
+    return json.loads(found.group(1))
+
+
+def predicted(plan: Path) -> tuple[str, float, float]:
+    """The candidate's name, predicted step (s) and peak (GiB), from the header search wrote."""
+    header = plan.read_text().splitlines()[1]
+    name = header.strip("# ").split(":")[0]
+    step = float(re.search(r"step ([0-9.]+) ms", header).group(1)) / 1e3
+    peak = float(re.search(r"peak ([0-9.]+) GiB", header).group(1)) if "GiB" in header else 0.0
+    return name, step, peak
+
+
+def main(argv=None) -> None:
+    args = arguments(argv)
+    with tempfile.TemporaryDirectory() as folder:
+        plans, seconds = searched(args, Path(folder))
+        print(f"search: {len(plans)} plans fit, {seconds:.0f} s on this host's CPUs")
+        rows = []
+        for plan in plans[: args.top]:
+            runs = [
+                measured(args, plan, order, False)
+                for order in ("shardlang-first", "titan-first")
+                for _ in range(args.runs)
+            ]
+            fastest = measured(args, plan, "shardlang-first", True)
+            name, step, peak = predicted(plan)
+            ours = statistics.median(r["shardlang"]["median_s"] for r in runs)
+            rows.append(
+                (
+                    name,
+                    step,
+                    ours,
+                    peak,
+                    max(r["shardlang"]["peak_bytes"] for r in runs) / 2**30,
+                    statistics.median(r["throughput_ratio"] for r in runs),
+                    fastest["throughput_ratio"],
+                    runs[0]["card"],
+                )
+            )
+    print(
+        "| # | plan | predicted step | measured step | predicted peak | measured peak | / torchtitan default "
+        "| / torchtitan compiled |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for number, (name, step, ours, peak, real_peak, default, compiled) in enumerate((r[:7] for r in rows), 1):
+        print(
+            f"| {number} | {name} | {step * 1e3:.1f} ms | {ours * 1e3:.1f} ms | {peak:.1f} GiB | {real_peak:.1f} GiB "
+            f"| {default:.3f} | {compiled:.3f} |"
+        )
+    if rows:
+        best = min(r[2] for r in rows)
+        print(f"the chosen plan's measured step is {rows[0][2] / best:.3f} x the fastest of the {len(rows)} measured")
+        print(f"card: {rows[0][7]}")
+
+
+def _cpu_only() -> dict:
+    import os
+
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+
+
+if __name__ == "__main__":
+    main()
