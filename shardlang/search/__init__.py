@@ -12,6 +12,7 @@ weighed, and the header of the plan it writes lists the runners-up."""
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
@@ -111,7 +112,10 @@ def _predicted(
     ]
     jobs = settings.jobs or min(8, os.cpu_count() or 1)
     predictions: dict[int, Prediction] = {}
-    with ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=get_context("spawn"), max_tasks_per_child=1) as pool:
+    # A fresh worker a candidate (Python 3.11+): explain's first simulation in a process runs in it, later
+    # ones start a process of their own (explain.simulate), which a reused worker would pay each time.
+    fresh = {"max_tasks_per_child": 1} if sys.version_info >= (3, 11) else {}
+    with ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=get_context("spawn"), **fresh) as pool:
         for future in as_completed([pool.submit(predict, task) for task in tasks]):
             prediction = future.result()
             predictions[prediction.index] = prediction
