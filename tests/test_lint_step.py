@@ -289,3 +289,31 @@ def test_lint_after_an_explain_in_the_same_process_finds_what_it_finds_alone(cap
     capsys.readouterr()
     status, text = lint(capsys, monkeypatch, fixture, "examples/llama.py", 4)
     assert status == 1 and [(code, line) for code, line, _ in errors(text)] == [("SL222", 35)], text
+
+
+@pytest.mark.distributed
+def test_a_forked_step_killed_by_a_signal_is_forked_once_more():
+    """A fork's child that dies of a signal before its result (a segmentation fault, seen once in a full
+    run) is forked once more; one that dies again is said so, by its signal."""
+    import os
+    import signal
+
+    from shardlang.runtime.simulated import in_fork
+
+    parent = os.getpid()
+    marker = f"/tmp/shardlang-fork-{parent}"
+
+    def first_dies():
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGSEGV)
+        return "second"
+
+    try:
+        assert in_fork(first_dies, 30) == ("ok", "second")
+    finally:
+        os.remove(marker)
+    assert in_fork(lambda: os.kill(os.getpid(), signal.SIGSEGV), 30) == (
+        "failed",
+        "the simulated run died of SIGSEGV without a result",
+    )

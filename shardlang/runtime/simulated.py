@@ -18,6 +18,7 @@ import copy
 import os
 import pickle
 import select
+import signal
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -224,7 +225,16 @@ def in_fork(fn: Callable[[], Any], timeout_s: float) -> tuple[str, Any]:
     """`fn()` in a forked child: ("ok", its result) or ("failed", why). The child shares nothing back but
     the pickled result, writes nothing to the terminal and never returns into the caller's code (it
     leaves by os._exit), and runs CPU ops on one thread; one that is still running after `timeout_s` is
-    killed."""
+    killed. A child killed by a signal before its result (a segmentation fault of a fork taken while
+    another thread held a lock: seen once in a test run, not again) is forked once more."""
+    outcome, value = _in_fork(fn, timeout_s)
+    if outcome == "died":
+        outcome, value = _in_fork(fn, timeout_s)
+    return ("failed", value) if outcome == "died" else (outcome, value)
+
+
+def _in_fork(fn: Callable[[], Any], timeout_s: float) -> tuple[str, Any]:
+    """in_fork's one attempt: ("died", why) where the child died of a signal before its result."""
     if not hasattr(os, "fork"):
         return "failed", "no fork on this platform to run it apart from the real process group"
     import torch.testing._internal.distributed.fake_pg  # noqa: F401 - imported before the fork, not in the child
@@ -275,10 +285,13 @@ def in_fork(fn: Callable[[], Any], timeout_s: float) -> tuple[str, Any]:
             chunks.append(chunk)
     finally:
         os.close(read)
+        status = 0
         if ended:  # it wrote its result and is leaving
-            os.waitpid(pid, 0)
+            status = os.waitpid(pid, 0)[1]
         else:  # its time ran out, or this process is being stopped (a time limit, Ctrl-C): killed, not waited for
             kill_and_reap(pid)
+    if not chunks and os.WIFSIGNALED(status):
+        return "died", f"the simulated run died of {signal.Signals(os.WTERMSIG(status)).name} without a result"
     if not chunks:
         return "failed", "the simulated run ended without a result"
     return pickle.loads(b"".join(chunks))

@@ -8,7 +8,6 @@ import os
 import sys
 from pathlib import Path
 
-import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -105,6 +104,8 @@ def _write_candidates(folder: Path, fitting, settings) -> None:
 
 def _sequence(model_file) -> int:
     """The sequence length of the model file's example_input: its first tensor's dim 1."""
+    import torch
+
     inputs = model_file.example_input(1, torch.Generator().manual_seed(0))
     first = next(t for t in (inputs if isinstance(inputs, (tuple, list)) else (inputs,)) if isinstance(t, torch.Tensor))
     return int(first.shape[1]) if first.ndim > 1 else 1
