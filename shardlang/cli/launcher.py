@@ -64,6 +64,25 @@ def run_local(job, world: int, device: str, timeout: float, console: Console, de
     return report, warnings
 
 
+def applied_on_cpu(args: argparse.Namespace, plan, source: Source, model_file, world: int, order):
+    """`plan` applied at `world` on CPU workers (gloo), as `apply --device cpu` does, with its checks, where
+    `init` and `search` check a plan before writing it: the report, or None where the job did not run to its
+    end (said on stderr). `args` names the model (MODEL, --entry, --hf) and the --timeout."""
+    from ..launch.failures import WorkerError
+    from ..launch.job import Job
+    from .signals import terminable
+
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the plan's `auto` mesh means cpu here, as on the workers
+    job = Job(plan, {}, args.model, args.entry, plan.checks, 0, model_file=model_file if args.hf else None, order=order)
+    try:
+        with terminable():
+            console = Console(file=sys.stderr, highlight=False)
+            return run_local(job, world, "cpu", args.timeout, console, False, Out(json=False))[0]
+    except WorkerError as e:
+        worker_failed(e, {source.name: source}, False, Out(json=False))
+        return None
+
+
 def _print_logs(folder: str) -> None:
     for path in sorted(Path(folder).glob("rank*.log")):
         text = path.read_text(errors="replace").rstrip()

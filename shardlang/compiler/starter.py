@@ -343,7 +343,7 @@ def init_plan(
         else (key, style, ours, why)
         for key, style, ours, why in rules
     ]
-    rules = _left_out(rules, with_partners(groups, drops.rules))  # a proposed rule's group goes with it
+    rules = _left_out(rules, with_partners(groups, drops.rules))  # a rule left out takes its group with it
     keeps_tp = any(ours is not None for _, _, ours, _ in rules)
     attention, no_attention = attention_patterns(model, stacks) if cp > 1 else ((), "")
     if drops.cp:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 from pathlib import Path
@@ -15,9 +14,8 @@ from ...frontend.diagnostics import sort_key
 from ...frontend.ir import Plan
 from ...frontend.source import Source
 from ..inputs import load_model, meta_model, model_arg, order_always
-from ..launcher import run_local, worker_failed
-from ..output import Out, check_output, emit_diagnostics
-from ..signals import terminable
+from ..launcher import applied_on_cpu
+from ..output import check_output, emit_diagnostics
 from ..status import FOUND, OK, UNUSABLE, UsageError
 
 #: At most this many features left out, one a round, before init writes what it has and says what failed.
@@ -151,17 +149,8 @@ def _check_init(
 ) -> tuple[int, str | None]:
     """Apply init's plan at `world` on CPU workers (gloo), as `apply --device cpu` does, with its checks: the
     exit status, and the init check's message where it alone failed (another init mode may pass)."""
-    from ...launch.failures import WorkerError
-    from ...launch.job import Job
-
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the plan's `auto` mesh means cpu here, as on the workers
-    job = Job(plan, {}, args.model, args.entry, plan.checks, 0, model_file=model_file if args.hf else None, order=order)
-    console = Console(file=sys.stderr, highlight=False)
-    try:
-        with terminable():
-            report, _ = run_local(job, world, "cpu", args.timeout, console, False, Out(json=False))
-    except WorkerError as e:
-        worker_failed(e, {source.name: source}, False, Out(json=False))
+    report = applied_on_cpu(args, plan, source, model_file, world, order)
+    if report is None:
         _said(args, f"applied at world {world} on CPU: it did not run to the end; do not train with it as it is")
         return UNUSABLE, None
     counts = report.summary

@@ -15,9 +15,9 @@ from rich.table import Table
 from ...frontend.diagnostics import sort_key
 from ...frontend.source import Source
 from ..inputs import load_model, meta_model, model_arg, order_always
-from ..launcher import run_local, worker_failed
-from ..output import Out, check_output, emit_diagnostics
-from ..signals import terminable, time_limit
+from ..launcher import applied_on_cpu
+from ..output import check_output, emit_diagnostics
+from ..signals import time_limit
 from ..status import OK, UNUSABLE, UsageError
 
 #: The most local CPU workers a candidate is applied on; a larger world is only linted (with the step).
@@ -80,9 +80,7 @@ def run_search(args: argparse.Namespace) -> int:
         )
         if said is None:
             continue
-        body = chosen.candidate.text.splitlines(keepends=True)
-        body = body[1:] if body and body[0].startswith("# Starter plan") else body  # init's first line
-        text = _header(chosen, fitting, position, said, settings) + "".join(body)
+        text = _written(chosen, fitting, position, said, settings)
         if args.output:
             Path(args.output).write_text(text, encoding="utf-8")
             print(f"wrote {args.output}: {chosen.candidate.name} ({said})")
@@ -98,7 +96,7 @@ def _write_candidates(folder: Path, fitting, settings) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for number, ranked in enumerate(fitting, 1):
         said = f"candidate {number} of {len(fitting)}, not checked"
-        text = _header(ranked, [], 0, said, settings) + ranked.candidate.text
+        text = _written(ranked, [], 0, said, settings)
         (folder / f"{number:02d}.sl").write_text(text, encoding="utf-8")
 
 
@@ -136,17 +134,8 @@ def _checked(args, text: str, model, model_file, order) -> str | None:
     if args.world > CPU_WORLD or args.world * size * CHECK_BYTES > host // 2:
         why = f"world {args.world}" if args.world > CPU_WORLD else f"{size / 1e9:.2f}B parameters"
         return f"linted clean with the step at world {args.world}; not applied on CPU ({why}): apply it on the GPUs"
-    from ...launch.failures import WorkerError
-    from ...launch.job import Job
-
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the plan's `auto` mesh means cpu here, as on the workers
-    job = Job(plan, {}, args.model, args.entry, plan.checks, 0, model_file=model_file if args.hf else None, order=order)
-    console = Console(file=sys.stderr, highlight=False)
-    try:
-        with terminable():
-            report, _ = run_local(job, args.world, "cpu", args.timeout, console, False, Out(json=False))
-    except WorkerError as e:
-        worker_failed(e, {source.name: source}, False, Out(json=False))
+    report = applied_on_cpu(args, plan, source, model_file, args.world, order)
+    if report is None:
         return None
     if report.ok and report.usable:
         return f"linted clean and applied at world {args.world} on CPU: {report.summary or 'every check passed'}"
@@ -169,13 +158,20 @@ def _table(ranked, settings) -> Table:
         table.add_row(
             str(number),
             r.candidate.name,
-            _gib(p.peak),
+            _size(p.peak),
             f"{p.seconds * 1e3:.1f} ms" if p.seconds else "-",
             f"{p.tokens_per_s:,.0f}" if p.tokens_per_s else "-",
             f"{p.micro_batch} x {p.accumulation}" if p.fits else "-",
             "" if p.fits else (p.why or ""),
         )
     return table
+
+
+def _written(chosen, fitting, position: int, said: str, settings) -> str:
+    """The plan as search writes it: its header (`_header`), then the candidate without init's first line."""
+    body = chosen.candidate.text.splitlines(keepends=True)
+    body = body[1:] if body and body[0].startswith("# Starter plan") else body
+    return _header(chosen, fitting, position, said, settings) + "".join(body)
 
 
 def _header(chosen, fitting, position: int, said: str, settings) -> str:
@@ -185,7 +181,7 @@ def _header(chosen, fitting, position: int, said: str, settings) -> str:
     lines = [
         f"# Written by `shardlang search` at world {settings.world} on {settings.machine.gpu}, "
         f"{settings.tokens:,} tokens per step:",
-        f"#   {chosen.candidate.name}: predicted peak {_gib(p.peak)} per GPU, step {p.seconds * 1e3:.1f} ms, "
+        f"#   {chosen.candidate.name}: predicted peak {_size(p.peak)} per GPU, step {p.seconds * 1e3:.1f} ms, "
         f"{p.tokens_per_s:,.0f} tokens/s, micro-batch {p.micro_batch} x {p.accumulation} accumulation step(s).",
         f"#   {said}.",
     ]
@@ -195,12 +191,12 @@ def _header(chosen, fitting, position: int, said: str, settings) -> str:
     for r in [r for r in fitting if r is not chosen][:5]:
         q = r.prediction
         lines.append(
-            f"#   {r.candidate.name}: peak {_gib(q.peak)}, step {q.seconds * 1e3:.1f} ms, {q.tokens_per_s:,.0f} tokens/s"
+            f"#   {r.candidate.name}: peak {_size(q.peak)}, step {q.seconds * 1e3:.1f} ms, {q.tokens_per_s:,.0f} tokens/s"
         )
     return "\n".join(lines) + "\n"
 
 
-def _gib(size: int | None) -> str:
-    if size is None:
-        return "-"
-    return f"{size / (1 << 30):.2f} GiB" if size >= 1 << 30 else f"{size / (1 << 20):.1f} MiB"
+def _size(bytes_: int | None) -> str:
+    from ...explain.pictures import size
+
+    return "-" if bytes_ is None else size(bytes_)
