@@ -248,3 +248,33 @@ def test_a_tied_weight_written_through_either_name_is_written():
     with torch.device("meta"):
         model = Tied()
     assert left_unwritten(model, "init_states") == []
+
+
+def test_whole_parameters_meeting_a_piece_get_their_gradients_summed():
+    """Apertus' xIELU activation holds learned scalars and runs between the colwise up_proj and the rowwise
+    down_proj: lint's step says its whole parameters meet a piece of its input (SL222, at the unit holding
+    it). init answers by adding `replicated_with_grad_allreduce` for every block's, not by dropping the unit;
+    the zoo's apertus then passes every check at tp 2 (and failed before, on torch 2.11 and 2.13 alike)."""
+    message = (
+        "the simulated training step hands module 'model.layers.0.mlp.act_fn' (XIELUActivation) (and 1 more "
+        "like it: model.layers.1.mlp.act_fn), whose parameters (alpha_p, alpha_n) are whole on every rank, a "
+        "piece of its input: each rank's gradient of them is its piece's share, and nothing sums the shares"
+    )
+    unit = {text.strip(): n for n, text in enumerate(TP_TEXT.splitlines(), 1)}["each model.layers.*"]
+    drops = Drops().after(TP_TEXT, unit, message)
+    assert list(drops.summed) == ["model.layers.*.mlp.act_fn"] and not drops.units and not drops.mixed_precision
+    assert drops.after(TP_TEXT, unit, message).mixed_precision  # asked again: the usual order resumes
+    fsdp_only = TP_TEXT.replace("parallelize on world.tp", "parallelize on world.ep")
+    assert not Drops().after(fsdp_only, unit, message).summed  # nothing to sum over without tp
+    text = init_plan(_meta("apertus"), tp=2, name="apertus", drops=drops)
+    assert "    model.layers.*.mlp.act_fn       : replicated_with_grad_allreduce\n" in text
+    assert "# model.layers.*.mlp.act_fn: added: lint's simulated step found its whole parameters" in text
+
+
+def test_a_sum_of_partial_outputs_needs_a_rule_inside_that_makes_them():
+    """Inkling's tp_plan sums its shared experts' output (`all_reduce`), partial through the colwise and
+    rowwise rules on gate_proj/up_proj/down_proj, which are parameters of that one module, not modules: with
+    none of those rules written, the sum would double a whole output. init writes it as a comment."""
+    text = init_plan(_meta("inkling_text"), tp=2, name="inkling")
+    assert "    # model.layers.*.mlp.shared_experts           : all_reduce: it sums a partial output" in text
+    assert "    model.layers.*.mlp.experts                  : expert_tensor_parallel\n" in text

@@ -66,6 +66,30 @@ def test_sl202_says_which_style_fits():
     assert "do not split into 3 equal parts" in helps["head.gather"]
 
 
+def test_an_embedding_with_parameters_below_it_takes_no_linear_style():
+    """Inkling's embedding normalises its output with a norm of its own: torch's RowwiseParallel would
+    register `embed_norm.weight` as a parameter of the embedding (a KeyError in apply) and, were it laid out,
+    run the norm on partial sums. SL202 at the rule, statically."""
+
+    class NormedEmbedding(torch.nn.Embedding):
+        def __init__(self):
+            super().__init__(16, 8)
+            self.norm = torch.nn.LayerNorm(8)
+
+        def forward(self, ids):
+            return self.norm(super().forward(ids))
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = NormedEmbedding()
+
+    plan = shardlang.loads("mesh world = cpu[tp=2]\nparallelize on world.tp { embed : rowwise(input=replicate) }\n")
+    found = plan.lint(Model(), 2)
+    assert [d.code for d in found] == ["SL202"], found
+    assert "its submodules hold parameters (norm.weight, norm.bias)" in found[0].help[0]
+
+
 @pytest.mark.parametrize(
     ("style", "message"),
     [

@@ -1,4 +1,5 @@
-"""What `shardlang init` leaves out of a starter plan after lint's simulated step found it cannot run, and why.
+"""What `shardlang init` leaves out of (or adds to) a starter plan after lint's simulated step found it cannot
+run, and why.
 
 init writes a plan, lints it with the step, and where an error points at a line it wrote, leaves that line's
 feature out and tries again (cli.commands.init): a tensor- or expert-parallel rule (Llama 4's rowwise
@@ -6,7 +7,11 @@ feature out and tries again (cli.commands.init): a tensor- or expert-parallel ru
 the attention it splits: SL223), `mixed_precision` (a model that meets a float32 mask with a bf16 weight, or
 runs an FFT bf16 has no kernel for), and last a stack's blocks as fully_shard units (a model that reads a
 block's parameter outside its forward), the root then holding them. Each is written as a comment saying what
-lint found, so the plan says why it is smaller than what was asked for.
+lint found, so the plan says why it is smaller than what was asked for. One error is answered by adding a
+rule instead: a module no rule governs whose own whole parameters meet a piece of their input (SL222 on an
+activation between a colwise and a rowwise projection, apertus' xIELU with its learned alphas) gets
+`replicated_with_grad_allreduce`, which sums each rank's share of their gradients over tp; apply's gradients
+check then says whether that was right.
 """
 
 from __future__ import annotations
@@ -16,6 +21,10 @@ from collections.abc import Mapping
 
 import attrs
 from attrs import frozen
+
+#: SL222's message for whole parameters that met a piece of their input (explain.rehearsal._partial_gradients):
+#: the first module it names.
+WHOLE_PARAMETERS = re.compile(r"hands module '([^']+)' \([^)]*\).* whose parameters \([^)]*\) are whole on every rank")
 
 #: A block's opening line in the plans init writes, and which feature its lines belong to.
 BLOCKS = (
@@ -28,7 +37,8 @@ BLOCKS = (
 @frozen
 class Drops:
     """What a starter leaves out, each with why: rules by key (tensor- and expert-parallel), context
-    parallelism, mixed precision, units by pattern (`stack.*`)."""
+    parallelism, mixed precision, units by pattern (`stack.*`); and the modules (by pattern) it gives
+    `replicated_with_grad_allreduce`, each with why."""
 
     rules: Mapping[str, str] = attrs.field(factory=dict)
     cp: str | None = None
@@ -37,9 +47,10 @@ class Drops:
     #: Init statements ("init meta with init_states", "init meta") whose init check alone failed in apply, with
     #: its message.
     inits: Mapping[str, str] = attrs.field(factory=dict)
+    summed: Mapping[str, str] = attrs.field(factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.rules or self.cp or self.mixed_precision or self.units or self.inits)
+        return bool(self.rules or self.cp or self.mixed_precision or self.units or self.inits or self.summed)
 
     def said(self) -> list[str]:
         """One line per feature left out, for init's output."""
@@ -47,6 +58,7 @@ class Drops:
         lines += [f"left out context parallelism: {self.cp}"] if self.cp else []
         lines += [f"left out mixed_precision: {self.mixed_precision}"] if self.mixed_precision else []
         lines += [f"left out the units {key}: {why}" for key, why in self.units.items()]
+        lines += [f"added rule {key} : replicated_with_grad_allreduce: {why}" for key, why in self.summed.items()]
         return lines + [f"left out `{key}`: its init check failed" for key in self.inits]
 
     def after_init(self, init, message: str) -> Drops | None:
@@ -67,6 +79,9 @@ class Drops:
             # context attention's own refusal (an explicit mask, dropout), raised in a module inside a matched
             # attention: the diagnostic points at the unit holding it, and what cannot run is the cp
             return attrs.evolve(self, cp=why)
+        summed = self._summed(lines, message)
+        if summed is not None:
+            return summed
         block = _block_of(lines, line - 1)
         here = lines[line - 1].strip()
         if block == "rule" and ":" in here and not here.startswith(("parallelize", "#")):
@@ -82,6 +97,20 @@ class Drops:
         if unit is None or unit in self.units:
             return None
         return attrs.evolve(self, units={**self.units, unit: why})
+
+
+    def _summed(self, lines: list[str], message: str) -> Drops | None:
+        """These drops and `replicated_with_grad_allreduce` for the modules SL222's `message` names as holding
+        whole parameters that met a piece of their input, where the plan has tensor parallelism to sum
+        their gradients over and no rule for them was tried and left out already; else None."""
+        found = WHOLE_PARAMETERS.search(message)
+        if found is None or not any(t.startswith("parallelize on world.tp") for t in lines):
+            return None
+        pattern = re.sub(r"\.\d+(?=\.|$)", ".*", found.group(1))  # every block's, as the rules are written
+        if pattern in self.summed or pattern in self.rules:
+            return None
+        why = "its whole parameters meet a piece of its input; their gradients are summed over tp"
+        return attrs.evolve(self, summed={**self.summed, pattern: why})
 
 
 def _block_of(lines: list[str], index: int) -> str | None:

@@ -78,6 +78,9 @@ PROPOSED_HEADER = [
 ]
 PARAMETER_RULE = "a parameter, not a module: its module's rule says how it is laid out"
 NO_MODULE = "no such module in this model"
+#: The style init adds for a module whose whole parameters lint's step found meeting a piece of its input.
+SUMMED = "replicated_with_grad_allreduce"
+ADDED = "added: lint's simulated step found its whole parameters meeting a piece of its input"
 
 
 def block_stacks(model: nn.Module, order: Order | None = None) -> tuple[str, ...]:
@@ -279,6 +282,20 @@ def _left_out(rules, dropped: Mapping[str, str]) -> list[tuple[str, str, str | N
     ]
 
 
+def _sums_written(rules) -> list[tuple[str, str, str | None, str]]:
+    """`rules` with each `all_reduce` (a module's partial output summed) turned into a comment where no
+    rule inside that module is written: its partial output comes only from them (Inkling's shared experts,
+    whose projections are parameters of one module, not modules), and summing a whole output over tp
+    would multiply it by tp."""
+    kept = [key for key, _, ours, _ in rules if ours is not None]
+    return [
+        (key, style, None, "it sums a partial output that only the rules inside it make, and none of them is written")
+        if style == "all_reduce" and ours is not None and not any(within(k, key) and k != key for k in kept)
+        else (key, style, ours, why)
+        for key, style, ours, why in rules
+    ]
+
+
 def _sibling_groups(rules) -> list[list[tuple]]:
     """A model's own tp_plan rules grouped by the module that holds them (an attention's q/k/v/o, an MLP's
     gate/up/down): a rule lint's step leaves out takes its siblings with it (compiler.proposed.with_partners),
@@ -293,10 +310,14 @@ def _rule_lines(rules) -> list[str]:
     """A parallelize block's body: each (key, transformers style, ours, why not) a rule, or a comment
     saying why there is none, the names aligned."""
     width = max(len(key) for key, *_ in rules)
-    return [
-        f"    # {key:<{width}} : {style}: {why}" if ours is None else f"    {key:<{width}} : {ours}"
-        for key, style, ours, why in rules
-    ]
+    lines = []
+    for key, style, ours, why in rules:
+        if ours is None:
+            lines.append(f"    # {key:<{width}} : {style}: {why}")
+        else:  # a rule init added says why above it
+            lines += [f"    # {key}: {why}"] if why else []
+            lines.append(f"    {key:<{width}} : {ours}")
+    return lines
 
 
 def init_plan(
@@ -343,7 +364,9 @@ def init_plan(
         else (key, style, ours, why)
         for key, style, ours, why in rules
     ]
-    rules = _left_out(rules, with_partners(groups, drops.rules))  # a rule left out takes its group with it
+    rules = _sums_written(_left_out(rules, with_partners(groups, drops.rules)))  # a rule takes its group
+    if tp > 1:  # modules whose whole parameters lint's step found meeting a piece of their input
+        rules += [(key, SUMMED, SUMMED, ADDED) for key in drops.summed if key not in drops.rules]
     keeps_tp = any(ours is not None for _, _, ours, _ in rules)
     attention, no_attention = attention_patterns(model, stacks) if cp > 1 else ((), "")
     if drops.cp:

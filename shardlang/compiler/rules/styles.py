@@ -52,6 +52,14 @@ def _misfit(style: ir.Style, module: nn.Module, tp: int) -> str | None:
     kind = style_kind(style)
     if kind in LINEAR_STYLES and not isinstance(module, (nn.Linear, nn.Embedding)):
         return f"{kind} shards nn.Linear and nn.Embedding only; {fitting_style(module)}"
+    if kind in LINEAR_STYLES and _nested_parameters(module):
+        # torch's styles distribute every parameter below the module as if it were the weight, and its
+        # forward would run the submodules on a shard or a partial sum (a norm on the embedding's output)
+        return (
+            f"its submodules hold parameters ({few(_nested_parameters(module))}): "
+            f"{kind} would lay them out as its weight and run them on a split output; leave it without a rule, "
+            "or `use` a style of your own"
+        )
     if kind in CONV1D_STYLES:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             plain = kind.removesuffix("_conv1d")
