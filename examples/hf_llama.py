@@ -9,21 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from examples.llama import causal_lm_loss
-
-VOCAB, SEQ = 128, 16
-
-#: The small decoder every Hugging Face example model here shares (each adds what its architecture needs).
-SMALL = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=SEQ,
-    tie_word_embeddings=False,
-    attn_implementation="sdpa",
-)
+from examples.small import SEQ, SMALL, VOCAB  # noqa: F401 - the sizes the HF examples share
 
 
 def config() -> LlamaConfig:

@@ -83,7 +83,9 @@ class Plan(ir.Plan):
         from .runtime.modelfile import ModelFile
 
         options = ExplainOptions(world_size, rank, full_step=full_step, batch=batch, hardware=hardware(gpu), fit=fit)
-        build = functools.partial(copy.deepcopy, model)  # picklable, for a simulation in a fresh process
+        build = functools.partial(
+            copy.deepcopy, model
+        )  # picklable, for a simulation in a fresh process (inside a process group)
         model_file = ModelFile("library", build, example_input, loss) if example_input is not None else None
         return explain(self, model, options, model_file)
 

@@ -8,9 +8,10 @@ the whole [batch, seq, vocab] tensor, which at a real vocabulary is the largest 
 
 import torch
 
-# The small decoder the Hugging Face examples share: 2 layers, hidden 64, vocab 128, float32.
-from examples.hf_llama import SEQ, SMALL, VOCAB  # noqa: F401
 from examples.llama import causal_lm_loss
+
+# The small decoder the Hugging Face examples share: 2 layers, hidden 64, vocab 128, float32.
+from examples.small import SEQ, SMALL, VOCAB  # noqa: F401
 
 
 def example_input(batch_size: int, generator: torch.Generator) -> torch.Tensor:

@@ -98,7 +98,6 @@ class Drops:
             return None
         return attrs.evolve(self, units={**self.units, unit: why})
 
-
     def _summed(self, lines: list[str], message: str) -> Drops | None:
         """These drops and `replicated_with_grad_allreduce` for the modules SL222's `message` names as holding
         whole parameters that met a piece of their input, where the plan has tensor parallelism to sum

@@ -130,7 +130,8 @@ class _Run(fx.Interpreter):
         self.modelled = modelled
         self.internal: dict[fx.Node, int] = {}  # fused node -> its kernel's group
         self.parent: list[int] = []
-        self.reads: dict[int, dict[int, int]] = {}  # group -> {id of a tracked input: bytes}
+        # group -> {an input node: bytes}; by node, not by id(): a freed value's id is reused by a later one
+        self.reads: dict[int, dict[fx.Node, int]] = {}
         self.writes: dict[int, int] = {}  # group -> bytes written out
         self.low: dict[int, bool] = {}
         self.reductions: dict[int, int] = {}  # group -> reductions in it
@@ -178,7 +179,7 @@ class _Run(fx.Interpreter):
             for n in node.all_input_nodes:
                 if n not in self.internal and isinstance(self.env.get(n), torch.Tensor):
                     t = self.env[n]
-                    self.reads.setdefault(group, {})[id(t)] = _nbytes(t)
+                    self.reads.setdefault(group, {})[n] = _nbytes(t)
                     self.low[group] = self.low.get(group, False) or t.dtype in (torch.bfloat16, torch.float16)
             self.internal[node] = group
             if packet.__name__ in _REDUCTIONS:

@@ -148,16 +148,17 @@ def _numel_per_rank(tensor, world_size: int, unsharded_dims: set[str] = frozense
 def _coordinates(mesh) -> np.ndarray:
     """(world, ndim): each global rank's coordinate in `mesh` (-1 for ranks outside it)."""
     layout = mesh.mesh.cpu().numpy()
-    key = (layout.tobytes(), layout.shape)
+    world = dist.get_world_size()
+    key = (layout.tobytes(), layout.shape, world)  # one process explains worlds of several sizes
     cached = _COORDINATES.get(key)
     if cached is None:
-        cached = np.full((dist.get_world_size(), layout.ndim), -1, dtype=np.int64)
+        cached = np.full((world, layout.ndim), -1, dtype=np.int64)
         cached[layout.reshape(-1)] = np.stack(np.unravel_index(np.arange(layout.size), layout.shape), axis=1)
         _COORDINATES[key] = cached
     return cached
 
 
-#: Rank coordinates by mesh layout, shared by the many tensors on one mesh.
+#: Rank coordinates by mesh layout and world size, shared by the many tensors on one mesh.
 _COORDINATES: dict = {}
 
 

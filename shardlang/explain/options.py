@@ -1,7 +1,7 @@
 """What one explain is asked: the world, the rank it is seen from, and how much of the step to simulate.
 
 Built once, by the command (`shardlang explain`) or the library (`Plan.explain`), and handed down whole:
-to a fresh process when this one has simulated a world before, and on to the layouts, the step and the
+to a fresh process when this one is inside a process group, and on to the layouts, the step and the
 pipeline's report.
 """
 

@@ -84,11 +84,6 @@ def named_mesh_dims(plan: ir.Plan, world_size: int) -> tuple:
     return tuple((m.name, tuple(zip(m.dim_names, m.shape(world_size)))) for m in plan.meshes)
 
 
-#: Whether this process has simulated a world: torch's DTensor caches keep that world's meshes, so a
-#: second simulation runs in a fresh process.
-_simulated_before = False
-
-
 def explain(
     plan: ir.Plan, model: nn.Module, options: ExplainOptions, model_file: ModelFile | None = None
 ) -> Explanation:
@@ -101,9 +96,9 @@ def explain(
     every block and who holds it (ExplainOptions says each).
     PlanError if the plan does not fit the model at that world size.
 
-    The first call in a process simulates here; later ones (and any call inside a process group) in a
-    fresh process, since torch's DTensor caches remember the meshes of a world that is gone."""
-    if _simulated_before or (dist.is_available() and dist.is_initialized()):
+    It simulates in this process (each simulated world starts with DTensor's sharding caches cleared,
+    runtime.simulated), or in a fresh one inside a process group, which a simulated world cannot start in."""
+    if dist.is_available() and dist.is_initialized():
         from ..launch.workers import in_fresh_process
 
         # A model from a model file loaded by path cannot be unpickled elsewhere: rebuild it there.
@@ -127,14 +122,11 @@ def lint_once(plan: ir.Plan, model: nn.Module, world_size: int) -> Linted:
 
 
 def _explain_here(plan: ir.Plan, model: nn.Module | None, options: ExplainOptions, model_file) -> Explanation:
-    global _simulated_before
-
     if model is None:
         model = model_file.build_on_meta()
     linted = lint_once(plan, model, options.world_size)
     simulated = on_cpu(plan)
     world_size, rank = options.world_size, options.rank
-    _simulated_before = True
     with simulated_world(world_size, rank), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         meshes = named_mesh_dims(plan, world_size)

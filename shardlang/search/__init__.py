@@ -12,7 +12,6 @@ weighed, and the header of the plan it writes lists the runners-up."""
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
@@ -57,16 +56,22 @@ def search(
     do not fit or cannot be predicted). `done(finished, total)` after each prediction (a progress bar)."""
     bases = base_plans(model, settings.world, settings.gpus_per_node, name, order)
     first = _distinct([with_options(b, model, checkpoint, True, False) for b in bases for checkpoint in CHECKPOINTING])
-    weighed = _predicted(model_file, first, settings, done, 0, len(first) + settings.refine * len(REFINEMENTS))
-    best = [r.candidate for r in _ranked(weighed) if r.prediction.fits][: settings.refine]
-    base = {b.layout: b for b in bases}
-    second = [
-        with_options(base[c.layout], model, c.checkpoint, reshard, compiled)
-        for c in best
-        for reshard, compiled in REFINEMENTS
-    ]
-    second = _distinct(second, {c.text for c in first})
-    weighed += _predicted(model_file, second, settings, done, len(first), len(first) + len(second))
+    jobs = min(settings.jobs or min(8, os.cpu_count() or 1), len(first))
+    # One pool for both rounds: each worker explains candidate after candidate, so torch, the model file and
+    # what explain imports load once a worker (about 12 s of a candidate's 20 on one core for torchtitan's
+    # 1B), not once a candidate.
+    with ProcessPoolExecutor(max(jobs, 1), mp_context=get_context("spawn")) as pool:
+        total = len(first) + settings.refine * len(REFINEMENTS)
+        weighed = _predicted(pool, model_file, first, settings, done, 0, total)
+        best = [r.candidate for r in _ranked(weighed) if r.prediction.fits][: settings.refine]
+        base = {b.layout: b for b in bases}
+        second = [
+            with_options(base[c.layout], model, c.checkpoint, reshard, compiled)
+            for c in best
+            for reshard, compiled in REFINEMENTS
+        ]
+        second = _distinct(second, {c.text for c in first})
+        weighed += _predicted(pool, model_file, second, settings, done, len(first), len(first) + len(second))
     return _ranked(weighed)
 
 
@@ -91,11 +96,9 @@ def _ranked(weighed: Sequence[Ranked]) -> list[Ranked]:
 
 
 def _predicted(
-    model_file, candidates: list[Candidate], settings: Settings, done, before: int, total: int
+    pool, model_file, candidates: list[Candidate], settings: Settings, done, before: int, total: int
 ) -> list[Ranked]:
-    """Each candidate's prediction, explained in worker processes side by side (one process a candidate)."""
-    if not candidates:
-        return []
+    """Each candidate's prediction, explained by the `pool`'s worker processes side by side."""
     tasks = [
         Task(
             i,
@@ -110,15 +113,10 @@ def _predicted(
         )
         for i, c in enumerate(candidates)
     ]
-    jobs = settings.jobs or min(8, os.cpu_count() or 1)
     predictions: dict[int, Prediction] = {}
-    # A fresh worker a candidate (Python 3.11+): explain's first simulation in a process runs in it, later
-    # ones start a process of their own (explain.simulate), which a reused worker would pay each time.
-    fresh = {"max_tasks_per_child": 1} if sys.version_info >= (3, 11) else {}
-    with ProcessPoolExecutor(min(jobs, len(tasks)), mp_context=get_context("spawn"), **fresh) as pool:
-        for future in as_completed([pool.submit(predict, task) for task in tasks]):
-            prediction = future.result()
-            predictions[prediction.index] = prediction
-            if done is not None:
-                done(before + len(predictions), total)
+    for future in as_completed([pool.submit(predict, task) for task in tasks]):
+        prediction = future.result()
+        predictions[prediction.index] = prediction
+        if done is not None:
+            done(before + len(predictions), total)
     return [Ranked(c, predictions[i]) for i, c in enumerate(candidates)]

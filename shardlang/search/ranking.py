@@ -1,8 +1,8 @@
 """What explain predicts for one candidate plan, at the tokens per step the search holds fixed: its peak
 memory per GPU, its step time and tokens per second, and the micro-batch and accumulation that fit.
 
-Each candidate is explained in a process of its own (explain keeps torch's DTensor caches of a simulated
-world per process; explain.simulate), a pool of them side by side, the model file loaded again there."""
+Candidates are explained in worker processes side by side (the search's pool), each worker taking one
+after another, the model file loaded there."""
 
 from __future__ import annotations
 
