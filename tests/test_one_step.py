@@ -21,8 +21,8 @@ COMPILED_LOSS = APPLIED.replace("comms\n", "comms\ncompile loss (backend=aot_eag
 
 def rehearsed(plan: str, model: str, world: int):
     """lint's simulated step on `plan` and `model` at `world`, as `shardlang lint` runs it."""
-    from shardlang.cli.commands.lint import _lint_model
     from shardlang.cli.inputs import compile_plan, load_model, meta_model, order_for, plan_world
+    from shardlang.explain.linting import lint_model
     from shardlang.explain.rehearsal import rehearse
 
     args = argparse.Namespace(model=model, entry=None, hf=None, seq=None, timeout=None)
@@ -30,7 +30,7 @@ def rehearsed(plan: str, model: str, world: int):
     assert compiled is not None and not [d for d in found if d.is_error], found
     model_file = load_model(args)
     meta = meta_model(model_file)
-    linted = _lint_model(compiled, meta, plan_world(compiled, world), order_for(compiled, meta, model_file))
+    linted = lint_model(compiled, meta, plan_world(compiled, world), order_for(compiled, meta, model_file))
     assert linted.ok, linted.diagnostics
     return rehearse(compiled, meta, model_file, world, linted.resolution)
 

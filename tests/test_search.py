@@ -105,3 +105,25 @@ def test_attention_flops_take_grouped_query_attention():
     same = (2, 32, 128, 64)
     assert attention_flops(same, same, same) == sdpa_flop_count(same, same, same)
     assert attention_flops(same, same, same, backward=True) == sdpa_backward_flop_count(same, same, same, same)
+
+
+@pytest.mark.distributed
+def test_a_tp_layout_is_settled_by_lints_step_before_it_is_weighed():
+    """torchtitan's Llama3 with the 1B's tied embedding (benchmarks/titan_1b_tiny.py): the rules init
+    proposes for the tied embedding and output layer fail the simulated step, and explain then predicted
+    nothing for any TP candidate. Settled as init settles its starter, the layout keeps its MLP rules and
+    leaves those two out, saying why."""
+    from shardlang.cli.inputs import order_always
+    from shardlang.runtime.modelfile import load_model_file
+    from shardlang.search.candidates import Settling, settled
+
+    model_file = load_model_file(str(ROOT / "benchmarks" / "titan_1b_tiny.py"))
+    model = model_file.build_on_meta()
+    order = order_always(model, model_file)
+    base = next(b for b in base_plans(model, 2, 8, "tiny", order) if b.layout == Layout(1, tp=2))
+    assert "\n    tok_embeddings" in base.text  # proposed, and it cannot run
+    found = settled(Settling(base, model_file, 2, "tiny", order))
+    assert found is not None and found.layout == Layout(1, tp=2)
+    assert "\n    layers.*.feed_forward.w2           : rowwise\n" in found.text
+    assert "\n    # tok_embeddings                     : structure: left out (lint's simulated step" in found.text
+    assert "\n    # lm_head                            : structure: left out" in found.text

@@ -17,10 +17,13 @@ check then says whether that was right.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import attrs
 from attrs import frozen
+
+#: At most this many features left out, one a round, before a starter is written as it is with what failed.
+ROUNDS = 6
 
 #: SL222's message for whole parameters that met a piece of their input (explain.rehearsal._partial_gradients):
 #: the first module it names.
@@ -110,6 +113,28 @@ class Drops:
             return None
         why = "its whole parameters meet a piece of its input; their gradients are summed over tp"
         return attrs.evolve(self, summed={**self.summed, pattern: why})
+
+
+def settle(
+    written: Callable[[Drops], str],
+    linted: Callable[[str], tuple],
+    name: str,
+    rounds: int = ROUNDS,
+    drops: Drops | None = None,
+) -> tuple[str, object, list, Drops]:
+    """A starter written (`written(drops)`) and linted (`linted(text)`: its plan and sorted diagnostics),
+    leaving out one feature a round that an error in the plan `name` points at, at most `rounds` times: the
+    last text, its plan, its diagnostics and what was left out. `init` and `search` settle their starters so."""
+    drops = drops or Drops()
+    for _ in range(rounds):
+        text = written(drops)
+        plan, found = linted(text)
+        error = next((d for d in found if d.is_error and d.span is not None and d.span.file == name), None)
+        fewer = error and drops.after(text, error.span.line, error.message)
+        if not fewer:
+            break
+        drops = fewer
+    return text, plan, found, drops
 
 
 def _block_of(lines: list[str], index: int) -> str | None:

@@ -88,7 +88,7 @@ class Modelled:
 
     def __init__(self, tracker, plan):
         self.tracker, self.plan = tracker, plan
-        self.cache: dict[Any, Callable] = {}
+        _RUNNING[:] = [self]
         self.warming = False  # the tracing call: nothing is charged
         #: What ran eager instead, and why: {what: reason}.
         self.eager: dict[str, str] = {}
@@ -217,10 +217,19 @@ class _Run(fx.Interpreter):
             tracker.costs[("kernel", 0, moved, low, recomputed)] += 1
 
 
-def _executor(modelled: Modelled):
+#: The functions traced so far in this process, by what makes two calls trace the same graph (`_call`):
+#: AOTAutograd's tracing is most of a compiled candidate's time, and the steps of one explain (2, 3 and 4
+#: blocks) and the candidates a search worker explains one after another trace the same blocks.
+_TRACED: dict[Any, Callable] = {}
+#: The Modelled of the step running now (the one made last: a step makes its own before it runs, and
+#: steps run one at a time): a traced graph charges its forward's and its backward's runs to it.
+_RUNNING: list[Modelled] = []
+
+
+def _executor():
     def compiler(gm: fx.GraphModule, example_inputs):
         def run(args):
-            return _Run(gm, modelled).run(*args)
+            return _Run(gm, _RUNNING[0]).run(*args)
 
         run._boxed_call = True
         return run
@@ -228,12 +237,12 @@ def _executor(modelled: Modelled):
     return compiler
 
 
-def _traced(fn: Callable, modelled: Modelled):
+def _traced(fn: Callable):
     from torch._functorch.aot_autograd import aot_function
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from torch._inductor.decomposition import select_decomp_table
 
-    compiler = _executor(modelled)
+    compiler = _executor()
     return aot_function(
         fn,
         fw_compiler=compiler,
@@ -253,9 +262,9 @@ def _call(modelled: Modelled, key: Any, fn: Callable, tensors: list[torch.Tensor
     """fn(*tensors) as inductor would run it (see the module's docstring), traced once per `key` and
     the tensors' shapes (the same graph for every module of one structure)."""
     full_key = (key, tuple(_meta(t) for t in tensors))
-    compiled = modelled.cache.get(full_key)
+    compiled = _TRACED.get(full_key)
     if compiled is None:
-        compiled = _traced(fn, modelled)
+        compiled = _traced(fn)
         # AOTAutograd traces at the first call: outside the step's accounting, once; its outputs dropped.
         modelled.warming = True
         try:
@@ -263,7 +272,7 @@ def _call(modelled: Modelled, key: Any, fn: Callable, tensors: list[torch.Tensor
                 compiled(*tensors)
         finally:
             modelled.warming = False
-        modelled.cache[full_key] = compiled
+        _TRACED[full_key] = compiled
     return compiled(*tensors)
 
 

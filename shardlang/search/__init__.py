@@ -2,8 +2,9 @@
 per step (candidates.py: what is varied; ranking.py: what explain predicts for each).
 
 The search is two rounds, so that it stays within what explain can simulate in minutes:
-1. every layout the model takes (candidates.layouts) with each activation-checkpointing choice, FSDP
-   resharding after forward and no compile;
+1. every layout the model takes (candidates.layouts; one beyond plain data parallelism first settled by
+   lint's simulated step, candidates.settled) with each activation-checkpointing choice, FSDP resharding
+   after forward and no compile;
 2. for the best `refine` layouts-and-checkpointing of round 1 that fit, the same without resharding after
    forward, compiled, and both.
 A choice that round 1 ranked low is not tried with round 2's options: the search says how many plans it
@@ -18,7 +19,7 @@ from multiprocessing import get_context
 
 from attrs import frozen
 
-from .candidates import CHECKPOINTING, Candidate, base_plans, with_options
+from .candidates import CHECKPOINTING, Candidate, Settling, base_plans, settled, with_options
 from .ranking import Prediction, Task, predict
 
 #: Round 2's options for each of round 1's best: (reshard_after_forward, compiled).
@@ -55,30 +56,63 @@ def search(
     """Every candidate weighed, best first (the fitting ones by predicted tokens per second, then those that
     do not fit or cannot be predicted). `done(finished, total)` after each prediction (a progress bar)."""
     bases = base_plans(model, settings.world, settings.gpus_per_node, name, order)
-    first = _distinct([with_options(b, model, checkpoint, True, False) for b in bases for checkpoint in CHECKPOINTING])
-    jobs = min(settings.jobs or min(8, os.cpu_count() or 1), len(first))
-    # One pool for both rounds: each worker explains candidate after candidate, so torch, the model file and
+    plain = [b for b in bases if all(size == 1 for _, size in b.layout.extra())]
+    jobs = min(settings.jobs or min(8, os.cpu_count() or 1), max(len(bases) * len(CHECKPOINTING), 1))
+    counter = _Counter(done, len(bases) * len(CHECKPOINTING) + settings.refine * len(REFINEMENTS))
+    seen: set[str] = set()
+    # One pool for everything: each worker explains candidate after candidate, so torch, the model file and
     # what explain imports load once a worker (about 12 s of a candidate's 20 on one core for torchtitan's
-    # 1B), not once a candidate.
-    with ProcessPoolExecutor(max(jobs, 1), mp_context=get_context("spawn")) as pool:
-        total = len(first) + settings.refine * len(REFINEMENTS)
-        weighed = _predicted(pool, model_file, first, settings, done, 0, total)
+    # 1B), not once a candidate. The layouts beyond plain data parallelism are settled there first (lint
+    # with the step, what cannot run left out), while the plain ones are already being explained.
+    with ProcessPoolExecutor(jobs, mp_context=get_context("spawn")) as pool:
+        settling = [
+            pool.submit(settled, Settling(b, model_file, settings.world, name, order)) for b in bases if b not in plain
+        ]
+        first = {}
+        for base in plain:
+            first |= _submitted(pool, model_file, _options(base, model, seen), settings)
+        kept = list(plain)
+        for future in as_completed(settling):
+            base = future.result()
+            if base is None:  # a dim of its layout did not survive the step: that layout is no candidate
+                counter.total -= len(CHECKPOINTING)
+                continue
+            kept.append(base)
+            first |= _submitted(pool, model_file, _options(base, model, seen), settings)
+        weighed = _gathered(first, counter)
         best = [r.candidate for r in _ranked(weighed) if r.prediction.fits][: settings.refine]
-        base = {b.layout: b for b in bases}
+        by_layout = {b.layout: b for b in kept}
         second = [
-            with_options(base[c.layout], model, c.checkpoint, reshard, compiled)
+            with_options(by_layout[c.layout], model, c.checkpoint, reshard, compiled)
             for c in best
             for reshard, compiled in REFINEMENTS
         ]
-        second = _distinct(second, {c.text for c in first})
-        weighed += _predicted(pool, model_file, second, settings, done, len(first), len(first) + len(second))
+        second = _distinct(second, seen)
+        counter.total = counter.finished + len(second)
+        weighed += _gathered(_submitted(pool, model_file, second, settings), counter)
     return _ranked(weighed)
 
 
-def _distinct(candidates: list[Candidate], seen: set[str] | None = None) -> list[Candidate]:
+def _options(base: Candidate, model, seen: set[str]) -> list[Candidate]:
+    """Round 1's candidates of a layout: each activation-checkpointing choice, resharding, not compiled."""
+    return _distinct([with_options(base, model, checkpoint, True, False) for checkpoint in CHECKPOINTING], seen)
+
+
+class _Counter:
+    """Predictions finished out of how many the search expects, told to `done` after each."""
+
+    def __init__(self, done: Callable[[int, int], None] | None, total: int):
+        self.done, self.total, self.finished = done, total, 0
+
+    def tick(self) -> None:
+        self.finished += 1
+        if self.done is not None:
+            self.done(self.finished, max(self.total, self.finished))
+
+
+def _distinct(candidates: list[Candidate], seen: set[str]) -> list[Candidate]:
     """The candidates whose plan differs from every earlier one's (a model without a stack of blocks has
-    nothing to checkpoint or compile: those options write the same plan)."""
-    seen = set(seen or ())
+    nothing to checkpoint or compile: those options write the same plan); `seen` gains their texts."""
     kept = []
     for candidate in candidates:
         if candidate.text not in seen:
@@ -95,28 +129,31 @@ def _ranked(weighed: Sequence[Ranked]) -> list[Ranked]:
     return sorted(weighed, key=key)
 
 
-def _predicted(
-    pool, model_file, candidates: list[Candidate], settings: Settings, done, before: int, total: int
-) -> list[Ranked]:
-    """Each candidate's prediction, explained by the `pool`'s worker processes side by side."""
-    tasks = [
-        Task(
-            i,
-            c.text,
-            c.layout.dp * c.layout.ep,
-            settings.world,
-            model_file,
-            settings.machine,
-            settings.memory,
-            settings.tokens,
-            settings.sequence,
-        )
+def _submitted(pool, model_file, candidates: list[Candidate], settings: Settings) -> dict:
+    """Each candidate handed to the pool's workers to predict: {future: candidate}."""
+    return {
+        pool.submit(
+            predict,
+            Task(
+                i,
+                c.text,
+                c.layout.dp * c.layout.ep,
+                settings.world,
+                model_file,
+                settings.machine,
+                settings.memory,
+                settings.tokens,
+                settings.sequence,
+            ),
+        ): c
         for i, c in enumerate(candidates)
-    ]
-    predictions: dict[int, Prediction] = {}
-    for future in as_completed([pool.submit(predict, task) for task in tasks]):
-        prediction = future.result()
-        predictions[prediction.index] = prediction
-        if done is not None:
-            done(before + len(predictions), total)
-    return [Ranked(c, predictions[i]) for i, c in enumerate(candidates)]
+    }
+
+
+def _gathered(futures: dict, counter: _Counter) -> list[Ranked]:
+    """The predictions of `futures` ({future: candidate}) as they finish, in the order submitted."""
+    predictions = {}
+    for future in as_completed(futures):
+        predictions[future] = future.result()
+        counter.tick()
+    return [Ranked(candidate, predictions[future]) for future, candidate in futures.items()]

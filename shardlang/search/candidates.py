@@ -4,7 +4,11 @@ each dim, and the options around it: activation checkpointing (none, every block
 FSDP's `reshard_after_forward`, and `compile` of the blocks and the loss.
 
 A factorisation the model cannot take (no rule to shard over tp, no SDPA attention for cp, no experts for
-ep) is not a candidate: init leaves that dim out, and the search would weigh a plan it did not ask for."""
+ep) is not a candidate: init leaves that dim out, and the search would weigh a plan it did not ask for. A
+layout beyond plain data parallelism is settled as init settles its starter (`settled`, in a worker): linted
+with the simulated step at the search's world, each feature the step finds cannot run left out with its
+group (compiler.dropping), so that explain weighs a plan that runs (torchtitan's 1B: the rules proposed for
+its tied embedding and output layer)."""
 
 from __future__ import annotations
 
@@ -78,10 +82,57 @@ def base_plans(model: nn.Module, world: int, gpus_per_node: int, name: str, orde
     found = []
     for layout in layouts(model, world, gpus_per_node, experts, attention):
         text = init_plan(model, tp=layout.tp, dp=layout.dp, ep=layout.ep, cp=layout.cp, name=name, order=order)
-        mesh = next(line for line in text.splitlines() if line.startswith("mesh "))
-        if all(size == 1 or f"{dim}={size}" in mesh for dim, size in layout.extra()):
+        if _keeps(text, layout):
             found.append(Candidate(layout, text))
     return found
+
+
+@frozen
+class Settling:
+    """A layout's starter to settle in a worker process (`settled`)."""
+
+    base: Candidate
+    model_file: object  # a runtime.modelfile.ModelFile, pickled by path
+    world: int
+    name: str
+    order: object  # compiler.trace.Order
+
+
+#: The source name of the plans the search settles (their diagnostics point into it).
+SETTLING = "<search>"
+
+
+def settled(task: Settling) -> Candidate | None:
+    """`task.base` (a layout's starter) with what lint's simulated step at the search's world finds cannot
+    run left out, as `init` leaves it out (compiler.dropping.settle); None where a dim of the layout did not
+    survive (no rule left to shard over tp, say): that layout is then no candidate."""
+    from ..compiler.dropping import settle
+    from ..explain.linting import lint_against
+    from ..frontend.diagnostics import sort_key
+    from ..frontend.read import read_source
+    from ..frontend.source import Source
+
+    layout, model = task.base.layout, task.model_file.build_on_meta()
+
+    def written(drops) -> str:
+        kept = dict(tp=layout.tp, dp=layout.dp, ep=layout.ep, cp=layout.cp, name=task.name, order=task.order)
+        return init_plan(model, drops=drops, **kept)
+
+    def linted(text: str):
+        plan, found = read_source(Source(SETTLING, text), None, task.world)
+        if plan is None:
+            return None, found
+        more, _ = lint_against(plan, model, task.model_file, task.world, task.order, True)
+        return plan, sorted([*found, *more], key=sort_key)
+
+    text, *_ = settle(written, linted, SETTLING)
+    return Candidate(layout, text) if _keeps(text, layout) else None
+
+
+def _keeps(text: str, layout: Layout) -> bool:
+    """Whether the plan `text`'s mesh keeps every dim of `layout` beyond data parallelism."""
+    mesh = next(line for line in text.splitlines() if line.startswith("mesh "))
+    return all(size == 1 or f"{dim}={size}" in mesh for dim, size in layout.extra())
 
 
 def with_options(base: Candidate, model: nn.Module, checkpoint: str, reshard: bool, compiled: bool) -> Candidate:

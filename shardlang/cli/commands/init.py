@@ -18,9 +18,6 @@ from ..launcher import applied_on_cpu
 from ..output import check_output, emit_diagnostics
 from ..status import FOUND, OK, UNUSABLE, UsageError
 
-#: At most this many features left out, one a round, before init writes what it has and says what failed.
-ROUNDS = 6
-
 if TYPE_CHECKING:
     from ...runtime.modelfile import ModelFile
 
@@ -73,17 +70,18 @@ def run_init(args: argparse.Namespace) -> int:
 
 def _lint_rounds(args, written, drops, model, model_file: ModelFile, order):
     """The starter written and linted, leaving out one feature a round that an error points at (at most
-    ROUNDS): its text, source, plan, diagnostics, world, and what was left out."""
-    for _ in range(ROUNDS):
-        text = written(drops)
-        source = Source(args.output or "<init>", text)
-        plan, found, world = _linted(args, source, model, model_file, order)
-        error = next((d for d in found if d.is_error and d.span is not None and d.span.file == source.name), None)
-        fewer = error and drops.after(text, error.span.line, error.message)
-        if not fewer:
-            break
-        drops = fewer
-    return text, source, plan, found, world, drops
+    ROUNDS, compiler.dropping.settle): its text, source, plan, diagnostics, world, and what was left out."""
+    from ...compiler.dropping import ROUNDS, settle
+
+    name, worlds = args.output or "<init>", []
+
+    def linted(text: str):
+        plan, found, world = _linted(args, Source(name, text), model, model_file, order)
+        worlds.append(world)
+        return plan, found
+
+    text, plan, found, drops = settle(written, linted, name, ROUNDS, drops)
+    return text, Source(name, text), plan, found, worlds[-1], drops
 
 
 def _verdict(args, text: str, source: Source, plan, found, world: int, drops, model_file: ModelFile) -> int | None:
@@ -115,8 +113,8 @@ def _verdict(args, text: str, source: Source, plan, found, world: int, drops, mo
 def _linted(args: argparse.Namespace, source: Source, model, model_file: ModelFile, order):
     """The starter `source` read and linted against the model, with the simulated step where the model file
     gives example_input: its plan (None when unreadable), every diagnostic, and the world it was linted at."""
+    from ...explain.linting import lint_against
     from ...frontend.read import read_source
-    from .lint import lint_against
 
     plan, found = read_source(source, None, None)
     if plan is None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ...frontend.diagnostics import PlanError, sort_key
-from ...frontend.ir import Plan
+from ...explain.linting import lint_against
+from ...frontend.diagnostics import sort_key
 from ..inputs import compile_plan, load_model, meta_model, order_for, plan_world
 from ..output import emit_diagnostics
 from ..status import FOUND, OK, UNUSABLE
@@ -32,35 +32,3 @@ def run_lint(args: argparse.Namespace) -> int:
     elif args.format == "text" and note:
         print(f"lint: {note}", file=sys.stderr)
     return FOUND if any(d.is_error for d in found) else OK
-
-
-def lint_against(plan: Plan, model, model_file, world: int, order, step: bool = True) -> tuple[list, str]:
-    """lint of `plan` against `model` (on meta) at `world`: the rules, then (with `step`, when they found no
-    error) the simulated training step; its diagnostics, and the step's note. `lint` and `init` run it."""
-    linted = _lint_model(plan, model, world, order)
-    found = list(linted.diagnostics)
-    if not (linted.ok and step):
-        return found, ""
-    from ...explain.rehearsal import rehearse
-
-    rehearsal = rehearse(plan, model, model_file, world, linted.resolution)
-    if rehearsal.ran:  # what SL210 guesses from the plan, the step saw (SL222)
-        found = [d for d in found if d.code != "SL210"]
-    return [*found, *rehearsal.diagnostics], rehearsal.note
-
-
-def _lint_model(plan: Plan, model, world: int, order):
-    """lint against the model, running its `use` styles in a simulated world to see what they place (only a
-    plan with `use` styles imports the runtime for it)."""
-    from ...compiler.lint import lint
-
-    if not plan.uses:
-        return lint(plan, model, world, order=order)
-    from ...compiler.lint import Linted
-    from ...runtime.apply import import_uses, lint_seeing_styles
-
-    try:
-        imported = import_uses(plan)
-    except PlanError as e:
-        return Linted(None, None, tuple(e.diagnostics))
-    return lint_seeing_styles(plan, model, world, imported, order=order)

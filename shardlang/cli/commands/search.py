@@ -112,8 +112,8 @@ def _sequence(model_file) -> int:
 def _checked(args, text: str, model, model_file, order) -> str | None:
     """lint with the simulated step, then (where the world and the host allow) apply with every check on
     CPU workers: what passed, or None (printing what failed)."""
+    from ...explain.linting import lint_against
     from ...frontend.read import read_source
-    from .lint import lint_against
 
     source = Source(args.output or "<search>", text)
     plan, found = read_source(source, None, args.world)
