@@ -83,9 +83,8 @@ class Plan(ir.Plan):
         from .runtime.modelfile import ModelFile
 
         options = ExplainOptions(world_size, rank, full_step=full_step, batch=batch, hardware=hardware(gpu), fit=fit)
-        build = functools.partial(
-            copy.deepcopy, model
-        )  # picklable, for a simulation in a fresh process (inside a process group)
+        # picklable, for a simulation in a fresh process (inside a process group)
+        build = functools.partial(copy.deepcopy, model)
         model_file = ModelFile("library", build, example_input, loss) if example_input is not None else None
         return explain(self, model, options, model_file)
 

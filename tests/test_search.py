@@ -67,7 +67,7 @@ def test_nothing_fits_exits_2_with_the_smallest_peak(monkeypatch, capsys):
     from shardlang.search.ranking import Prediction
 
     def nothing(model_file, model, settings, name, order=None, done=None):
-        return [Ranked(Candidate(Layout(2), "shardlang 1\n"), Prediction(0, 3 << 30, why="does not fit"))]
+        return [Ranked(Candidate(Layout(2), "shardlang 1\n"), Prediction(3 << 30, why="does not fit"))]
 
     monkeypatch.setattr(search, "search", nothing)
     monkeypatch.chdir(ROOT)

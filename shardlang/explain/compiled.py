@@ -83,12 +83,15 @@ def _lowered(target) -> bool:
 
 
 class Modelled:
-    """The step's tracker (an explain.memory Extension), which the graphs below report to, and the
-    functions traced so far."""
+    """The step's tracker (an explain.memory Extension), which the graphs below report to."""
+
+    #: The step running now (the one made last: a step makes its own before it runs, and steps run one at
+    #: a time): a traced graph charges its forward's and its backward's runs to it.
+    running: Modelled | None = None
 
     def __init__(self, tracker, plan):
         self.tracker, self.plan = tracker, plan
-        _RUNNING[:] = [self]
+        Modelled.running = self
         self.warming = False  # the tracing call: nothing is charged
         #: What ran eager instead, and why: {what: reason}.
         self.eager: dict[str, str] = {}
@@ -221,15 +224,12 @@ class _Run(fx.Interpreter):
 #: AOTAutograd's tracing is most of a compiled candidate's time, and the steps of one explain (2, 3 and 4
 #: blocks) and the candidates a search worker explains one after another trace the same blocks.
 _TRACED: dict[Any, Callable] = {}
-#: The Modelled of the step running now (the one made last: a step makes its own before it runs, and
-#: steps run one at a time): a traced graph charges its forward's and its backward's runs to it.
-_RUNNING: list[Modelled] = []
 
 
 def _executor():
     def compiler(gm: fx.GraphModule, example_inputs):
         def run(args):
-            return _Run(gm, _RUNNING[0]).run(*args)
+            return _Run(gm, Modelled.running).run(*args)
 
         run._boxed_call = True
         return run

@@ -22,6 +22,19 @@ def lint_against(plan: Plan, model, model_file, world: int, order, step: bool = 
     return [*found, *rehearsal.diagnostics], rehearsal.note
 
 
+def read_and_linted(source, model, model_file, world: int, order) -> tuple[Plan | None, list]:
+    """The plan `source` holds, read at `world` (None where it does not compile), and every diagnostic:
+    the reading's, then lint's with the simulated step (`lint_against`), in source order."""
+    from ..frontend.diagnostics import sort_key
+    from ..frontend.read import read_source
+
+    plan, found = read_source(source, None, world)
+    if plan is None:
+        return None, found
+    linted, _ = lint_against(plan, model, model_file, world, order, True)
+    return plan, sorted([*found, *linted], key=sort_key)
+
+
 def lint_model(plan: Plan, model, world: int, order):
     """lint against the model, running its `use` styles in a simulated world to see what they place (only a
     plan with `use` styles imports the runtime for it)."""

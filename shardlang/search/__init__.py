@@ -135,7 +135,6 @@ def _submitted(pool, model_file, candidates: list[Candidate], settings: Settings
         pool.submit(
             predict,
             Task(
-                i,
                 c.text,
                 c.layout.dp * c.layout.ep,
                 settings.world,
@@ -146,7 +145,7 @@ def _submitted(pool, model_file, candidates: list[Candidate], settings: Settings
                 settings.sequence,
             ),
         ): c
-        for i, c in enumerate(candidates)
+        for c in candidates
     }
 
 

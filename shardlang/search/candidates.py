@@ -107,9 +107,7 @@ def settled(task: Settling) -> Candidate | None:
     run left out, as `init` leaves it out (compiler.dropping.settle); None where a dim of the layout did not
     survive (no rule left to shard over tp, say): that layout is then no candidate."""
     from ..compiler.dropping import settle
-    from ..explain.linting import lint_against
-    from ..frontend.diagnostics import sort_key
-    from ..frontend.read import read_source
+    from ..explain.linting import read_and_linted
     from ..frontend.source import Source
 
     layout, model = task.base.layout, task.model_file.build_on_meta()
@@ -119,11 +117,7 @@ def settled(task: Settling) -> Candidate | None:
         return init_plan(model, drops=drops, **kept)
 
     def linted(text: str):
-        plan, found = read_source(Source(SETTLING, text), None, task.world)
-        if plan is None:
-            return None, found
-        more, _ = lint_against(plan, model, task.model_file, task.world, task.order, True)
-        return plan, sorted([*found, *more], key=sort_key)
+        return read_and_linted(Source(SETTLING, text), model, task.model_file, task.world, task.order)
 
     text, *_ = settle(written, linted, SETTLING)
     return Candidate(layout, text) if _keeps(text, layout) else None

@@ -23,11 +23,9 @@ MAX_ACCUMULATION = 64
 
 @frozen
 class Prediction:
-    """explain's prediction for one candidate (by its index in the search's list): the peak at the
-    micro-batch chosen, the step at the tokens per step (micro-batch x accumulation x replicas x sequence),
+    """explain's prediction for one candidate: the peak at the micro-batch chosen, the step at the tokens per step (micro-batch x accumulation x replicas x sequence),
     or `why` it has none (does not fit, cannot be predicted, does not build)."""
 
-    index: int
     peak: int | None = None
     seconds: float | None = None
     tokens_per_s: float | None = None
@@ -41,7 +39,6 @@ class Prediction:
 class Task:
     """One candidate to predict, as a worker process takes it."""
 
-    index: int
     text: str
     replicas: int  # data-parallel replicas: dp x ep
     world: int
@@ -62,10 +59,10 @@ def predict(task: Task) -> Prediction:
 
     plan, found = read_source(Source("<search>", task.text), None, task.world)
     if plan is None:
-        return Prediction(task.index, why=f"does not compile: {found[0].message}")
+        return Prediction(why=f"does not compile: {found[0].message}")
     per_replica, rest = divmod(task.tokens, task.replicas * task.sequence)
     if rest or not per_replica:
-        return Prediction(task.index, why=f"{task.tokens} tokens do not split into {task.replicas} replicas' sequences")
+        return Prediction(why=f"{task.tokens} tokens do not split into {task.replicas} replicas' sequences")
     model = task.model_file.build_on_meta()
     accumulation = 1
     try:
@@ -74,17 +71,17 @@ def predict(task: Task) -> Prediction:
             explanation = _explain(plan, model, task, batch)
             if explanation.peak is None or explanation.time is None:
                 note = "; ".join(explanation.notes) or "explain simulated no step"
-                return Prediction(task.index, why=f"not predicted: {note}")
+                return Prediction(why=f"not predicted: {note}")
             peak = explanation.peak.bytes
             if peak <= task.memory:
                 seconds = explanation.time.seconds * accumulation
-                return Prediction(task.index, peak, seconds, task.tokens / seconds, batch, accumulation, fits=True)
+                return Prediction(peak, seconds, task.tokens / seconds, batch, accumulation, fits=True)
             accumulation = _next_accumulation(explanation.peak, batch, per_replica, accumulation, task.memory)
             if accumulation is None:
-                return Prediction(task.index, peak, why=f"does not fit: {_gib(peak)} at micro-batch 1")
+                return Prediction(peak, why=f"does not fit: {_gib(peak)} at micro-batch 1")
     except PlanError as e:
-        return Prediction(task.index, why=f"does not fit the model: {e.diagnostics[0].message}")
-    return Prediction(task.index, peak, why=f"does not fit within {MAX_ACCUMULATION} accumulation steps")
+        return Prediction(why=f"does not fit the model: {e.diagnostics[0].message}")
+    return Prediction(peak, why=f"does not fit within {MAX_ACCUMULATION} accumulation steps")
 
 
 def _explain(plan, model, task: Task, batch: int):

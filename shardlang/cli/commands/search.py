@@ -12,7 +12,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ...frontend.diagnostics import sort_key
 from ...frontend.source import Source
 from ..inputs import load_model, meta_model, model_arg, order_always
 from ..launcher import applied_on_cpu
@@ -112,19 +111,15 @@ def _sequence(model_file) -> int:
 def _checked(args, text: str, model, model_file, order) -> str | None:
     """lint with the simulated step, then (where the world and the host allow) apply with every check on
     CPU workers: what passed, or None (printing what failed)."""
-    from ...explain.linting import lint_against
-    from ...frontend.read import read_source
+    from ...explain.linting import read_and_linted
 
     source = Source(args.output or "<search>", text)
-    plan, found = read_source(source, None, args.world)
-    if plan is not None:
-        try:
-            with time_limit(args.timeout, "lint's simulated step"):
-                linted, _ = lint_against(plan, model, model_file, args.world, order, True)
-        except UsageError as e:
-            print(f"search: {e}; the next one is checked", file=sys.stderr)
-            return None
-        found = sorted([*found, *linted], key=sort_key)
+    try:
+        with time_limit(args.timeout, "lint's simulated step"):
+            plan, found = read_and_linted(source, model, model_file, args.world, order)
+    except UsageError as e:
+        print(f"search: {e}; the next one is checked", file=sys.stderr)
+        return None
     if plan is None or any(d.is_error for d in found):
         emit_diagnostics(found, {source.name: source}, "text", stream=sys.stderr)
         print("search: lint found errors in this candidate; the next one is checked", file=sys.stderr)
