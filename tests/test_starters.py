@@ -271,6 +271,67 @@ def test_whole_parameters_meeting_a_piece_get_their_gradients_summed():
     assert "# model.layers.*.mlp.act_fn: added: lint's simulated step found its whole parameters" in text
 
 
+def test_a_shape_error_in_a_module_no_rule_governs_leaves_out_the_rules_around_it():
+    """NeoMME's exclusive self-attention scales each head by its own `alpha`, kept whole beside the heads its
+    attention's colwise q/k/v (transformers' own tp_plan) split: the step raises a shape error there, at the
+    unit holding it. init used to leave out the units, then mixed precision, and wrote a plan that failed
+    lint and apply; it now leaves out the rules of the attention around it, and the MLP's stay."""
+    message = (
+        "the simulated training step raises in module 'model.layers.0.self_attn.exclusive' (Exclusive), in its "
+        "forward: RuntimeError: Attempting to broadcast a dimension of length 2 at -2! Mismatching argument"
+    )
+    unit = {text.strip(): n for n, text in enumerate(TP_TEXT.splitlines(), 1)}["each model.layers.*"]
+    drops = Drops().after(TP_TEXT, unit, message)
+    assert list(drops.rules) == ["model.layers.*.self_attn.q_proj"] and not drops.units and not drops.mixed_precision
+    again = drops.after(TP_TEXT, unit, message)  # then the block's rules around it
+    assert list(again.rules) == ["model.layers.*.self_attn.q_proj", "model.layers.*.mlp.down_proj"]
+    assert again.after(TP_TEXT, unit, message).mixed_precision  # none left above it: the usual order resumes
+    dtype = message.replace(
+        "Attempting to broadcast a dimension of length 2 at -2! Mismatching argument", "mixed dtype"
+    )
+    assert Drops().after(TP_TEXT, unit, dtype).mixed_precision  # no shape error: not the split's
+    at_root = message.replace("model.layers.0.self_attn.exclusive", "norm")
+    assert Drops().after(TP_TEXT, unit, at_root).mixed_precision  # the root holds every rule: never all taken
+
+
+def test_transformers_reads_no_packed_sequences_in_fake_positions_it_cannot_read():
+    """On fake position ids transformers assumed packed sequences and built an explicit mask the real run
+    never has (Youtu's grouped keys then raised in the unsharded model and lint's step stopped with no
+    finding): the step reads positions whose values fake tensors kept, and takes the rest as one sequence."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from shardlang.explain.fakestep import positions_as_on_real_tensors
+
+    masking = pytest.importorskip("transformers.masking_utils")
+    packed = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    original = masking.find_packed_sequence_indices
+    with positions_as_on_real_tensors():
+        assert masking.find_packed_sequence_indices(packed).tolist() == [[0, 0, 0, 1, 1, 1]]  # real: read
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:  # as lint's step has it
+            assert masking.find_packed_sequence_indices(torch.arange(6)[None]) is None
+            kept = mode.from_tensor(packed)
+            kept.constant = packed
+            assert masking.find_packed_sequence_indices(kept).tolist() == [[0, 0, 0, 1, 1, 1]]
+    assert masking.find_packed_sequence_indices is original
+
+
+def test_a_uniform_draw_the_model_branches_on_is_drawn_for_real_and_again_for_the_plans_model():
+    """SeamlessM4T's LayerDrop (`if torch.rand([]) < layerdrop`) could not be read on a fake tensor; its stand-in
+    of ones skipped every layer and the step stopped at a guess, checking nothing (the zoo's planted mistake
+    passed lint). A draw of one value is made for real, and redrawn alike for the plan's model."""
+    from shardlang.explain.fakestep import StandIns, recording_fake_mode
+    from shardlang.verification.comms import Calls
+
+    stand_ins = StandIns()
+    fake = recording_fake_mode(Calls(), stand_ins)
+    with fake:
+        first = [float(torch.rand([])) for _ in range(3)]
+        fake.redraw()
+        assert [float(torch.rand([])) for _ in range(3)] == first and len(set(first)) == 3
+        assert bool(torch.rand([]) < 2.0) and torch.rand(4, 4).constant is None  # only single values are drawn
+    assert not stand_ins.seen  # nothing was guessed
+
+
 def test_a_sum_of_partial_outputs_needs_a_rule_inside_that_makes_them():
     """Inkling's tp_plan sums its shared experts' output (`all_reduce`), partial through the colwise and
     rowwise rules on gate_proj/up_proj/down_proj, which are parameters of that one module, not modules: with

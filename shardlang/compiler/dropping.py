@@ -6,7 +6,9 @@ feature out and tries again (cli.commands.init): a tensor- or expert-parallel ru
 `shared_expert.down_proj`, whose output the model adds to in place), context parallelism (a Mamba mixer beside
 the attention it splits: SL223), `mixed_precision` (a model that meets a float32 mask with a bf16 weight, or
 runs an FFT bf16 has no kernel for), and last a stack's blocks as fully_shard units (a model that reads a
-block's parameter outside its forward), the root then holding them. Each is written as a comment saying what
+block's parameter outside its forward), the root then holding them. A shape error raised in a module no
+rule governs (pointing at the unit holding it) is the split's: the rules of the nearest module above it
+that still has some go first (NeoMME's per-head `alpha` beside its attention's colwise heads). Each is written as a comment saying what
 lint found, so the plan says why it is smaller than what was asked for. One error is answered by adding a
 rule instead: a module no rule governs whose own whole parameters meet a piece of their input (SL222 on an
 activation between a colwise and a rowwise projection, apertus' xIELU with its learned alphas) gets
@@ -28,6 +30,14 @@ ROUNDS = 6
 #: SL222's message for whole parameters that met a piece of their input (explain.rehearsal._partial_gradients):
 #: the first module it names.
 WHOLE_PARAMETERS = re.compile(r"hands module '([^']+)' \([^)]*\).* whose parameters \([^)]*\) are whole on every rank")
+
+#: The module a step's error names as raised in (explain.rehearsal), and the shapes that did not fit: an
+#: error a split of activations makes (tensor parallelism), not one of dtypes or of units.
+RAISED_IN = re.compile(r"raises in module '([^']+)'")
+SHAPE_ERROR = re.compile(
+    r"size of tensor a \(\d+\) must match|broadcast a dimension|shapes cannot be multiplied|"
+    r"is invalid for input of size|expected shape|must match the size"
+)
 
 #: A block's opening line in the plans init writes, and which feature its lines belong to.
 BLOCKS = (
@@ -94,12 +104,35 @@ class Drops:
             return None if self.cp else attrs.evolve(self, cp=why)
         if block != "unit":
             return None
+        split = self._split_by_rules(lines, message, why)
+        if split is not None:
+            return split
         if self.mixed_precision is None and any(m.strip().startswith("mixed_precision") for m in lines):
             return attrs.evolve(self, mixed_precision=why)
         unit = here.removeprefix("each ").strip() if here.startswith("each ") else None
         if unit is None or unit in self.units:
             return None
         return attrs.evolve(self, units={**self.units, unit: why})
+
+    def _split_by_rules(self, lines: list[str], message: str, why: str) -> Drops | None:
+        """These drops and the rules under the nearest module above the one a shape error (`message`) was
+        raised in that holds rules: a module no rule governs whose forward meets a tensor the rules around it
+        split with one it keeps whole (NeoMME's per-head `alpha` beside its attention's column-wise heads,
+        from transformers' own tp_plan). The diagnostic points at the unit holding it; what cannot run is
+        the split. Asked again, the next module up that still has rules (the block's). None where the error
+        is no shape error, or no rule below the root is left to take."""
+        found = RAISED_IN.search(message)
+        if found is None or not SHAPE_ERROR.search(message):
+            return None
+        keys = [_rule_key(t) for i, t in enumerate(lines) if _block_of(lines, i) == "rule"]
+        keys = [key for key in keys if key is not None and key not in self.rules]
+        parts = re.sub(r"\.\d+(?=\.|$)", ".*", found.group(1)).split(".")
+        for depth in range(len(parts) - 1, 0, -1):  # the root holds every rule: never taken whole
+            above = ".".join(parts[:depth]) + "."
+            taken = [key for key in keys if key.startswith(above)]
+            if taken:
+                return attrs.evolve(self, rules={**self.rules, **dict.fromkeys(taken, why)})
+        return None
 
     def _summed(self, lines: list[str], message: str) -> Drops | None:
         """These drops and `replicated_with_grad_allreduce` for the modules SL222's `message` names as holding
@@ -135,6 +168,14 @@ def settle(
             break
         drops = fewer
     return text, plan, found, drops
+
+
+def _rule_key(line: str) -> str | None:
+    """The key of the rule on `line` of a `parallelize` block init wrote, or None (its opening line, a comment)."""
+    stripped = line.strip()
+    if not line[:1].isspace() or ":" not in stripped or stripped.startswith("#"):
+        return None
+    return stripped.split(":", 1)[0].strip()
 
 
 def _block_of(lines: list[str], index: int) -> str | None:

@@ -61,6 +61,13 @@ def recording_fake_mode(recorder, stand_ins: StandIns | None = None):
     plain = (FakeTensor, torch.Tensor, nn.Parameter)  # the types FakeTensorMode runs itself
 
     class RecordingFakeMode(FakeTensorMode):
+        #: RANDOM_SCALARS' values: `redraw()` before each model's run, so the unsharded model and the plan's
+        #: make the same decisions (skip the same layers)
+        draws = torch.Generator().manual_seed(0)
+
+        def redraw(self) -> None:
+            self.draws.manual_seed(0)
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if any(t not in plain for t in types):
                 # A DTensor op: let DTensor desugar it into local ops and collectives, which come back
@@ -73,6 +80,8 @@ def recording_fake_mode(recorder, stand_ins: StandIns | None = None):
             if stand_ins is not None and func in GROUPED_MM and stand_ins.refused_dtype(args):
                 run = super().__torch_dispatch__
                 return stand_ins.in_bf16(lambda a, k: run(func, types, a, k), args, kwargs or {})
+            if func in RANDOM_SCALARS:
+                return drawn(self, super().__torch_dispatch__(func, types, args, kwargs), self.draws)
             try:
                 return super().__torch_dispatch__(func, types, args, kwargs)
             except (DynamicOutputShapeException, DataDependentOutputException):
@@ -81,6 +90,24 @@ def recording_fake_mode(recorder, stand_ins: StandIns | None = None):
                 return stand_ins.run(self, func, args, kwargs or {})
 
     return RecordingFakeMode(allow_non_fake_inputs=True)
+
+
+#: Uniform draws the model may branch on (`torch.rand([]) < layerdrop`, transformers' LayerDrop): a draw of
+#: one value is made for real (from a generator of the step's own), kept by its fake tensor, and what the
+#: model decides from it is one decision a worker may make; a fake one could not be read at all, and a
+#: stand-in of ones skipped every layer.
+RANDOM_SCALARS = frozenset({torch.ops.aten.rand.default, torch.ops.aten.rand_like.default})
+
+
+def drawn(mode, fake: torch.Tensor, draws: torch.Generator) -> torch.Tensor:
+    """`fake` (a uniform draw) with a value: drawn for real where it holds one value on the CPU."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    if fake.numel() != 1 or fake.device.type != "cpu":
+        return fake
+    with unset_fake_temporarily():
+        real = torch.rand(fake.shape, dtype=fake.dtype, generator=draws)
+    return mode.fake_tensor_converter.from_real_tensor(mode, real, make_constant=True)
 
 
 #: The ops whose output's size depends on their input's values where a stand-in of ones (a mask all true)
@@ -285,6 +312,40 @@ def idle_conversions() -> Iterator[None]:
         yield
     finally:
         nn.Module.to = original
+
+
+@contextlib.contextmanager
+def positions_as_on_real_tensors() -> Iterator[None]:
+    """transformers reads packed sequences off the position ids where it can read their values, and takes
+    every fake tensor for packed ones (`is_tracing`): on fake positions it builds an explicit mask where the
+    real run has none and keeps SDPA's is_causal, and models whose attention differs with a mask took that
+    other branch (Youtu's grouped keys, repeated twice over with a mask, raised in the unsharded model as
+    in every sharded one, and lint's step stopped with no finding). Here, as on the workers: fake positions
+    whose values fake tensors kept are read, any others (the model's own arange, of one sequence) are one
+    sequence. A no-op where transformers is not imported."""
+    import sys
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    masking = sys.modules.get("transformers.masking_utils")
+    original = getattr(masking, "find_packed_sequence_indices", None)
+    if original is None:
+        yield
+        return
+
+    def find(position_ids):
+        if not _fake(position_ids):
+            return original(position_ids)
+        if position_ids.constant is None:
+            return None
+        with unset_fake_temporarily():  # read as the workers read them
+            return original(position_ids.constant)
+
+    masking.find_packed_sequence_indices = find
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = original
 
 
 def group_names(applied) -> dict[str, str]:

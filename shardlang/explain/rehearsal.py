@@ -172,7 +172,7 @@ def _step(plan: ir.Plan, model: nn.Module, model_file: ModelFile) -> tuple[list[
     from ..verification import Context
     from ..verification.comms import Calls
     from ..verification.step import Step, not_compiled
-    from .fakestep import StandIns, idle_conversions, quiet, recording_fake_mode
+    from .fakestep import StandIns, idle_conversions, positions_as_on_real_tensors, quiet, recording_fake_mode
 
     reference = copy.deepcopy(model)
     try:
@@ -184,10 +184,12 @@ def _step(plan: ir.Plan, model: nn.Module, model_file: ModelFile) -> tuple[list[
     stand_ins = StandIns()
     stand_ins.uncast_units = _uncast_units(ctx)
     step = Step.of(ctx, compile_with=not_compiled)  # a simulated world compiles nothing
-    with quiet("torch._subclasses.fake_tensor"), recording_fake_mode(Calls(), stand_ins), idle_conversions():
+    fake = recording_fake_mode(Calls(), stand_ins)
+    with quiet("torch._subclasses.fake_tensor"), fake, idle_conversions(), positions_as_on_real_tensors():
         full = step.batch()
         expected, shapes, unsharded, unrun = _unsharded(ctx, reference, full)
         stand_ins.clear()  # the reference's own
+        fake.redraw()  # the plan's model draws what the reference drew
         sharded = applied.model
         if _on_meta(sharded):
             sharded.to_empty(device="cpu")

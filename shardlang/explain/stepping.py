@@ -23,6 +23,7 @@ from .fakestep import (
     count_tokens,
     group_names,
     idle_conversions,
+    positions_as_on_real_tensors,
     quiet,
     recording_fake_mode,
     warm_adamw,
@@ -423,7 +424,7 @@ def _training_step(
             return any(within(fqn, c) for c in resolution.checkpoint)
 
         modules = compiled.compiled_modules(model, resolution.compiled, checkpointed, modelled)
-        with memory, cuda_like_rms_norm(), modules, idle_conversions():
+        with memory, cuda_like_rms_norm(), modules, idle_conversions(), positions_as_on_real_tensors():
             output = step.forward(model, full)
             with recorder.paused():
                 whole = step.whole(output)

@@ -57,8 +57,11 @@ def run_init(args: argparse.Namespace) -> int:
 
     drops = Drops()
     while True:  # lint, then apply's checks; an init mode whose init check alone fails gives way to the next
-        text, source, plan, found, world, drops = _lint_rounds(args, written, drops, model, model_file, order)
-        verdict = _verdict(args, text, source, plan, found, world, drops, model_file)
+        text, source, plan, found, (world, stopped), drops = _lint_rounds(
+            args, written, drops, model, model_file, order
+        )
+        at = f"world {world}, though the step stopped short ({stopped})" if stopped else f"world {world}"
+        verdict = _verdict(args, text, source, plan, found, at, drops, model_file)
         if verdict is not None:
             return verdict
         status, failed_init = _check_init(args, plan, source, model_file, world, order)
@@ -70,21 +73,22 @@ def run_init(args: argparse.Namespace) -> int:
 
 def _lint_rounds(args, written, drops, model, model_file: ModelFile, order):
     """The starter written and linted, leaving out one feature a round that an error points at (at most
-    ROUNDS, compiler.dropping.settle): its text, source, plan, diagnostics, world, and what was left out."""
+    ROUNDS, compiler.dropping.settle): its text, source, plan, diagnostics, world (with where the simulated
+    step stopped short, if it did), and what was left out."""
     from ...compiler.dropping import ROUNDS, settle
 
     name, worlds = args.output or "<init>", []
 
     def linted(text: str):
-        plan, found, world = _linted(args, Source(name, text), model, model_file, order)
-        worlds.append(world)
+        plan, found, world, note = _linted(args, Source(name, text), model, model_file, order)
+        worlds.append((world, note.partition("; the step stopped: ")[2]))
         return plan, found
 
     text, plan, found, drops = settle(written, linted, name, ROUNDS, drops)
     return text, Source(name, text), plan, found, worlds[-1], drops
 
 
-def _verdict(args, text: str, source: Source, plan, found, world: int, drops, model_file: ModelFile) -> int | None:
+def _verdict(args, text: str, source: Source, plan, found, world: str, drops, model_file: ModelFile) -> int | None:
     """Write the plan and say what lint found; the exit status, or None when the plan is to be applied."""
     for line in [*drops.said(), *_partners_left_out(text)]:
         print(f"init: {line}", file=sys.stdout if args.output else sys.stderr)
@@ -93,7 +97,7 @@ def _verdict(args, text: str, source: Source, plan, found, world: int, drops, mo
     else:
         sys.stdout.write(text)
     emit_diagnostics(found, {source.name: source}, "text", stream=sys.stderr)
-    linted = f"linted at world {world}: {'clean' if not found else f'{len(found)} diagnostics'}"
+    linted = f"linted at {world}: {'clean' if not found else f'{len(found)} diagnostics'}"
     if plan is None or any(d.is_error for d in found):
         _said(args, f"{linted}; not applied: fix the errors first")
         return FOUND
@@ -112,17 +116,18 @@ def _verdict(args, text: str, source: Source, plan, found, world: int, drops, mo
 
 def _linted(args: argparse.Namespace, source: Source, model, model_file: ModelFile, order):
     """The starter `source` read and linted against the model, with the simulated step where the model file
-    gives example_input: its plan (None when unreadable), every diagnostic, and the world it was linted at."""
+    gives example_input: its plan (None when unreadable), every diagnostic, the world it was linted at, and
+    the step's note."""
     from ...explain.linting import lint_against
     from ...frontend.read import read_source
 
     plan, found = read_source(source, None, None)
     if plan is None:
-        return None, found, args.tp * args.ep * args.cp * (args.dp or 2)
+        return None, found, args.tp * args.ep * args.cp * (args.dp or 2), ""
     world = plan.meshes[0].fixed_size * (1 if args.dp else 2)
     step = model_file.example_input is not None
-    linted, _ = lint_against(plan, model, model_file, world, order, step)
-    return plan, sorted([*found, *linted], key=sort_key), world
+    linted, note = lint_against(plan, model, model_file, world, order, step)
+    return plan, sorted([*found, *linted], key=sort_key), world, note
 
 
 #: A rule left out with its group (compiler.proposed.with_partners), as init_plan comments it.
