@@ -1,6 +1,6 @@
-"""`shardlang search` measured (issue 42): the plan it writes for torchtitan's Llama3 1B (or Qwen3-MoE) and its
-runners-up, each timed against torchtitan's default layout by benchmarks/titan_compare.py on the GPUs, beside
-what explain predicted for it. One table: predicted and measured step time, tokens/s and peak memory per
+"""`shardlang search` measured (issue 42): the plan it writes for torchtitan's Llama3 1B (or its Qwen3-MoE with
+`--model moe`) and its runners-up, each timed against torchtitan's default layout by benchmarks/titan_compare.py
+on the GPUs, beside what explain predicted for it. One table: predicted and measured step time, tokens/s and peak memory per
 candidate, and each candidate's throughput over torchtitan's default (FSDP over every GPU, eager, no
 activation checkpointing) and over torchtitan compiled (blocks and loss, its fastest layout at 2 GPUs).
 
@@ -27,11 +27,20 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SEQ = 2048
+#: --model: the model file searched, and titan_compare's config for torchtitan's default layout of it
+MODELS = {"1b": ("benchmarks/titan_1b.py", "fsdp"), "moe": ("benchmarks/titan_moe.py", "moe")}
 
 
 def arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2, help="GPUs (the search's world)")
+    parser.add_argument(
+        "--model",
+        default="1b",
+        choices=sorted(MODELS),
+        help="torchtitan's Llama3 1B (benchmarks/titan_1b.py) or its Qwen3-MoE (benchmarks/titan_moe.py, "
+        "against torchtitan's FSDP without expert parallelism: titan_compare's --config moe)",
+    )
     parser.add_argument("--gpu", default="h200", choices=("h100", "h200"))
     parser.add_argument("--batch", type=int, default=4, help="sequences per GPU per step (titan_compare's --batch)")
     parser.add_argument("--top", type=int, default=5, help="candidates measured, best first")
@@ -54,7 +63,7 @@ def arguments(argv=None) -> argparse.Namespace:
 def searched(args, folder: Path) -> tuple[list[Path], float]:
     """The search's candidate plans, best first, and how long it took."""
     tokens = args.batch * SEQ * args.nproc
-    command = [sys.executable, "-m", "shardlang", "search", "benchmarks/titan_1b.py", "--world", str(args.nproc)]
+    command = [sys.executable, "-m", "shardlang", "search", MODELS[args.model][0], "--world", str(args.nproc)]
     command += ["--gpu", args.gpu, "--tokens-per-step", str(tokens), "--check", "0", "--candidates", str(folder)]
     command += ["--jobs", str(args.jobs)] if args.jobs else []
     command += ["-o", str(folder / "chosen.sl")]
@@ -67,7 +76,8 @@ def searched(args, folder: Path) -> tuple[list[Path], float]:
 
 def measured(args, plan: Path, order: str, titan_compiled: bool) -> dict:
     """One titan_compare run of `plan` against torchtitan (eager, or compiled with its loss): its RESULT."""
-    command = ["torchrun", "--nproc-per-node", str(args.nproc), "benchmarks/titan_compare.py", "--config", "fsdp"]
+    config = MODELS[args.model][1]
+    command = ["torchrun", "--nproc-per-node", str(args.nproc), "benchmarks/titan_compare.py", "--config", config]
     command += ["--plan", str(plan), "--order", order, "--steps", str(args.steps), "--batch", str(args.batch)]
     command += ["--compile", "--compile-loss"] if titan_compiled else []
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)

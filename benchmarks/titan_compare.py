@@ -8,6 +8,8 @@ Configs (`--config`), plans in benchmarks/plans/titan_1b_<config>[_compile].sl:
     tp_sp    tensor parallel 2 with sequence parallelism, no data parallelism (2 GPUs)
     tp_fsdp  dp 2 x tp 2 (4 GPUs)
 and on the MoE (benchmarks/titan_moe.py: 16 layers of 8 experts, top 2), plan benchmarks/plans/titan_moe_ep.sl:
+    moe      FSDP2 over every GPU, no expert parallelism (any world; with --plan, e.g. what `shardlang search`
+             wrote for the MoE): torchtitan's parallelize_qwen3 with dp_shard = world, its own FSDP
     ep       expert parallel 2 borrowing the data-parallel ranks, FSDP2 over every GPU (2 GPUs: EP 2; 4 GPUs:
              EP 2 x FSDP 2): torchtitan with dp_shard = world and expert_parallel_degree = 2, its standard
              all-to-all token dispatcher. torchtitan's grouped experts take their rows grouped by expert
@@ -103,7 +105,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 #: config: (tensor-parallel degree, world size it needs, or None for any)
-CONFIGS = {"fsdp": (1, None), "tp_sp": (2, 2), "tp_fsdp": (2, None), "ep": (1, None)}
+CONFIGS = {"fsdp": (1, None), "tp_sp": (2, 2), "tp_fsdp": (2, None), "ep": (1, None), "moe": (1, None)}
 #: the expert-parallel degree of --config ep (its plan's `ep=2`): on 2 GPUs EP 2, on 4 EP 2 x FSDP 2
 EP = 2
 SIDES = ("shardlang", "torchtitan")
@@ -188,7 +190,7 @@ def main(argv=None) -> None:
     if args.config == "ep" and (world % EP or world < EP):
         raise SystemExit(f"--config ep runs on a multiple of {EP} processes, not {world}")
     dp = world // tp
-    source = titan_moe if args.config == "ep" else titan_1b  # the model: its config, inputs, loss, FLOPs
+    source = titan_moe if args.config in ("ep", "moe") else titan_1b  # the model: its config, inputs, loss, FLOPs
     titan_utils.set_spmd_backend("partial_dtensor")  # as torchtitan's trainer does, for its modules' hooks
 
     config = source.configure(tiny)
@@ -368,12 +370,13 @@ def titan(source, config, args, world: int, tp: int, backend: str, device, compi
     from benchmarks import titan_moe
 
     moe = source is titan_moe
+    ep = EP if args.config == "ep" else 1
     if device.type == "cpu":  # dry run: torchtitan's device_type is "cuda" wherever no accelerator is found
         parallel_dims.device_type = "cpu"
     parallelism = ParallelismConfig(
         data_parallel_shard_degree=-1,
         tensor_parallel_degree=tp,
-        expert_parallel_degree=EP if moe else 1,
+        expert_parallel_degree=ep,
         enable_sequence_parallel=True,
         spmd_backend="partial_dtensor",
     )
@@ -397,9 +400,9 @@ def titan(source, config, args, world: int, tp: int, backend: str, device, compi
         compile_config=compile_config,
         ac_config=None,
         dump_folder=tempfile.gettempdir(),
-        **({"skip_dp": True} if moe else {}),  # its FSDP with EP needs torch >= 2.12: nested_fsdp() below
+        **({"skip_dp": True} if ep > 1 else {}),  # its FSDP with EP needs torch >= 2.12: nested_fsdp() below
     )
-    if moe:
+    if ep > 1:
         nested_fsdp(model, dims)
     if device.type == "cpu":  # gloo has no PreMulSum (torchtitan's gradient divide factor 1): plain SUM
         for module in model.modules():
