@@ -101,3 +101,56 @@ def test_what_cannot_be_modelled_runs_eager_and_says_which_statement():
     assert "not modelled for `compile blocks.*` (line 3): activation checkpointing covers it; stepped eager" in (
         explained.notes
     )
+
+
+@torch.library.custom_op("shardlang_tests::rows_summed", mutates_args=())
+def rows_summed(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """torchtitan's MoE sums its experts' rows back onto their tokens through a custom op like this one
+    (`deterministic_scatter_add`), which inductor has no lowering for: a library call."""
+    raise AssertionError("explain ran the op's real kernel, on tensors it made outside its fake mode")
+
+
+@rows_summed.register_fake
+def _(out, index, src):
+    return torch.empty_like(out)
+
+
+def _rows_summed_backward(ctx, grad):
+    return grad, None, grad.gather(0, ctx.index)
+
+
+def _keep_index(ctx, inputs, output):
+    ctx.index = inputs[1]
+
+
+rows_summed.register_autograd(_rows_summed_backward, setup_context=_keep_index)
+
+
+class Paired(nn.Module):
+    """Sums each pair of rows through `rows_summed`, whose every input the block makes itself (zeros, an
+    arange, a product): fused values, each allocated where the library call reads it."""
+
+    def __init__(self, dim: int = 256):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        h = self.lin(x).flatten(0, 1)
+        n, d = h.shape
+        index = (torch.arange(n, device=h.device) // 2).unsqueeze(1).expand(n, d)
+        out = rows_summed(torch.zeros(n // 2, d, dtype=h.dtype, device=h.device), index, h * 2)
+        return out.repeat_interleave(2, 0).view_as(x)
+
+
+def test_a_compiled_block_is_traced_on_fake_tensors_only():
+    """AOTAutograd's first call traced outside the step's modes, and a value the block made (an `empty`, an
+    arange) came out real: on torchtitan's MoE, garbage token positions sent its scatter-add to the real
+    kernel, which read out of bounds, and every compiled MoE candidate of `shardlang search` was 'not
+    predicted'. Now the first call keeps the fake mode."""
+    plan = shardlang.loads("mesh world = cpu[dp=auto]\nfully_shard on world.dp { each blocks.* }\ncompile blocks.*")
+    with torch.device("meta"):
+        model = Net()
+        model.blocks = nn.ModuleList(Paired() for _ in range(2))
+    explained = plan.explain(model, 2, example_input=example_input, loss=loss, batch=8, gpu="h100")
+    assert any(n.startswith("compile modelled as inductor runs it") for n in explained.notes), explained.notes
+    assert explained.time is not None and explained.time.compute > 0

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch._guards import detect_fake_mode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 #: Ops inductor hands to a library kernel (cuBLAS, cuDNN, flash attention) instead of generating code.
@@ -176,7 +177,7 @@ class _Run(fx.Interpreter):
         is_view = packet is not None and (node.target.is_view or packet.__name__ in ("t", "view", "_unsafe_view"))
         fused_inputs = [n for n in node.all_input_nodes if n in self.internal]
         if _lowered(node.target) and not (is_view and not fused_inputs):
-            with _outside_modes():
+            with _outside_modes(), self._factory(node):
                 value = super().run_node(node)
             group = self._union([self.internal[n] for n in fused_inputs])
             for n in node.all_input_nodes:
@@ -192,7 +193,15 @@ class _Run(fx.Interpreter):
             self._materialise(n, self.env[n])
         return super().run_node(node)
 
+    def _factory(self, node: fx.Node):
+        """The step's fake mode for an op that takes no tensor (`zeros`, `arange`, `empty`): outside every
+        mode it would make a real tensor, and a real `empty`'s garbage used as indices (an MoE's token
+        positions) sent a custom op to its real kernel, which read out of bounds."""
+        takes = any(isinstance(self.env.get(n), torch.Tensor) for n in node.all_input_nodes)
+        return contextlib.nullcontext() if takes or self.fake_mode is None else self.fake_mode
+
     def run(self, *args):
+        self.fake_mode = detect_fake_mode(list(args))
         out = super().run(*args, enable_io_processing=False)
         # What the graph returns leaves its kernels (saved activations, gradients, outputs).
         flat, spec = tree_flatten(out)
@@ -267,8 +276,9 @@ def _call(modelled: Modelled, key: Any, fn: Callable, tensors: list[torch.Tensor
         compiled = _traced(fn)
         # AOTAutograd traces at the first call: outside the step's accounting, once; its outputs dropped.
         modelled.warming = True
+        fake = detect_fake_mode(tensors)  # kept: a value made outside it would be real, an `empty` garbage
         try:
-            with _outside_modes():
+            with _outside_modes(), fake or contextlib.nullcontext():
                 compiled(*tensors)
         finally:
             modelled.warming = False
