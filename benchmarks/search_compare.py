@@ -44,6 +44,13 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--gpu", default="h200", choices=("h100", "h200"))
     parser.add_argument("--batch", type=int, default=4, help="sequences per GPU per step (titan_compare's --batch)")
     parser.add_argument("--top", type=int, default=5, help="candidates measured, best first")
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        nargs="+",
+        help="measure only these of the best --top (1-based: `--ranks 4 5` where one device call cannot hold "
+        "all five; the search is deterministic, so a later call measures the same plans)",
+    )
     parser.add_argument("--runs", type=int, default=3, help="titan_compare runs per build order and candidate")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--jobs", type=int, default=0, help="search's explain processes (default: its own)")
@@ -102,13 +109,16 @@ def main(argv=None) -> None:
         plans, seconds = searched(args, Path(folder))
         print(f"search: {len(plans)} plans fit, {seconds:.0f} s on this host's CPUs")
         rows = []
-        for plan in plans[: args.top]:
+        for number, plan in enumerate(plans[: args.top], 1):
+            if args.ranks and number not in args.ranks:
+                continue
             runs = [measured(args, plan, order, False) for order in args.orders for _ in range(args.runs)]
             fastest = None if args.no_titan_compiled else measured(args, plan, "shardlang-first", True)
             name, step, peak = predicted(plan)
             ours = statistics.median(r["shardlang"]["median_s"] for r in runs)
             rows.append(
                 (
+                    number,
                     name,
                     step,
                     ours,
@@ -119,21 +129,28 @@ def main(argv=None) -> None:
                     runs[0]["card"],
                 )
             )
-            print(f"measured {name}: {ours * 1e3:.1f} ms (predicted {step * 1e3:.1f} ms)", flush=True)
+            each = ", ".join(f"{r['throughput_ratio']:.3f} {r['order']}" for r in runs)
+            print(
+                f"measured #{number} {name}: {ours * 1e3:.1f} ms (predicted {step * 1e3:.1f} ms), peak "
+                f"{rows[-1][5]:.1f} GiB, / torchtitan default {rows[-1][6]:.3f} ({each}), / compiled "
+                f"{rows[-1][7]:.3f}",
+                flush=True,
+            )
     print(
         "| # | plan | predicted step | measured step | predicted peak | measured peak | / torchtitan default "
         "| / torchtitan compiled |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for number, (name, step, ours, peak, real_peak, default, compiled) in enumerate((r[:7] for r in rows), 1):
+    for number, name, step, ours, peak, real_peak, default, compiled, _ in rows:
         print(
             f"| {number} | {name} | {step * 1e3:.1f} ms | {ours * 1e3:.1f} ms | {peak:.1f} GiB | {real_peak:.1f} GiB "
             f"| {default:.3f} | {compiled:.3f} |"
         )
+    if rows and rows[0][0] == 1:
+        best = min(r[3] for r in rows)
+        print(f"the chosen plan's measured step is {rows[0][3] / best:.3f} x the fastest of the {len(rows)} measured")
     if rows:
-        best = min(r[2] for r in rows)
-        print(f"the chosen plan's measured step is {rows[0][2] / best:.3f} x the fastest of the {len(rows)} measured")
-        print(f"card: {rows[0][7]}")
+        print(f"card: {rows[0][8]}")
 
 
 def _cpu_only() -> dict:
