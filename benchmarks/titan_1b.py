@@ -40,14 +40,16 @@ from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 SEQ = 2048
 
 
-def configure(tiny: bool = False) -> llama3.Llama3Model.Config:
-    """The model's config, ready to build: the 1B, or the dry run's tiny one (see the docstring)."""
+def configure(tiny: bool = False, size: str = "1B") -> llama3.Llama3Model.Config:
+    """The model's config, ready to build: the 1B, or the dry run's tiny one (see the docstring); `size`
+    another of torchtitan's Llama3 configs (benchmarks/titan_8b.py: "8B", untied, and so its tiny one)."""
     if tiny:
         config = field.config()
-        config.enable_weight_tying = True
-        config.tok_embeddings.param_init = llama3._EMBEDDING_SKIP_INIT
+        if size == "1B":
+            config.enable_weight_tying = True
+            config.tok_embeddings.param_init = llama3._EMBEDDING_SKIP_INIT
     else:
-        config = field.sdpa(llama3.llama3_configs["1B"](attn_backend="flex"))
+        config = field.sdpa(llama3.llama3_configs[size](attn_backend="flex"))
     set_llama3_sharding_config(config, enable_sp=True)
     for layer in config.layers:
         layer.attention.rope = dataclasses.replace(layer.attention.rope, max_seq_len=seq(tiny))

@@ -6,13 +6,17 @@ collectives of one forward+backward per side.
 Configs (`--config`), plans in benchmarks/plans/titan_1b_<config>[_compile].sl:
     fsdp     FSDP2 over every GPU (2 GPUs): torchtitan with dp_shard = world
     tp_sp    tensor parallel 2 with sequence parallelism, no data parallelism (2 GPUs)
-    tp_fsdp  dp 2 x tp 2 (4 GPUs)
+    tp_fsdp  dp 2 x tp 2 (4 GPUs); `--tp 4` the plan's `-D tp=4` and torchtitan's TP 4 (8 GPUs: TP 4 x FSDP 2)
+`--size 8b`: torchtitan's Llama3 8B instead (benchmarks/titan_8b.py, untied; plans titan_8b_<config>.sl with
+torchtitan's units for an untied model: fsdp and tp_fsdp). On one node of 8 (issue 43):
+    torchrun --nproc-per-node 8 benchmarks/titan_compare.py [--size 8b] --config fsdp | tp_fsdp [--tp 4]
+    torchrun --nproc-per-node 8 benchmarks/titan_compare.py --config ep --ep 4 | 8
 and on the MoE (benchmarks/titan_moe.py: 16 layers of 8 experts, top 2), plan benchmarks/plans/titan_moe_ep.sl:
     moe      FSDP2 over every GPU, no expert parallelism (any world; with --plan, e.g. what `shardlang search`
              wrote for the MoE): torchtitan's parallelize_qwen3 with dp_shard = world, its own FSDP
-    ep       expert parallel 2 borrowing the data-parallel ranks, FSDP2 over every GPU (2 GPUs: EP 2; 4 GPUs:
-             EP 2 x FSDP 2): torchtitan with dp_shard = world and expert_parallel_degree = 2, its standard
-             all-to-all token dispatcher. torchtitan's grouped experts take their rows grouped by expert
+    ep       expert parallel 2 (`--ep N`: N) borrowing the data-parallel ranks, FSDP2 over every GPU (2 GPUs:
+             EP 2; 4 GPUs: EP 2 x FSDP 2): torchtitan with dp_shard = world and expert_parallel_degree = 2, its
+             standard all-to-all token dispatcher. torchtitan's grouped experts take their rows grouped by expert
              with each expert's count: on torchtitan's side its dispatcher sends them to their expert's rank
              and back around the experts; on shardlang's, the dispatcher stays local and the plan's
              `expert_parallel` on the grouped experts does the sending. The same collectives: per layer an
@@ -114,6 +118,15 @@ SIDES = ("shardlang", "torchtitan")
 def arguments(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", choices=sorted(CONFIGS), required=True)
+    parser.add_argument(
+        "--size",
+        choices=("1b", "8b"),
+        default="1b",
+        help="the dense configs' model: torchtitan's Llama3 1B (benchmarks/titan_1b.py) or 8B (titan_8b.py, "
+        "untied: its plans benchmarks/plans/titan_8b_<config>.sl lay out torchtitan's units for an untied model)",
+    )
+    parser.add_argument("--tp", type=int, default=2, help="--config tp_fsdp's tensor-parallel degree (plan's -D tp)")
+    parser.add_argument("--ep", type=int, default=EP, help="--config ep's expert-parallel degree (plan's -D ep)")
     parser.add_argument("--compile", action="store_true", help="compile each block in both (per-block torch.compile)")
     parser.add_argument(
         "--compile-loss",
@@ -166,7 +179,7 @@ def arguments(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = arguments(argv)
     sys.path.insert(0, str(ROOT))
-    from benchmarks import titan_1b, titan_moe  # first: torchtitan's imports need its stand-ins (CPU, torch 2.11)
+    from benchmarks import titan_1b, titan_8b, titan_moe  # first: torchtitan's stand-ins (CPU, torch 2.11)
 
     # isort: split
     import torch
@@ -185,19 +198,23 @@ def main(argv=None) -> None:
     memory = torch.cuda if cuda else NoMemory()
     rank, world = dist.get_rank(), dist.get_world_size()
     tp, needs = CONFIGS[args.config]
+    tp = args.tp if args.config == "tp_fsdp" else tp
     if (needs is not None and world != needs) or world % tp:
         raise SystemExit(f"--config {args.config} runs on {needs or f'a multiple of {tp}'} processes, not {world}")
-    if args.config == "ep" and (world % EP or world < EP):
-        raise SystemExit(f"--config ep runs on a multiple of {EP} processes, not {world}")
+    if args.config == "ep" and (world % args.ep or world < args.ep):
+        raise SystemExit(f"--config ep runs on a multiple of {args.ep} processes, not {world}")
     dp = world // tp
-    source = titan_moe if args.config in ("ep", "moe") else titan_1b  # the model: its config, inputs, loss, FLOPs
+    moe = args.config in ("ep", "moe")
+    source = titan_moe if moe else titan_8b if args.size == "8b" else titan_1b  # its config, inputs, loss, FLOPs
     titan_utils.set_spmd_backend("partial_dtensor")  # as torchtitan's trainer does, for its modules' hooks
 
     config = source.configure(tiny)
     name = f"{source.__name__.rsplit('.', 1)[-1]}_{args.config}{'_compile' if args.compile else ''}{'_loss' if args.compile_loss else ''}.sl"
     if args.plan is None and not (ROOT / "benchmarks" / "plans" / name).exists():
         raise SystemExit(f"no plan benchmarks/plans/{name} for --config {args.config} with these flags")
-    params = {"backend": backend} if args.compile and args.plan is None else None
+    params = {"backend": backend} if args.compile and args.plan is None else {}
+    if args.plan is None:
+        params |= {"tp": str(tp)} if args.config == "tp_fsdp" else {"ep": str(args.ep)} if args.config == "ep" else {}
     path = args.plan or ROOT / "benchmarks" / "plans" / name
     name = str(args.plan) if args.plan else f"benchmarks/plans/{name}"
     plan = shardlang.load(path, params, world_size=world)
@@ -293,7 +310,7 @@ def main(argv=None) -> None:
             "torchtitan_version": getattr(torchtitan, "__version__", "?"),
             "model": "tiny (dry run)"
             if tiny
-            else ("qwen3-moe 1.2B (8 experts, top 2)" if source is titan_moe else "llama3 1B"),
+            else ("qwen3-moe 1.2B (8 experts, top 2)" if moe else f"llama3 {args.size.upper()}"),
             "batch": args.batch,
             "seq": source.seq(tiny),
             "steps": args.steps,
@@ -370,7 +387,7 @@ def titan(source, config, args, world: int, tp: int, backend: str, device, compi
     from benchmarks import titan_moe
 
     moe = source is titan_moe
-    ep = EP if args.config == "ep" else 1
+    ep = args.ep if args.config == "ep" else 1
     if device.type == "cpu":  # dry run: torchtitan's device_type is "cuda" wherever no accelerator is found
         parallel_dims.device_type = "cpu"
     parallelism = ParallelismConfig(

@@ -86,21 +86,29 @@ def test_ep_dry_run_trains_torchtitans_moe_alike_on_both_sides():
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("name", "world"),
-    [("fsdp", 2), ("tp_sp", 2), ("tp_fsdp", 4), ("fsdp_compile_loss", 2)],
+    ("size", "name", "world"),
+    [
+        ("1b", "fsdp", 2),
+        ("1b", "tp_sp", 2),
+        ("1b", "tp_fsdp", 4),
+        ("1b", "fsdp_compile_loss", 2),
+        ("8b", "fsdp", 2),
+        ("8b", "tp_fsdp", 4),
+    ],
     ids=lambda x: str(x),
 )
-def test_the_benchmarks_plans_pass_their_checks_on_the_same_model_class(pools, name, world):
+def test_the_benchmarks_plans_pass_their_checks_on_the_same_model_class(pools, size, name, world):
     """Each plan the benchmark times, applied with its own checks to torchtitan's Llama3 of the benchmark's
-    dry-run size (the 1B's class and tying, benchmarks/titan_1b_tiny.py): what is timed is also right."""
+    dry-run size (the 1B's class and tying, benchmarks/titan_1b_tiny.py; the 8B's untied embedding,
+    titan_8b_tiny.py): what is timed is also right."""
     pytest.importorskip("torchtitan", reason="torchtitan is not installed: pip install -e '.[titan]'")
     import shardlang
     from shardlang.launch.job import Job, run
 
-    plan = ROOT / "benchmarks" / "plans" / f"titan_1b_{name}.sl"
+    plan = ROOT / "benchmarks" / "plans" / f"titan_{size}_{name}.sl"
     params = {"backend": "aot_eager"} if "_compile" in name else {}
     checks = shardlang.load(plan, params=params).checks
-    job = Job(str(plan), params, str(ROOT / "benchmarks" / "titan_1b_tiny.py"), None, checks)
+    job = Job(str(plan), params, str(ROOT / "benchmarks" / f"titan_{size}_tiny.py"), None, checks)
     report = pools(world).run(run, job)[0]
     assert report.ok and {c.check for c in report.ran} == {c.name for c in checks}, [
         (c.check, c.status, c.message) for c in report.checks
@@ -108,7 +116,8 @@ def test_the_benchmarks_plans_pass_their_checks_on_the_same_model_class(pools, n
 
 
 @pytest.mark.distributed
-def test_the_moe_benchmarks_plan_passes_its_checks_on_the_same_model_class(pools):
+@pytest.mark.parametrize("ep", [2, 4])
+def test_the_moe_benchmarks_plan_passes_its_checks_on_the_same_model_class(pools, ep):
     """benchmarks/plans/titan_moe_ep.sl on torchtitan's Qwen3-MoE of the dry run's size (8 experts, top 2,
     benchmarks/titan_moe_tiny.py): every check passes, the all-to-alls counted."""
     pytest.importorskip("torchtitan", reason="torchtitan is not installed: pip install -e '.[titan]'")
@@ -116,9 +125,10 @@ def test_the_moe_benchmarks_plan_passes_its_checks_on_the_same_model_class(pools
     from shardlang.launch.job import Job, run
 
     plan = ROOT / "benchmarks" / "plans" / "titan_moe_ep.sl"
-    checks = shardlang.load(plan).checks
-    job = Job(str(plan), {}, str(ROOT / "benchmarks" / "titan_moe_tiny.py"), None, checks)
-    report = pools(2).run(run, job)[0]
+    params = {"ep": str(ep)}  # titan_compare's --ep: EP 4 on 4 of the tiny model's 8 experts
+    checks = shardlang.load(plan, params=params).checks
+    job = Job(str(plan), params, str(ROOT / "benchmarks" / "titan_moe_tiny.py"), None, checks)
+    report = pools(ep).run(run, job)[0]
     assert report.ok and {c.check for c in report.ran} == {c.name for c in checks}, [
         (c.check, c.status, c.message) for c in report.checks
     ]

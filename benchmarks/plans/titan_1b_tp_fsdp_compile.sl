@@ -18,11 +18,12 @@
 # Checked on CPU with the dry run's model (benchmarks/titan_1b_tiny.py):
 #   shardlang apply benchmarks/plans/titan_1b_tp_fsdp_compile.sl benchmarks/titan_1b_tiny.py --nproc 4 -D backend=aot_eager
 shardlang 1
+param tp = 2  # titan_compare.py --tp 4: TP 4 x FSDP over the rest (8 GPUs: dp 2)
 param backend = inductor
 
 use benchmarks.titan_1b.vocab_parallel as vocab_parallel
 
-mesh world = auto[dp=auto, tp=2]
+mesh world = auto[dp=auto, tp=$tp]
 
 parallelize on world.tp {
     tok_embeddings : vocab_parallel

@@ -9,8 +9,9 @@
 # Checked on CPU with the dry run's model (benchmarks/titan_moe_tiny.py):
 #   shardlang apply benchmarks/plans/titan_moe_ep.sl benchmarks/titan_moe_tiny.py --nproc 2
 shardlang 1
+param ep = 2  # titan_compare.py --ep 4 or 8 (8 GPUs: EP 4 x FSDP 2, EP 8)
 
-mesh world = auto[dp=auto, ep=2]
+mesh world = auto[dp=auto, ep=$ep]
 
 parallelize on world.ep {
     layers.*.moe.routed_experts.inner_experts : expert_parallel
