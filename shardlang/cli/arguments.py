@@ -7,6 +7,7 @@ import math
 import re
 
 from .._version import __version__
+from ..explain.timing import GPUS
 from .status import UsageError
 
 
@@ -123,9 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--fit", metavar="MEMORY", help="also find the largest batch whose predicted peak fits MEMORY (e.g. 80GiB)"
     )
     explain.add_argument("--compare", metavar="PLAN", help="a second plan for the same model and world, side by side")
-    explain.add_argument(
-        "--gpu", default="h100", choices=("h100", "h200", "a100", "b200"), help="the accelerator of the time estimate"
-    )
+    explain.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="the accelerator of the time estimate")
     explain.add_argument("--flops", metavar="FLOP/S", help="peak bf16 FLOP/s instead of the GPU's (e.g. 989e12)")
     explain.add_argument("--hbm", metavar="BYTES/S", help="HBM bandwidth instead of the GPU's (e.g. 3.35TB/s)")
     explain.add_argument(
@@ -193,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_model(search, required=False)
     search.add_argument("--world", type=_positive, required=True, metavar="N", help="the number of GPUs to plan for")
-    search.add_argument("--gpu", default="h100", choices=("h100", "h200", "a100", "b200"), help="the accelerator")
+    search.add_argument("--gpu", default="h100", choices=sorted(GPUS), help="the accelerator")
     search.add_argument(
         "--gpus-per-node", type=_positive, default=8, metavar="G", help="GPUs a node holds (tp stays within one)"
     )
