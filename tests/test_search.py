@@ -112,6 +112,21 @@ def test_search_writes_the_fastest_plan_that_fits_after_applying_it(tmp_path):
     assert plan is not None and not [d for d in found if d.is_error]
 
 
+@pytest.mark.distributed
+def test_where_nothing_fits_the_search_offloads_the_layouts_nearest_to_fitting(tmp_path):
+    """examples/llama.py at world 2 within 200 KiB a GPU: no plan fits (the smallest peak is 254 KiB), so a
+    third round offloads each layout's smallest plan to the CPU; the fastest that fits is applied with every
+    check on CPU workers and written."""
+    out = tmp_path / "best.sl"
+    command = ("search", "examples/llama.py", "--world", "2", "--memory", "200KiB", "--jobs", "2", "-o", str(out))
+    done = shardlang_cli(*command)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "applied at world 2 on CPU" in done.stdout
+    text = out.read_text()
+    assert "offload = cpu" in text and ", offload: predicted peak" in text.splitlines()[1], text
+    assert "200.0 KiB per GPU" in done.stdout + done.stderr  # the table, in the units it was given
+
+
 def test_attention_flops_take_grouped_query_attention():
     """explain counts SDPA's FLOPs as torch's formulas do, with fewer key/value heads than query heads
     (torchtitan's 1B: 32 over 8), which torch 2.11's formulas refused: every dp candidate of the 1B was

@@ -6,7 +6,10 @@ The search is two rounds, so that it stays within what explain can simulate in m
    lint's simulated step, candidates.settled) with each activation-checkpointing choice, FSDP resharding
    after forward and no compile;
 2. for the best `refine` layouts-and-checkpointing of round 1 that fit, the same without resharding after
-   forward, compiled, and both.
+   forward, compiled, and both;
+3. only where nothing fits: for the `refine` layouts nearest to fitting, the plan of each with the smallest
+   peak, with FSDP's CPU offload (`offload = cpu`: parameters, gradients and optimizer states in host
+   memory, copied in and out each step).
 A choice that round 1 ranked low is not tried with round 2's options: the search says how many plans it
 weighed, and the header of the plan it writes lists the runners-up."""
 
@@ -90,7 +93,25 @@ def search(
         second = _distinct(second, seen)
         counter.total = counter.finished + len(second)
         weighed += _gathered(_submitted(pool, model_file, second, settings), counter)
+        if not any(r.prediction.fits for r in weighed):
+            third = _offloaded(weighed, by_layout, model, settings.refine, seen)
+            counter.total = counter.finished + len(third)
+            weighed += _gathered(_submitted(pool, model_file, third, settings), counter)
     return _ranked(weighed)
+
+
+def _offloaded(weighed: Sequence[Ranked], by_layout: dict, model, refine: int, seen: set[str]) -> list[Candidate]:
+    """Round 3: for the `refine` layouts whose plans came nearest to fitting, the plan with the smallest
+    predicted peak, resharding after forward (offloading is for memory) and offloading to the CPU. One a
+    layout: the layouts differ most in speed, and offloading shrinks every plan's peak alike."""
+    smallest: dict = {}
+    for r in sorted((r for r in weighed if r.prediction.peak is not None), key=lambda r: r.prediction.peak):
+        smallest.setdefault(r.candidate.layout, r.candidate)
+    offloaded = [
+        with_options(by_layout[c.layout], model, c.checkpoint, True, c.compiled, offload=True)
+        for c in list(smallest.values())[:refine]
+    ]
+    return _distinct(offloaded, seen)
 
 
 def _options(base: Candidate, model, seen: set[str]) -> list[Candidate]:

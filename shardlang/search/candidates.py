@@ -1,7 +1,8 @@
 """The plans `shardlang search` weighs: each mesh factorisation the model takes (data, tensor, context and
 expert parallelism), written by `init`'s starter (compiler.starter.init_plan) with what it proposes for
 each dim, and the options around it: activation checkpointing (none, every block, every other block),
-FSDP's `reshard_after_forward`, and `compile` of the blocks and the loss.
+FSDP's `reshard_after_forward`, `compile` of the blocks and the loss, and (where nothing else fits) FSDP's
+CPU offload.
 
 A factorisation the model cannot take (no rule to shard over tp, no SDPA attention for cp, no experts for
 ep) is not a candidate: init leaves that dim out, and the search would weigh a plan it did not ask for. A
@@ -49,12 +50,14 @@ class Candidate:
     checkpoint: str = "none"
     reshard: bool = True
     compiled: bool = False
+    offload: bool = False
 
     @property
     def name(self) -> str:
         options = [f"ac {self.checkpoint}" if self.checkpoint != "none" else "no ac"]
         options += [] if self.reshard else ["no reshard"]
         options += ["compiled"] if self.compiled else []
+        options += ["offload"] if self.offload else []
         return f"{self.layout}, {', '.join(options)}"
 
 
@@ -129,15 +132,18 @@ def _keeps(text: str, layout: Layout) -> bool:
     return all(size == 1 or f"{dim}={size}" in mesh for dim, size in layout.extra())
 
 
-def with_options(base: Candidate, model: nn.Module, checkpoint: str, reshard: bool, compiled: bool) -> Candidate:
+def with_options(
+    base: Candidate, model: nn.Module, checkpoint: str, reshard: bool, compiled: bool, offload: bool = False
+) -> Candidate:
     """`base` with activation checkpointing of its stacks' blocks, `reshard_after_forward = false` on its
-    fully_shard block where not `reshard`, and `compile` of each stack's blocks and of the loss."""
+    fully_shard block where not `reshard`, `compile` of each stack's blocks and of the loss, and `offload =
+    cpu` on its fully_shard block (parameters, gradients and optimizer states in host memory)."""
     lines = base.text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("fully_shard on "))
     end = next(i for i in range(start, len(lines)) if lines[i] == "}")
     stacks = [line.strip().removeprefix("each ").removesuffix(".*") for line in lines[start:end]]
     stacks = [s for s in stacks if _is_stack(model, s)]
-    inside = [] if reshard else ["    reshard_after_forward = false"]
+    inside = ([] if reshard else ["    reshard_after_forward = false"]) + (["    offload = cpu"] if offload else [])
     after = []
     if checkpoint != "none" and stacks:
         after += ["", "# Activation checkpointing: each block's activations recomputed in the backward."]
@@ -146,7 +152,7 @@ def with_options(base: Candidate, model: nn.Module, checkpoint: str, reshard: bo
         after += ["", "# torch.compile of each block, and of the loss."]
         after += [f"compile {stack}.*" for stack in stacks] + ["compile loss"]
     text = "\n".join([*lines[:end], *inside, lines[end], *after, *lines[end + 1 :]])
-    return evolve(base, text=text, checkpoint=checkpoint, reshard=reshard, compiled=compiled)
+    return evolve(base, text=text, checkpoint=checkpoint, reshard=reshard, compiled=compiled, offload=offload)
 
 
 def _is_stack(model: nn.Module, name: str) -> bool:

@@ -53,6 +53,7 @@ def predict(task: Task) -> Prediction:
     """The candidate's prediction (in a worker process): explain at the micro-batch the tokens per step
     give each replica; where that does not fit, the largest that does, from the activations' share of the
     peak, with the accumulation that keeps the tokens per step, explained again to confirm it."""
+    from ..explain.pictures import size
     from ..frontend.diagnostics import PlanError
     from ..frontend.read import read_source
     from ..frontend.source import Source
@@ -78,7 +79,7 @@ def predict(task: Task) -> Prediction:
                 return Prediction(peak, seconds, task.tokens / seconds, batch, accumulation, fits=True)
             accumulation = _next_accumulation(explanation.peak, batch, per_replica, accumulation, task.memory)
             if accumulation is None:
-                return Prediction(peak, why=f"does not fit: {_gib(peak)} at micro-batch 1")
+                return Prediction(peak, why=f"does not fit: {size(peak)} at micro-batch 1")
     except PlanError as e:
         return Prediction(why=f"does not fit the model: {e.diagnostics[0].message}")
     return Prediction(peak, why=f"does not fit within {MAX_ACCUMULATION} accumulation steps")
@@ -105,7 +106,3 @@ def _next_accumulation(peak, batch: int, per_replica: int, accumulation: int, me
     while per_replica % wanted and wanted <= per_replica:
         wanted += 1
     return wanted if wanted <= per_replica else None
-
-
-def _gib(size: int) -> str:
-    return f"{size / (1 << 30):.1f} GiB"

@@ -68,8 +68,8 @@ def run_search(args: argparse.Namespace) -> int:
     fitting = [r for r in ranked if r.prediction.fits]
     if not fitting:
         peaks = [r.prediction.peak for r in ranked if r.prediction.peak is not None]
-        smallest = f"; the smallest peak found: {min(peaks) / (1 << 30):.1f} GiB" if peaks else ""
-        print(f"shardlang search: no plan fits {memory / (1 << 30):.1f} GiB per GPU{smallest}", file=sys.stderr)
+        smallest = f"; the smallest peak found: {_size(min(peaks))}" if peaks else ""
+        print(f"shardlang search: no plan fits {_size(memory)} per GPU{smallest}", file=sys.stderr)
         return UNUSABLE
     if args.candidates:
         _write_candidates(Path(args.candidates), fitting, settings)
@@ -144,7 +144,7 @@ def _checked(args, text: str, model, model_file, order) -> str | None:
 def _table(ranked, settings) -> Table:
     table = Table(
         title=f"{len(ranked)} plans at world {settings.world}, {settings.tokens:,} tokens per step, "
-        f"{settings.memory / (1 << 30):.1f} GiB per GPU"
+        f"{_size(settings.memory)} per GPU"
     )
     for column in ("#", "plan", "peak", "step", "tokens/s", "micro-batch x acc", "why not"):
         table.add_column(column, justify="right" if column in ("#", "peak", "step", "tokens/s") else "left")
