@@ -277,13 +277,17 @@ def _call(modelled: Modelled, key: Any, fn: Callable, tensors: list[torch.Tensor
         # AOTAutograd traces at the first call: outside the step's accounting, once; its outputs dropped.
         modelled.warming = True
         fake = detect_fake_mode(tensors)  # kept: a value made outside it would be real, an `empty` garbage
+        # What it saves for its backward stays its own: activation checkpointing around the module counts
+        # what is saved in the forward and again in the recomputation, which traces nothing.
+        own = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
         try:
-            with _outside_modes(), fake or contextlib.nullcontext():
+            with _outside_modes(), fake or contextlib.nullcontext(), own:
                 compiled(*tensors)
         finally:
             modelled.warming = False
         _TRACED[full_key] = compiled
-    return compiled(*tensors)
+    with modelled.tracker.recomputed_calls():
+        return compiled(*tensors)
 
 
 def modelled(
@@ -347,15 +351,16 @@ def _structure(module: nn.Module) -> tuple:
 
 
 @contextlib.contextmanager
-def compiled_modules(model: nn.Module, compiled, checkpointed, modelled_: Modelled) -> Iterator[None]:
+def compiled_modules(model: nn.Module, compiled, modelled_: Modelled) -> Iterator[None]:
     """Each module the plan compiles (`compiled`: (fqn, ir.Compile) pairs) runs as compiled for the
-    length of the block, except those `unsupported` says cannot be modelled or that activation
-    checkpointing covers (`checkpointed(fqn)`): they run eager, noted in `modelled_.eager` by statement."""
+    length of the block, except those `unsupported` says cannot be modelled: they run eager, noted in
+    `modelled_.eager` by statement. Under activation checkpointing the compiled forward runs again in the
+    backward, as checkpointing recomputes it."""
     patched = []
     for fqn, statement in compiled:
         module = model.get_submodule(fqn)
         what = f"`compile {statement.target}` (line {statement.span.line})"
-        reason = "activation checkpointing covers it" if checkpointed(fqn) else unsupported(module)
+        reason = unsupported(module)
         if reason is not None:
             modelled_.eager[what] = reason
             continue

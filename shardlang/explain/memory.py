@@ -140,6 +140,8 @@ class Extension:
         self._hosted = False
         self._host_op = False
         self._copying: str | None = None
+        #: A compiled module's call that began while recomputing (see recomputed_calls).
+        self._in_recomputed_call = False
         self._act_by_module: Counter[str] = Counter()
         self.peak_by_module: dict[str, int] = {}
         #: (kind, FLOPs, bytes, low precision, recomputed) -> how many ops had exactly that cost. Kinds:
@@ -365,7 +367,18 @@ class Extension:
     def _recomputing(self) -> bool:
         # Recomputing a checkpointed forward: an op in backward with grad mode on (the engine runs
         # backward ops with it off).
-        return self._mod_tracker.is_bw and torch.is_grad_enabled()
+        return self._in_recomputed_call or (self._mod_tracker.is_bw and torch.is_grad_enabled())
+
+    @contextlib.contextmanager
+    def recomputed_calls(self):
+        """What runs inside counts as recomputation where the call began in one: a compiled module's forward
+        runs inside an autograd.Function, with grad mode off, also when checkpointing recomputes it."""
+        was = self._in_recomputed_call
+        self._in_recomputed_call = self._recomputing()
+        try:
+            yield
+        finally:
+            self._in_recomputed_call = was
 
     def _cost(self, func, args, kwargs, result) -> None:
         packet = func.overloadpacket

@@ -391,7 +391,6 @@ def _training_step(
     (`memory`): the collectives of the forward, loss and backward, each group named as `groups` names
     it (process group name -> `mesh.dim`), the peak memory, and the ops' costs. The inputs and loss
     are those of the checks (SPEC §7); `batch` per data-parallel replica (default: twice the TP size)."""
-    from ..frontend.patterns import within
     from ..verification import Context
     from ..verification.comms import Calls
     from ..verification.step import Step
@@ -418,12 +417,7 @@ def _training_step(
         recorder.calls.clear()
         modelled = compiled.Modelled(memory, plan)
         step.compile_with = modelled.loss
-        resolution = applied.linted.resolution
-
-        def checkpointed(fqn: str) -> bool:  # activation checkpointing on the module or one around it
-            return any(within(fqn, c) for c in resolution.checkpoint)
-
-        modules = compiled.compiled_modules(model, resolution.compiled, checkpointed, modelled)
+        modules = compiled.compiled_modules(model, applied.linted.resolution.compiled, modelled)
         with memory, cuda_like_rms_norm(), modules, idle_conversions(), positions_as_on_real_tensors():
             output = step.forward(model, full)
             with recorder.paused():
