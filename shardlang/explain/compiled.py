@@ -20,9 +20,12 @@ What it leaves out: inductor sometimes splits a group in two (a reduction whose 
 another way) or re-reads an input (a reduction and its epilogue); it picks a matmul's kernel by tuning
 (the roofline is the same). The partitioner's choice of saved values is exact for the graph traced.
 
+Under activation checkpointing the compiled forward runs again in the backward, as checkpointing
+recomputes it, its ops counted as recomputation.
+
 Not modelled, run eager with a note: compiled modules whose parameters or inputs are DTensors (tensor
-parallelism inside them), that hold another FSDP unit or hooks of their own inside, or that activation
-checkpointing covers; a loss over DTensor logits (`loss_parallel`).
+parallelism inside them), that hold another FSDP unit or hooks of their own inside; a loss over DTensor
+logits (`loss_parallel`).
 """
 
 from __future__ import annotations
