@@ -104,6 +104,22 @@ def test_split_resolves_blocks_and_outside_modules(tmp_path):
 
 
 @pytest.mark.distributed
+def test_checks_that_step_other_batches_each_get_stages_of_their_shapes(pools, tmp_path):
+    """torch's pipeline stages keep the microbatch shapes of their first step. The comms check steps two
+    microbatches' worth, the gradients check its own batch: in that order the last stage's loss met logits
+    of the comms check's shape ("Expected input batch_size (16) to match target batch_size (8)"), on
+    torchtitan's Llama as on examples/llama.py. A step on other shapes now gets new stages."""
+    path = tmp_path / "pp.sl"
+    text = (ROOT / "plans" / "llama_pipeline.sl").read_text()
+    path.write_text(text[: text.index("verify ")] + "verify comms, gradients(steps=1)\n")
+    job = Job(str(path), {}, MODEL, None, shardlang.load(path).checks)
+    report = pools(4).run(run, job)[0]
+    assert report.ok and {c.check: c.status for c in report.checks}["gradients"] == "pass", [
+        (c.check, c.message) for c in report.checks
+    ] + [d.message for d in report.diagnostics]
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("plan", ["llama_pipeline", "llama_pipeline_tp"])
 def test_every_schedule_passes_every_check(pools, plan, schedule):

@@ -132,14 +132,24 @@ class Pipeline:
     `loss(output, inputs)` is the model file's loss: `inputs` is the microbatch's input tensor (or tuple)."""
 
     def __init__(self, parts, num_stages, schedule, microbatches, pp_group, device, loss, scale_grads=True):
+        self.parts, self.inputs, self.microbatches = parts, None, microbatches
+        self._made = (num_stages, schedule, pp_group, device, loss, scale_grads)
+        self._shapes = None  # the input shapes the stages were made for
+        self._make()
+
+    def _make(self) -> None:
+        """The stages and their schedule. torch's stages learn their microbatches' shapes at their first
+        step and keep them: a step on another batch (apply's comms check runs two microbatches' worth, its
+        gradients check its own batch) needs new ones, or the last stage's loss meets a stale shape."""
         from torch.distributed import pipelining
 
-        self.parts, self.inputs, self.microbatches = parts, None, microbatches
+        num_stages, schedule, pp_group, device, loss, scale_grads = self._made
         self.stages = [
-            pipelining.PipelineStage(part, stage, num_stages, device, group=pp_group) for stage, part in parts.items()
+            pipelining.PipelineStage(part, stage, num_stages, device, group=pp_group)
+            for stage, part in self.parts.items()
         ]
         self.last = self.stages[-1] if self.stages[-1].is_last else None
-        carry = parts[max(parts)].shardlang_carry
+        carry = self.parts[max(self.parts)].shardlang_carry
 
         def stage_loss(output, target):
             # The microbatch's inputs: the schedule splits `target` as it splits the inputs; several inputs
@@ -151,9 +161,13 @@ class Pipeline:
 
         kind = getattr(pipelining, schedule)
         stages = self.stages[0] if len(self.stages) == 1 else self.stages
-        self.schedule = kind(stages, microbatches, loss_fn=stage_loss, scale_grads=scale_grads)
+        self.schedule = kind(stages, self.microbatches, loss_fn=stage_loss, scale_grads=scale_grads)
 
     def step(self, *inputs):
+        shapes = tuple(tuple(x.shape) for x in inputs if isinstance(x, torch.Tensor))
+        if self._shapes is not None and shapes != self._shapes:
+            self._make()
+        self._shapes = shapes
         self.inputs = inputs
         batch = next(x for x in inputs if isinstance(x, torch.Tensor))
         target = inputs[0] if len(inputs) == 1 else torch.arange(batch.shape[0], device=batch.device)
