@@ -1,7 +1,8 @@
 """`shardlang search`: the plan explain predicts fastest among those that fit, at a fixed number of tokens
 per step (candidates.py: what is varied; ranking.py: what explain predicts for each).
 
-The search is two rounds, so that it stays within what explain can simulate in minutes:
+The search is two rounds (a third where nothing fits), so that it stays within what explain can simulate
+in minutes:
 1. every layout the model takes (candidates.layouts; one beyond plain data parallelism first settled by
    lint's simulated step, candidates.settled) with each activation-checkpointing choice, FSDP resharding
    after forward and no compile;
