@@ -1,9 +1,9 @@
 """What explain predicts for issue 43's one-node plans, at world 8 on the CPU: torchtitan's Llama3 1B and 8B
-(FSDP 8, TP 2 x FSDP 4, TP 4 x FSDP 2; the 8B also pp 2 x tp 2 x dp 2) and its Qwen3-MoE (EP 2 x FSDP 4, EP 4 x FSDP 2, EP 8), each the
-plan `benchmarks/titan_compare.py --nproc-per-node 8` times, with torchtitan's 4 x 2048 tokens per GPU.
-One table: each plan's predicted peak per GPU (the step's plus the resident parameters and optimizer
-states), step time and tokens/s on the chosen GPU, to set beside the 8-GPU measurements when an 8-GPU
-machine is lent (benchmarks/RESULTS.md).
+(FSDP 8, TP 2 x FSDP 4, TP 4 x FSDP 2; the 8B also pp 2 x tp 2 x dp 2) and its Qwen3-MoE (EP 2 x FSDP 4, EP 4
+x FSDP 2, EP 8), each the plan `benchmarks/titan_compare.py --nproc-per-node 8` times, with torchtitan's 4 x
+2048 tokens per GPU. One table: each plan's predicted peak per GPU (the step's plus the resident parameters
+and optimizer states), step time and tokens/s on the chosen GPU, to set beside the 8-GPU measurements when an
+8-GPU machine is lent (benchmarks/RESULTS.md).
 
     python benchmarks/node8_explain.py --gpu h200
 """

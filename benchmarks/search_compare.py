@@ -1,8 +1,9 @@
-"""`shardlang search` measured (issue 42): the plan it writes for torchtitan's Llama3 1B (or its Qwen3-MoE with
-`--model moe`) and its runners-up, each timed against torchtitan's default layout by benchmarks/titan_compare.py
-on the GPUs, beside what explain predicted for it. One table: predicted and measured step time, tokens/s and peak memory per
-candidate, and each candidate's throughput over torchtitan's default (FSDP over every GPU, eager, no
-activation checkpointing) and over torchtitan compiled (blocks and loss, its fastest layout at 2 GPUs).
+"""`shardlang search` measured (issue 42): the plan it writes for torchtitan's Llama3 1B (or its Qwen3-MoE
+with `--model moe`) and its runners-up, each timed against torchtitan's default layout by
+benchmarks/titan_compare.py on the GPUs, beside what explain predicted for it. One table: predicted and
+measured step time, tokens/s and peak memory per candidate, and each candidate's throughput over torchtitan's
+default (FSDP over every GPU, eager, no activation checkpointing) and over torchtitan compiled (blocks and
+loss, its fastest layout at 2 GPUs).
 
     python benchmarks/search_compare.py --nproc 2 --gpu h200 --top 5 --runs 3
 

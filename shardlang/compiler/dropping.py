@@ -6,14 +6,14 @@ feature out and tries again (cli.commands.init): a tensor- or expert-parallel ru
 `shared_expert.down_proj`, whose output the model adds to in place), context parallelism (a Mamba mixer beside
 the attention it splits: SL223), `mixed_precision` (a model that meets a float32 mask with a bf16 weight, or
 runs an FFT bf16 has no kernel for), and last a stack's blocks as fully_shard units (a model that reads a
-block's parameter outside its forward), the root then holding them. A shape error raised in a module no
-rule governs (pointing at the unit holding it) is the split's: the rules of the nearest module above it
-that still has some go first (NeoMME's per-head `alpha` beside its attention's colwise heads). Each is
-written as a comment saying what lint found, so the plan says why it is smaller than what was asked for. One error is answered by adding a
-rule instead: a module no rule governs whose own whole parameters meet a piece of their input (SL222 on an
-activation between a colwise and a rowwise projection, apertus' xIELU with its learned alphas) gets
-`replicated_with_grad_allreduce`, which sums each rank's share of their gradients over tp; apply's gradients
-check then says whether that was right.
+block's parameter outside its forward), the root then holding them. A shape error raised in a module no rule
+governs (pointing at the unit holding it) is the split's: the rules of the nearest module above it that still
+has some go first (NeoMME's per-head `alpha` beside its attention's colwise heads). Each is written as a
+comment saying what lint found, so the plan says why it is smaller than what was asked for. One error is
+answered by adding a rule instead: a module no rule governs whose own whole parameters meet a piece of their
+input (SL222 on an activation between a colwise and a rowwise projection, apertus' xIELU with its learned
+alphas) gets `replicated_with_grad_allreduce`, which sums each rank's share of their gradients over tp;
+apply's gradients check then says whether that was right.
 """
 
 from __future__ import annotations
