@@ -97,8 +97,8 @@ class Drops:
             return summed
         block = _block_of(lines, line - 1)
         here = lines[line - 1].strip()
-        if block == "rule" and ":" in here and not here.startswith(("parallelize", "#")):
-            key = here.split(":", 1)[0].strip()
+        key = _rule_key(lines[line - 1]) if block == "rule" else None
+        if key is not None:
             return None if key in self.rules else attrs.evolve(self, rules={**self.rules, key: why})
         if block == "cp":
             return None if self.cp else attrs.evolve(self, cp=why)

@@ -23,8 +23,9 @@ MAX_ACCUMULATION = 64
 
 @frozen
 class Prediction:
-    """explain's prediction for one candidate: the peak at the micro-batch chosen, the step at the tokens per step (micro-batch x accumulation x replicas x sequence),
-    or `why` it has none (does not fit, cannot be predicted, does not build)."""
+    """explain's prediction for one candidate: the peak at the micro-batch chosen, the step at the tokens per
+    step (micro-batch x accumulation x replicas x sequence), or `why` it has none (does not fit, cannot be
+    predicted, does not build)."""
 
     peak: int | None = None
     seconds: float | None = None
