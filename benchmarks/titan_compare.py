@@ -25,6 +25,10 @@ and on the MoE (benchmarks/titan_moe.py: 16 layers of 8 experts, top 2), plan be
 `--compile` compiles each block in both: torchtitan's CompileConfig(enable=True, components=["model"])
 (TransformerBlock.compile(fullgraph=True)) and the plan's `compile layers.* (fullgraph=true)`.
 
+`--side shardlang|torchtitan` builds and times one side alone, where the two do not fit on the GPUs together
+(the 8B on one GPU: benchmarks/search_compare.py --model 8b runs the sides in turn); running out of memory
+is then its result.
+
 The numbers: one torchrun invocation per run, three runs in each build order (on H100s or H200s, every
 run of a config on the same kind of card); report each order's median ratio and the median of all six:
     for order in shardlang-first titan-first; do for run in 1 2 3; do
@@ -44,7 +48,8 @@ The model: benchmarks/titan_1b.py (torchtitan's `llama3_configs["1B"]`, its own 
 sides, weight tying as the 1B has it). torchtitan's side is its own code as its trainer calls it
 (torchtitan/trainer.py): ParallelDims.from_config(ParallelismConfig(...)).build_mesh(), the model built on
 meta, parallelize_llama(model, parallel_dims=, training=TrainingConfig(...), parallelism=,
-compile_config=CompileConfig(...), ac_config=None (no activation checkpointing, on either side)), then
+compile_config=CompileConfig(...), ac_config=None (no activation checkpointing, on either side, unless
+`--titan-ac selective|full` asks for torchtitan's own of every block)), then
 `to_empty` on the GPU and `init_weights()` (= init_states). ParallelismConfig's default spmd_backend,
 "spmd_types", needs a nightly torch: the plain DTensor backend, "partial_dtensor", is used, set as the
 trainer sets it (`set_spmd_backend`). shardlang's side is a second instance of the same config, built on
@@ -135,6 +140,21 @@ def arguments(argv=None) -> argparse.Namespace:
         "loss component (torch.compile of the loss function, as its BaseLoss does)",
     )
     parser.add_argument(
+        "--titan-ac",
+        choices=("none", "selective", "full"),
+        default="none",
+        help="torchtitan's activation checkpointing of every block (its ActivationCheckpointingConfig: "
+        "SelectiveAC, its trainer's default, or FullAC); none is the default layout's",
+    )
+    parser.add_argument(
+        "--side",
+        choices=("both", "shardlang", "torchtitan"),
+        default="both",
+        help="build and time one side only, in a process of its own (where the two models do not fit on the "
+        "GPUs together, e.g. the 8B on one GPU): no ratio is printed, and running out of memory is a result "
+        "(RESULT says `oom`), not a failure",
+    )
+    parser.add_argument(
         "--titan-eager",
         action="store_true",
         help="with --compile: torchtitan's side stays eager (its default), to time shardlang compiled against it",
@@ -165,6 +185,13 @@ def arguments(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps of each first")
     parser.add_argument("--batch", type=int, default=4, help="sequences per data-parallel rank")
     parser.add_argument(
+        "--accumulation",
+        type=int,
+        default=1,
+        help="split each rank's batch into this many micro-batches, their gradients accumulated before the "
+        "optimizer's step (what `shardlang search` writes beside a plan whose batch does not fit at once)",
+    )
+    parser.add_argument(
         "--dry-run", action="store_true", help="check this script on CPU workers (gloo) with the tiny model"
     )
     parser.add_argument(
@@ -187,20 +214,20 @@ def main(argv=None) -> None:
     from torchtitan.distributed import utils as titan_utils
 
     import shardlang
-    from benchmarks.gpu_throughput import PEAK_BF16, NoMemory, alternate, join, memory_at_peak, profile, timed_step
+    from benchmarks.gpu_throughput import join
     from shardlang.runtime.apply import apply_plan
-    from shardlang.verification.comms import Recorder
 
     cuda = not args.dry_run
     tiny = args.dry_run
     backend = args.backend or ("inductor" if cuda else "aot_eager")
     device = join(args.dry_run)
-    memory = torch.cuda if cuda else NoMemory()
     rank, world = dist.get_rank(), dist.get_world_size()
     tp, needs = CONFIGS[args.config]
     tp = args.tp if args.config == "tp_fsdp" else tp
     if (needs is not None and world != needs) or world % tp:
         raise SystemExit(f"--config {args.config} runs on {needs or f'a multiple of {tp}'} processes, not {world}")
+    if args.batch % args.accumulation:
+        raise SystemExit(f"--batch {args.batch} does not split into --accumulation {args.accumulation} micro-batches")
     if args.config == "ep" and (world % args.ep or world < args.ep):
         raise SystemExit(f"--config ep runs on a multiple of {args.ep} processes, not {world}")
     dp = world // tp
@@ -228,10 +255,70 @@ def main(argv=None) -> None:
         torch.manual_seed(0)
         return titan(source, config, args, world, tp, backend, device, compiled=args.compile and not args.titan_eager)
 
+    sides = SIDES if args.side == "both" else (args.side,)
     built = {}
-    for side in ("shardlang", "torchtitan") if args.order == "shardlang-first" else ("torchtitan", "shardlang"):
-        built[side] = build_shardlang() if side == "shardlang" else build_titan()
-    if source is titan_moe:  # the same weights, so the same routing: the same load on each rank
+    try:
+        for side in SIDES if args.order == "shardlang-first" else SIDES[::-1]:
+            if side in sides:
+                built[side] = build_shardlang() if side == "shardlang" else build_titan()
+        measured = measure(args, plan, source, config, built, rank, tp, device, cuda, tiny, backend)
+    except torch.OutOfMemoryError as error:
+        if args.side == "both":
+            raise
+        measured = None
+        print(f"rank {rank}: {args.side} ran out of memory: {str(error).splitlines()[0]}", flush=True)
+    out_of_memory = [None] * world
+    dist.all_gather_object(out_of_memory, measured is None)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, None if any(out_of_memory) else measured[:3])
+    if rank == 0:
+        import torchtitan
+
+        result = {
+            "config": args.config,
+            "plan": name,
+            "side": args.side,
+            "titan_ac": args.titan_ac,
+            "compile": backend if args.compile else None,
+            "compile_loss": args.compile_loss,
+            "titan_eager": args.titan_eager,
+            "order": args.order,
+            "world": world,
+            "dp": dp,
+            "tp": tp,
+            "card": torch.cuda.get_device_name() if cuda else "cpu",
+            "torch": torch.__version__,
+            "torchtitan_version": getattr(torchtitan, "__version__", "?"),
+            "model": "tiny (dry run)"
+            if tiny
+            else ("qwen3-moe 1.2B (8 experts, top 2)" if moe else f"llama3 {args.size.upper()}"),
+            "batch": args.batch,
+            "accumulation": args.accumulation,
+            "seq": source.seq(tiny),
+            "steps": args.steps,
+            "warmup": args.warmup,
+        }
+        if any(out_of_memory):
+            result["oom"] = True
+            print(f"{args.side}: out of memory on {sum(out_of_memory)} of {world} ranks")
+            print("RESULT " + json.dumps(result))
+        else:
+            summarize(result, everyone, sides, measured[3], measured[4], source, tiny, dp, world)
+    dist.destroy_process_group()
+
+
+def measure(args, plan, source, config, built, rank, tp, device, cuda, tiny, backend):
+    """Warm-up, the collectives of one forward+backward, then the alternating timed steps of the sides
+    `built`: (times, peaks, counts, first losses, rank 0's profiles and memory pictures)."""
+    import torch
+
+    from benchmarks import titan_moe
+    from benchmarks.gpu_throughput import NoMemory, alternate, memory_at_peak, profile, timed_step
+    from shardlang.verification.comms import Recorder
+
+    memory = torch.cuda if cuda else NoMemory()
+    sides = tuple(side for side in SIDES if side in built)
+    if source is titan_moe and len(built) == 2:  # the same weights, so the same routing: the same load on each rank
         same_weights(built["shardlang"], built["torchtitan"])
     optims = {side: torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda) for side, model in built.items()}
 
@@ -253,13 +340,18 @@ def main(argv=None) -> None:
 
     first_loss = {}  # each side's loss at its first step (the same weights: the same loss, up to rounding)
 
+    micro = tokens.chunk(args.accumulation)  # the same tokens per step, in --accumulation micro-batches
+
     def forward_backward(side):
         model = built[side]
-        with loss_context():
-            loss = losses[side](model(tokens), tokens)
-            loss.backward()
-        if side not in first_loss:
-            first_loss[side] = float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss)
+        for i, batch in enumerate(micro):
+            if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 reduces the gradients at the last only
+                model.set_requires_gradient_sync(i == len(micro) - 1)
+            with loss_context():
+                loss = losses[side](model(batch), batch) / len(micro)
+                loss.backward()
+            if side not in first_loss:
+                first_loss[side] = float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss)
 
     def step(side):
         forward_backward(side)
@@ -270,74 +362,56 @@ def main(argv=None) -> None:
         return timed_step(memory, lambda: step(side))
 
     for _ in range(args.warmup):
-        for side in SIDES:
+        for side in sides:
             timed(side)
     counts = {}
     # A dispatch mode (the Recorder) cannot run inside compiled code: with --compile the compiled blocks
     # run eagerly for the count (torch.compiler.set_stance("force_eager")), the same modules and hooks.
     compiled = args.compile or bool(plan.compiles) or plan.compile_loss is not None
     eager = torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext()
-    for side in SIDES:
+    for side in sides:
         recorder = Recorder()
         with eager, recorder:
             forward_backward(side)
         optims[side].zero_grad(set_to_none=True)
         counts[side] = recorder.counts()
-    times, peaks = alternate(SIDES, args.steps, timed)
-    profiles = {side: profile(lambda side=side: timed(side), args.profile) for side in SIDES} if args.profile else {}
-    memories = {side: memory_at_peak(lambda side=side: step(side)) for side in SIDES} if args.memory else {}
+    times, peaks = alternate(sides, args.steps, timed)
+    profiles = {side: profile(lambda side=side: timed(side), args.profile) for side in sides} if args.profile else {}
+    memories = {side: memory_at_peak(lambda side=side: step(side)) for side in sides} if args.memory else {}
+    return times, peaks, counts, first_loss, {"profile": profiles if rank == 0 else {}, "memory": memories}
 
-    everyone = [None] * world
-    dist.all_gather_object(everyone, (times, peaks, counts))
-    if rank == 0:
-        import torchtitan
 
-        result = {
-            "config": args.config,
-            "plan": name,
-            "compile": backend if args.compile else None,
-            "compile_loss": args.compile_loss,
-            "titan_eager": args.titan_eager,
-            "profile": profiles if rank == 0 else {},
-            "memory": memories,
-            "first_loss": first_loss,
-            "order": args.order,
-            "world": world,
-            "dp": dp,
-            "tp": tp,
-            "card": torch.cuda.get_device_name() if cuda else "cpu",
-            "torch": torch.__version__,
-            "torchtitan_version": getattr(torchtitan, "__version__", "?"),
-            "model": "tiny (dry run)"
-            if tiny
-            else ("qwen3-moe 1.2B (8 experts, top 2)" if moe else f"llama3 {args.size.upper()}"),
-            "batch": args.batch,
-            "seq": source.seq(tiny),
-            "steps": args.steps,
-            "warmup": args.warmup,
-            "counts": counts,
-            "counts_identical": all(kinds(e[2]["shardlang"]) == kinds(e[2]["torchtitan"]) for e in everyone),
-            "counts_per_rank": [e[2] for e in everyone],
+def summarize(result: dict, everyone: list, sides: tuple, first_loss: dict, pictures: dict, source, tiny, dp, world):
+    """Rank 0's RESULT from every rank's (times, peaks, counts): each side's median over the slowest rank's
+    steps, tokens/s, MFU and peak; with both sides, the ratios and whether their collectives match."""
+    import torch
+
+    from benchmarks.gpu_throughput import PEAK_BF16
+
+    result |= pictures | {"first_loss": first_loss, "counts": everyone[0][2]}
+    result["counts_per_rank"] = [e[2] for e in everyone]
+    card = next((k for k in PEAK_BF16 if k in result["card"]), None)
+    flops = source.flops_per_token(tiny)
+    tokens_per_step = result["batch"] * source.seq(tiny) * dp
+    for side in sides:
+        # The slowest rank sets each step's time.
+        per_step = [max(e[0][side][i] for e in everyone) for i in range(result["steps"])]
+        median = statistics.median(per_step)
+        rate = tokens_per_step / median
+        result[side] = {
+            "median_s": median,
+            "tokens_per_s": rate,
+            "mfu": rate * flops / (world * PEAK_BF16[card]) if card else None,
+            "peak_bytes": max(e[1][side] for e in everyone),
         }
-        card = next((k for k in PEAK_BF16 if k in result["card"]), None)
-        flops = source.flops_per_token(tiny)
-        tokens_per_step = args.batch * source.seq(tiny) * dp
-        for side in SIDES:
-            # The slowest rank sets each step's time.
-            per_step = [max(e[0][side][i] for e in everyone) for i in range(args.steps)]
-            median = statistics.median(per_step)
-            rate = tokens_per_step / median
-            result[side] = {
-                "median_s": median,
-                "tokens_per_s": rate,
-                "mfu": rate * flops / (world * PEAK_BF16[card]) if card else None,
-                "peak_bytes": max(e[1][side] for e in everyone),
-            }
+    if len(sides) == 1:  # one model in this process: rank 0's whole peak over its last step, resident state too
+        result[sides[0]]["absolute_peak_bytes"] = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+    else:
+        result["counts_identical"] = all(kinds(e[2]["shardlang"]) == kinds(e[2]["torchtitan"]) for e in everyone)
         result["throughput_ratio"] = result["shardlang"]["tokens_per_s"] / result["torchtitan"]["tokens_per_s"]
         peak_titan = result["torchtitan"]["peak_bytes"]
         result["peak_ratio"] = result["shardlang"]["peak_bytes"] / peak_titan if peak_titan else None
-        report(result)
-    dist.destroy_process_group()
+    report(result, sides)
 
 
 def same_weights(source, target) -> None:
@@ -381,6 +455,7 @@ def titan(source, config, args, world: int, tp: int, backend: str, device, compi
     import torchtitan.distributed.parallel_dims as parallel_dims
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
     from torchtitan.models.llama3.parallelize import parallelize_llama
     from torchtitan.models.qwen3.parallelize import parallelize_qwen3
 
@@ -415,7 +490,7 @@ def titan(source, config, args, world: int, tp: int, backend: str, device, compi
         training=training,
         parallelism=parallelism,
         compile_config=compile_config,
-        ac_config=None,
+        ac_config={"none": None, "selective": SelectiveAC.Config(), "full": FullAC.Config()}[args.titan_ac],
         dump_folder=tempfile.gettempdir(),
         **({"skip_dp": True} if ep > 1 else {}),  # its FSDP with EP needs torch >= 2.12: nested_fsdp() below
     )
@@ -467,7 +542,7 @@ def nested_fsdp(model, dims) -> None:
         block.set_modules_to_backward_prefetch([previous] if previous is not None else [model.tok_embeddings])
 
 
-def report(result: dict) -> None:
+def report(result: dict, sides: tuple) -> None:
     from benchmarks.gpu_throughput import print_memory, print_profiles
 
     compiled = f"compiled per block ({result['compile']})" if result["compile"] else "eager"
@@ -477,22 +552,31 @@ def report(result: dict) -> None:
         f"{result['config']} (dp {result['dp']} x tp {result['tp']}), {compiled}, {result['model']}, batch "
         f"{result['batch']} x {result['seq']} per dp rank, on {result['world']} x {result['card']}, torch "
         f"{result['torch']}, torchtitan {result['torchtitan_version']}; built {result['order']}; median of "
-        f"{result['steps']} steps each, alternating"
+        f"{result['steps']} steps each{', alternating' if len(sides) == 2 else ''}"
     )
+    if result.get("titan_ac", "none") != "none" and "torchtitan" in sides:
+        print(f"torchtitan's activation checkpointing: {result['titan_ac']}, every block")
     print(f"{'':12}{'step (s)':>10}{'tokens/s':>12}{'MFU':>8}{'peak (GiB)':>12}")
-    for side in SIDES:
+    for side in sides:
         row = result[side]
         mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
         print(
             f"{side:12}{row['median_s']:>10.4f}{row['tokens_per_s']:>12.0f}{mfu:>8}{row['peak_bytes'] / 2**30:>12.2f}"
         )
-    print(f"throughput ratio shardlang / torchtitan: {result['throughput_ratio']:.4f}")
     first = result.get("first_loss", {})
     print("loss of the first step (rank 0): " + ", ".join(f"{side} {loss:.5f}" for side, loss in first.items()))
-    peak = f"{result['peak_ratio']:.4f}" if result["peak_ratio"] is not None else "- (not measured)"
-    print(f"peak memory ratio shardlang / torchtitan: {peak}")
     counts = result["counts"]
-    if result["counts_identical"]:
+    if len(sides) == 1:
+        whole = result[sides[0]]["absolute_peak_bytes"] / 2**30
+        print(f"rank 0's whole peak over its last step (resident state included): {whole:.2f} GiB")
+        print(f"collectives of one forward+backward on rank 0: {kinds(counts[sides[0]])}")
+    else:
+        print(f"throughput ratio shardlang / torchtitan: {result['throughput_ratio']:.4f}")
+        peak = f"{result['peak_ratio']:.4f}" if result["peak_ratio"] is not None else "- (not measured)"
+        print(f"peak memory ratio shardlang / torchtitan: {peak}")
+    if len(sides) == 1:
+        pass
+    elif result["counts_identical"]:
         print(f"collectives of one forward+backward: identical on every rank: {kinds(counts['shardlang'])}")
     else:
         print("collectives of one forward+backward: DIFFERENT")
