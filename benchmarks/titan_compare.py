@@ -265,8 +265,14 @@ def main(argv=None) -> None:
     except torch.OutOfMemoryError as error:
         if args.side == "both":
             raise
+        import traceback
+
         measured = None
-        print(f"rank {rank}: {args.side} ran out of memory: {str(error).splitlines()[0]}", flush=True)
+        where = " <- ".join(
+            f"{f.name} ({Path(f.filename).name}:{f.lineno})"
+            for f in traceback.extract_tb(error.__traceback__)[::-1][:6]
+        )
+        print(f"rank {rank}: {args.side} ran out of memory in {where}: {str(error).splitlines()[0]}", flush=True)
     out_of_memory = [None] * world
     dist.all_gather_object(out_of_memory, measured is None)
     everyone = [None] * world
