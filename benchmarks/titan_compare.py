@@ -237,6 +237,8 @@ def main(argv=None) -> None:
 
     config = source.configure(tiny)
     name = f"{source.__name__.rsplit('.', 1)[-1]}_{args.config}{'_compile' if args.compile else ''}{'_loss' if args.compile_loss else ''}.sl"
+    if args.plan is None and args.side == "torchtitan" and not (ROOT / "benchmarks" / "plans" / name).exists():
+        name = f"{source.__name__.rsplit('.', 1)[-1]}_{args.config}.sl"  # loaded only for its loss: never applied
     if args.plan is None and not (ROOT / "benchmarks" / "plans" / name).exists():
         raise SystemExit(f"no plan benchmarks/plans/{name} for --config {args.config} with these flags")
     params = {"backend": backend} if args.compile and args.plan is None else {}
