@@ -241,7 +241,7 @@ def main(argv=None) -> None:
         name = f"{source.__name__.rsplit('.', 1)[-1]}_{args.config}.sl"  # loaded only for its loss: never applied
     if args.plan is None and not (ROOT / "benchmarks" / "plans" / name).exists():
         raise SystemExit(f"no plan benchmarks/plans/{name} for --config {args.config} with these flags")
-    params = {"backend": backend} if args.compile and args.plan is None else {}
+    params = {"backend": backend} if args.compile and args.plan is None and "_compile" in name else {}
     if args.plan is None:
         params |= {"tp": str(tp)} if args.config == "tp_fsdp" else {"ep": str(args.ep)} if args.config == "ep" else {}
     path = args.plan or ROOT / "benchmarks" / "plans" / name
@@ -416,6 +416,10 @@ def summarize(result: dict, everyone: list, sides: tuple, first_loss: dict, pict
         }
     if len(sides) == 1:  # one model in this process: rank 0's whole peak over its last step, resident state too
         result[sides[0]]["absolute_peak_bytes"] = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+        # cudaMalloc retries: the caching allocator freed its cache and synchronized to find room (near full)
+        result[sides[0]]["alloc_retries"] = (
+            torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0
+        )
     else:
         result["counts_identical"] = all(kinds(e[2]["shardlang"]) == kinds(e[2]["torchtitan"]) for e in everyone)
         result["throughput_ratio"] = result["shardlang"]["tokens_per_s"] / result["torchtitan"]["tokens_per_s"]
@@ -579,6 +583,9 @@ def report(result: dict, sides: tuple) -> None:
     if len(sides) == 1:
         whole = result[sides[0]]["absolute_peak_bytes"] / 2**30
         print(f"rank 0's whole peak over its last step (resident state included): {whole:.2f} GiB")
+        print(
+            f"rank 0's allocator retries (cache freed to find room) over the run: {result[sides[0]]['alloc_retries']}"
+        )
     else:
         print(f"throughput ratio shardlang / torchtitan: {result['throughput_ratio']:.4f}")
         peak = f"{result['peak_ratio']:.4f}" if result["peak_ratio"] is not None else "- (not measured)"
