@@ -377,11 +377,11 @@ def measure(args, plan, source, config, built, rank, tp, device, cuda, tiny, bac
     # run eagerly for the count (torch.compiler.set_stance("force_eager")), the same modules and hooks.
     # One side alone has nothing to compare its count with, and eager needs more memory than compiled
     # (the 8B on one H200 fits compiled and not eager): no count then.
+    # (set_stance sets the stance when called, not when entered: it is called only where entered.)
     compiled = args.compile or bool(plan.compiles) or plan.compile_loss is not None
-    eager = torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext()
     for side in sides if len(sides) == 2 else ():
         recorder = Recorder()
-        with eager, recorder:
+        with torch.compiler.set_stance("force_eager") if compiled else contextlib.nullcontext(), recorder:
             forward_backward(side)
         optims[side].zero_grad(set_to_none=True)
         counts[side] = recorder.counts()
