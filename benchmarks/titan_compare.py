@@ -352,9 +352,7 @@ def measure(args, plan, source, config, built, rank, tp, device, cuda, tiny, bac
 
     def forward_backward(side):
         model = built[side]
-        for i, batch in enumerate(micro):
-            if hasattr(model, "set_requires_gradient_sync"):  # FSDP2 reduces the gradients at the last only
-                model.set_requires_gradient_sync(i == len(micro) - 1)
+        for batch in micro:  # each micro-batch's gradients reduced as it ends, as torchtitan's trainer does
             with loss_context():
                 loss = losses[side](model(batch), batch) / len(micro)
                 loss.backward()

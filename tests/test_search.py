@@ -59,6 +59,22 @@ def test_accumulation_comes_from_the_activations_share_of_the_peak():
     assert _next_accumulation(peak, 8, 6, 1, 4 * gib + gib // 2) == 3  # 2 fit: 3 steps of 2 divide 6
 
 
+def test_with_accumulation_every_gradient_is_live_in_each_phase_of_the_later_micro_batches():
+    """An 8B on one GPU, micro-batches of 2 accumulated twice (GiB, explain's phases): the first micro-batch
+    peaks after the blocks' backward (125.6), the later ones before it, with 29.9 GiB of gradients more."""
+    from shardlang.explain.fakestep import Peak
+
+    gib = 2**30
+    phases = (("forward and loss", 119.7, 0.0), ("backward before the blocks", 124.8, 0.0))
+    phases += (("backward after the blocks", 125.6, 27.0), ("optimizer step", 119.7, 29.9))
+    peak = Peak(
+        int(125.6 * gib), (), (), 2, 4096, 1, phases=tuple((n, int(b * gib), int(g * gib)) for n, b, g in phases)
+    )
+    assert peak.accumulating() == int(124.8 * gib) + int(29.9 * gib)
+    assert Peak(7, (), (), 1, 1, 1).accumulating() == 7  # no phases recorded: the step's own peak
+    assert peak == Peak(int(125.6 * gib), (), (), 2, 4096, 1)  # the phases are not compared
+
+
 def test_nothing_fits_exits_2_with_the_smallest_peak(monkeypatch, capsys):
     import shardlang.search as search
     from shardlang.cli.main import main

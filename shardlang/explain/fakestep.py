@@ -11,7 +11,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from attrs import frozen
+from attrs import field, frozen
 
 
 @frozen
@@ -42,9 +42,21 @@ class Peak:
     #: `bytes` and `categories` are then the accelerator's alone.
     host: int = 0
     host_categories: tuple[tuple[str, int], ...] = ()
+    #: Each phase's peak and the gradients live then (explain.phases): what accumulating gradients over
+    #: micro-batches adds at each moment of the later ones. Not compared: an extrapolated step leaves out a
+    #: phase that cannot be the highest.
+    phases: tuple[tuple[str, int, int], ...] = field(default=(), eq=False)
 
     def category(self, name: str) -> int:
         return dict(self.categories).get(name, 0)
+
+    def accumulating(self) -> int:
+        """The peak of a micro-batch after the first, where gradients accumulate over micro-batches (reduced
+        every micro-batch, as torchtitan's trainer does): every gradient is live from the micro-batch's
+        start, so each phase peaks that much higher than it did with only its own gradients. The step's
+        own peak where no phase was recorded."""
+        whole = max((grads for _, _, grads in self.phases), default=0)
+        return max((n + whole - grads for _, n, grads in self.phases), default=self.bytes)
 
 
 def recording_fake_mode(recorder, stand_ins: StandIns | None = None):

@@ -13,8 +13,8 @@ mends in the smallest way we found:
   DTensors that is four times the model's parameters, and the peak lands there (21 GiB instead of
   ~6 for the 1B model at world 2). The extension marks the span of that call and tracks nothing in it.
 
-It adds two things the trackers do not keep: which module allocated each activation, so that the
-peak can be broken down by module, and each op's FLOPs (torch.utils.flop_counter's formulas) and
+It adds what the trackers do not keep: which module allocated each activation (the peak by module),
+each phase's own peak (explain.phases), and each op's FLOPs (torch.utils.flop_counter's formulas) and
 bytes read and written, for the roofline in `timing`.
 
 CPU offload (`CPUOffloadPolicy`). On a GPU, FSDP keeps an offloading unit's sharded parameters on the
@@ -58,6 +58,7 @@ from ..runtime.torchcompat import (
     fsdp_param_groups,
     fsdp_param_groups_hidden,
 )
+from .phases import Phases
 
 #: The categories explain reports, from the trackers' reference types (their `.value`s).
 CATEGORIES = {
@@ -132,7 +133,7 @@ _COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_
 class Extension:
     """What explain adds to a torch memory tracker (mixed in before it): see the module's docstring."""
 
-    def _setup_extension(self, model, optimizer) -> None:
+    def _setup_extension(self, model, optimizer, blocks=None) -> None:
         self._model, self._optimizer = model, optimizer
         self._propagating = 0
         #: Whether any unit offloads (set on entry), whether the op in dispatch runs on the host, and the
@@ -143,6 +144,7 @@ class Extension:
         #: A compiled module's call that began while recomputing (see recomputed_calls).
         self._in_recomputed_call = False
         self._act_by_module: Counter[str] = Counter()
+        self.phases = Phases(blocks, self._act_by_module)  # each phase's peak (explain.phases)
         self.peak_by_module: dict[str, int] = {}
         #: (kind, FLOPs, bytes, low precision, recomputed) -> how many ops had exactly that cost. Kinds:
         #: "kernel" (a local op: one launch), "part" (one tensor of a foreach or fused op, whose launch is
@@ -203,9 +205,7 @@ class Extension:
         states = self._optimizer.state if self._optimizer is not None else {}
         for param in params:
             self._to_host(param, param.grad, *tree_flatten(states.get(param, {}))[0])
-        # The peak so far is what each device holds now (the trackers took it before the move).
-        self._peak_mem_snap = self.get_tracker_snapshot()
-        self._peak_mem = {dev: snap[_TOTAL_KEY] for dev, snap in self._peak_mem_snap.items()}
+        self._restart_peaks(self.get_tracker_snapshot())  # the trackers took the peak so far before the move
         with self._staged_h2d(), self._gradients_to_host(groups):
             yield
 
@@ -344,6 +344,8 @@ class Extension:
         super()._update_peak_stats(peak_state)
         if {dev: n for dev, n in self._peak_mem.items() if dev != HOST} != before:
             self.peak_by_module = {k: v for k, v in self._act_by_module.items() if v}
+        total = sum(snap[_TOTAL_KEY] for dev, snap in self._curr_mem_snap.items() if dev != HOST)
+        self.phases.note(self._in_opt, self._mod_tracker.is_bw, self._innermost, total, self._curr_mem_snap)
 
     # --- the ops ---
 
@@ -427,6 +429,10 @@ class Extension:
         """The accelerator's peak bytes and what was live at it, by explain's categories."""
         return _by_category(self._peak_mem_snap)
 
+    def phase_peaks(self) -> dict[str, tuple[int, dict[str, int], dict[str, int]]]:
+        """Each phase's peak bytes, what was live at it by category, and the activations by module then."""
+        return {name: (n, _by_category(snap)[1], by) for name, (n, snap, by) in self.phases.peaks.items()}
+
     def host_peak(self) -> tuple[int, dict[str, int]]:
         """The most bytes the host held for offloading units at once, by category (0 without offload)."""
         return _by_category(self._peak_mem_snap, host=True)
@@ -436,9 +442,12 @@ class Extension:
         was entered), by explain's categories; the next reading's peak starts from now (as `__enter__`
         starts the trackers' own). For a pipeline, whose microbatches are measured one phase at a time."""
         current, peak = _by_category(self._curr_mem_snap)[1], _by_category(self._peak_mem_snap)[1]
-        self._peak_mem_snap = deepcopy(self._curr_mem_snap)
-        self._peak_mem = {dev: snap[_TOTAL_KEY] for dev, snap in self._peak_mem_snap.items()}
+        self._restart_peaks(deepcopy(self._curr_mem_snap))
         return current, peak
+
+    def _restart_peaks(self, now: dict) -> None:  # the peak, and each phase's, from `now` (a snapshot) on
+        self._peak_mem_snap, self._peak_mem = now, {dev: snap[_TOTAL_KEY] for dev, snap in now.items()}
+        self.phases.peaks.clear()
 
 
 def _by_category(snapshots, host: bool = False) -> tuple[int, dict[str, int]]:
@@ -474,9 +483,9 @@ class FSDPTracker(Extension, FSDPMemTracker):
     and reduces once per module: one all-gather and one reduce-scatter too many per step, and their memory.
     Here such a unit keeps fully_shard's group hooks, wrapped as torch's tracker wraps a single module's."""
 
-    def __init__(self, model, optimizer):
+    def __init__(self, model, optimizer, blocks=None):
         FSDPMemTracker.__init__(self, model, optimizer)
-        self._setup_extension(model, optimizer)
+        self._setup_extension(model, optimizer, blocks)
         self._grouped: list[tuple] = []  # (FSDP state, its group's own pre_backward and post_backward)
 
     def _instrument_fsdp_module(self) -> None:
@@ -514,20 +523,22 @@ class FSDPTracker(Extension, FSDPMemTracker):
 
 
 class Tracker(Extension, MemTracker):
-    def __init__(self, model, optimizer):
+    def __init__(self, model, optimizer, blocks=None):
         MemTracker.__init__(self)
-        self._setup_extension(model, optimizer)
+        self._setup_extension(model, optimizer, blocks)
         self.track_external(model, optimizer)
 
     def track_inputs(self, inputs) -> None:
         self.track_external(*[t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)])
 
 
-def tracker(model, optimizer) -> Extension:
-    """FSDPMemTracker for a model whose root is an FSDP2 unit, MemTracker for any other."""
+def tracker(model, optimizer, blocks=None) -> Extension:
+    """FSDPMemTracker for a model whose root is an FSDP2 unit, MemTracker for any other; `blocks` the
+    repeated stack's path and keys, for each phase's peak (explain.phases)."""
     from torch.distributed.fsdp import FSDPModule
 
-    return FSDPTracker(model, optimizer) if isinstance(model, FSDPModule) else Tracker(model, optimizer)
+    kind = FSDPTracker if isinstance(model, FSDPModule) else Tracker
+    return kind(model, optimizer, blocks)
 
 
 #: Non-empty while _FusedRMSNorm replays its forward in its backward: not checkpointing's recomputation.

@@ -58,6 +58,8 @@ class _Measure:
     host_categories: dict = attrs.Factory(dict)
     #: Compiled modules (and the loss) the step ran eager instead of as compiled, and why.
     eager: dict = attrs.Factory(dict)
+    #: Each phase's peak, what was live at it by category, and the activations by module (explain.phases).
+    phases: dict = attrs.Factory(dict)
 
 
 class Stepper:
@@ -81,9 +83,10 @@ class Stepper:
         self.stack = None if full_step else repeated_stack(model, applied.linted.resolution)
         self._cuts: dict[int, object] = {}
 
-    def _step(self, applied, batch: int | None, sequence: int | None) -> _Measure:
+    def _step(self, applied, batch: int | None, sequence: int | None, depth: int | None = None) -> _Measure:
         self.groups.update(group_names(applied))
-        return _training_step(self.plan, applied, self.model_file, self.groups, batch, sequence)
+        blocks = None if self.stack is None or depth is None else (self.stack[0], self.stack[1][:depth])
+        return _training_step(self.plan, applied, self.model_file, self.groups, batch, sequence, blocks)
 
     def _cut(self, depth: int):
         if depth not in self._cuts:
@@ -100,12 +103,13 @@ class Stepper:
             whole = None
             try:
                 for depth in STEP_DEPTHS:
-                    steps[depth] = self._step(self._cut(depth), batch, sequence)
+                    steps[depth] = self._step(self._cut(depth), batch, sequence, depth)
                 whole = _extrapolate(steps, STEP_DEPTHS[0], path, keys)
                 if whole is None and len(keys) > STEP_DEPTHS[-1] + 1:
                     # The smallest cut may peak at another moment of the step than longer ones do (a
                     # unit gathered at its peak, say): one block more, and the three longest decide.
-                    steps[STEP_DEPTHS[-1] + 1] = self._step(self._cut(STEP_DEPTHS[-1] + 1), batch, sequence)
+                    depth = STEP_DEPTHS[-1] + 1
+                    steps[depth] = self._step(self._cut(depth), batch, sequence, depth)
                     whole = _extrapolate(steps, STEP_DEPTHS[1], path, keys)
             except Exception:  # noqa: BLE001 - a model that cannot run cut short runs whole
                 whole = None
@@ -203,8 +207,17 @@ def _peak(m: _Measure) -> Peak:
         key=lambda x: (-x[1], [int(p) if p.isdigit() else p for p in x[0].split(".")]),
     )
     host = tuple(m.host_categories.items()) if m.host else ()
+    phases = tuple((name, n, categories.get("gradients", 0)) for name, (n, categories, _) in m.phases.items())
     return Peak(
-        m.peak, tuple(m.categories.items()), tuple(modules[:TOP_MODULES]), m.batch, m.tokens, m.replicas, m.host, host
+        m.peak,
+        tuple(m.categories.items()),
+        tuple(modules[:TOP_MODULES]),
+        m.batch,
+        m.tokens,
+        m.replicas,
+        m.host,
+        host,
+        phases,
     )
 
 
@@ -225,31 +238,82 @@ def _extrapolate(steps: dict[int, _Measure], k: int, path: str, keys: list[str])
     for key in first.calls.keys() | block.keys():
         (count, nbytes), (extra, extra_bytes) = first.calls.get(key, zero), block.get(key, zero)
         calls[key] = (count + more * extra, nbytes + more * extra_bytes)
-    if second.peak - first.peak != third.peak - second.peak or second.host - first.host != third.host - second.host:
+    if second.host - first.host != third.host - second.host:
         return None
-    categories, host_categories = {}, {}
-    for whole, part in ((categories, "categories"), (host_categories, "host_categories")):
-        one, two, three = getattr(first, part), getattr(second, part), getattr(third, part)
-        for key in one:
-            step = two[key] - one[key]
-            if three[key] - two[key] != step:
-                return None
-            whole[key] = one[key] + more * step
+    phases = _phases_extrapolated(first, second, third, more)
+    host_categories = _linear(first.host_categories, second.host_categories, third.host_categories, more)
+    if phases is None or host_categories is None:
+        return None
+    # The highest moment of all the blocks, which need not be the highest of a few (explain.phases).
+    phase = max(phases, key=lambda name: phases[name][0])
+    peak, categories = phases[phase]
     tally_block = _grown(third.tally, second.tally)
     if tally_block is None or tally_block != _grown(second.tally, first.tally):
         return None
     tally = Counter(first.tally)
     for key, count in tally_block.items():
         tally[key] += more * count
-    modules = _modules_extrapolated(second.modules, third.modules, k + 2, path, keys, categories, third.categories)
+    shorter, longest = second.phases[phase], third.phases[phase]
+    modules = _modules_extrapolated(shorter[2], longest[2], k + 2, path, keys, categories, longest[1])
     if modules is None:
         return None
-    peak = first.peak + more * (second.peak - first.peak)
     host = first.host + more * (second.host - first.host)
     eager = {k: v for step in (first, second, third) for k, v in step.eager.items()}
+    whole = {name: (n, grown, {}) for name, (n, grown) in phases.items()}
     return _Measure(
-        calls, peak, categories, modules, tally, first.batch, first.tokens, first.replicas, host, host_categories, eager
+        calls,
+        peak,
+        categories,
+        modules,
+        tally,
+        first.batch,
+        first.tokens,
+        first.replicas,
+        host,
+        host_categories,
+        eager,
+        whole,
     )
+
+
+def _phases_extrapolated(first: _Measure, second: _Measure, third: _Measure, more: int) -> dict | None:
+    """Each phase's peak and categories at all the blocks (`more` past the first step's), each from the
+    three steps' growth, which must be the same twice (the middle blocks' phase, which a step of two blocks
+    has not, from the two longer steps'). A phase that grows unevenly (FSDP's prefetch at a block's edge
+    with offloading, say) is left out if, grown by its larger growth each block, it stays below the
+    highest of the rest. None where it may not, or the phases do not account for each step's peak."""
+    for step in (first, second, third):
+        if max((peak for peak, _, _ in step.phases.values()), default=None) != step.peak:
+            return None
+    if not first.phases.keys() <= second.phases.keys() == third.phases.keys():
+        return None
+    whole, bounds = {}, []
+    for name, (peak, categories, _) in third.phases.items():
+        shorter = second.phases[name]
+        if name not in first.phases:  # two points: the third step has more - 2 blocks fewer than all
+            grown = {key: n + (more - 2) * (n - shorter[1][key]) for key, n in categories.items()}
+            whole[name] = (peak + (more - 2) * (peak - shorter[0]), grown)
+            continue
+        shortest = first.phases[name]
+        grown = _linear(shortest[1], shorter[1], categories, more)
+        if shorter[0] - shortest[0] == peak - shorter[0] and grown is not None:
+            whole[name] = (shortest[0] + more * (shorter[0] - shortest[0]), grown)
+        else:
+            bounds.append(peak + (more - 2) * max(shorter[0] - shortest[0], peak - shorter[0]))
+    if not whole or max(bounds, default=0) >= max(peak for peak, _ in whole.values()):
+        return None
+    return whole
+
+
+def _linear(one: dict, two: dict, three: dict, more: int) -> dict | None:
+    """`one` grown `more` times by what each of `two` and `three` adds to the one before, if the same."""
+    whole = {}
+    for key in one:
+        step = two[key] - one[key]
+        if three[key] - two[key] != step:
+            return None
+        whole[key] = one[key] + more * step
+    return whole
 
 
 def _grown(more: Counter, fewer: Counter) -> Counter | None:
@@ -385,7 +449,13 @@ def _resized(inputs: tuple, length: int) -> tuple:
 
 
 def _training_step(
-    plan: ir.Plan, applied, model_file: ModelFile, groups: dict[str, str], batch: int | None, sequence: int | None
+    plan: ir.Plan,
+    applied,
+    model_file: ModelFile,
+    groups: dict[str, str],
+    batch: int | None,
+    sequence: int | None,
+    blocks: tuple[str, list[str]] | None = None,
 ) -> _Measure:
     """One forward, loss, backward and AdamW step on fake tensors, under torch's memory trackers
     (`memory`): the collectives of the forward, loss and backward, each group named as `groups` names
@@ -412,7 +482,7 @@ def _training_step(
         full = full if sequence is None else _resized(full, sequence)
         inputs = step.share(full)
         optimizer = warm_adamw(model)
-        memory = tracker(model, optimizer)
+        memory = tracker(model, optimizer, blocks)
         memory.track_inputs(inputs)
         recorder.calls.clear()
         modelled = compiled.Modelled(memory, plan)
@@ -444,4 +514,5 @@ def _training_step(
         host,
         host_categories,
         dict(modelled.eager),
+        memory.phase_peaks(),
     )

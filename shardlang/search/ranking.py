@@ -74,7 +74,8 @@ def predict(task: Task) -> Prediction:
             if explanation.peak is None or explanation.time is None:
                 note = "; ".join(explanation.notes) or "explain simulated no step"
                 return Prediction(why=f"not predicted: {note}")
-            peak = explanation.peak.bytes
+            # After the first micro-batch every gradient is live throughout (Peak.accumulating).
+            peak = explanation.peak.bytes if accumulation == 1 else explanation.peak.accumulating()
             if peak <= task.memory:
                 seconds = explanation.time.seconds * accumulation
                 return Prediction(peak, seconds, task.tokens / seconds, batch, accumulation, fits=True)
