@@ -12,6 +12,11 @@ runs `shardlang search benchmarks/titan_1b.py --world 2 --tokens-per-step <batch
 titan_compare in each build order against torchtitan's default, and one against torchtitan compiled. Each
 titan_compare run alternates the two sides step by step (30 steps each after warm-up): the medians of the
 runs are reported. Results (card, date, numbers) go to benchmarks/RESULTS.md by hand.
+
+`--model 8b` (torchtitan's Llama3 8B, where memory binds): the two sides do not fit on the GPUs together, so
+each layout runs in a process of its own (`titan_compare.py --side`): torchtitan's default and compiled
+(`--titan-ac` for its checkpointing) once a round beside each plan, `--runs` rounds in alternating order,
+a side that runs out of memory reported so. `--candidates DIR` measures a search already run elsewhere.
 """
 
 from __future__ import annotations
