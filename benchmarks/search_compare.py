@@ -42,6 +42,9 @@ MODELS = {
 
 
 def arguments(argv=None) -> argparse.Namespace:
+    sys.path.insert(0, str(ROOT))  # run as a script: benchmarks/ is on the path, the project root is not
+    from benchmarks.titan_compare import TITAN_AC
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2, help="GPUs (the search's world)")
     parser.add_argument(
@@ -55,7 +58,7 @@ def arguments(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--titan-ac",
-        choices=("none", "selective", "full"),
+        choices=TITAN_AC,
         default="none",
         help="torchtitan compiled's activation checkpointing (its fastest layout where the model does not fit "
         "without it; torchtitan's default stays without)",

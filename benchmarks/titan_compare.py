@@ -118,6 +118,8 @@ CONFIGS = {"fsdp": (1, None), "tp_sp": (2, 2), "tp_fsdp": (2, None), "ep": (1, N
 #: the expert-parallel degree of --config ep (its plan's `ep=2`): on 2 GPUs EP 2, on 4 EP 2 x FSDP 2
 EP = 2
 SIDES = ("shardlang", "torchtitan")
+#: --titan-ac: torchtitan's activation checkpointing of every block (its ActivationCheckpointingConfig)
+TITAN_AC = ("none", "selective", "full")
 
 
 def arguments(argv=None) -> argparse.Namespace:
@@ -141,7 +143,7 @@ def arguments(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--titan-ac",
-        choices=("none", "selective", "full"),
+        choices=TITAN_AC,
         default="none",
         help="torchtitan's activation checkpointing of every block (its ActivationCheckpointingConfig: "
         "SelectiveAC, its trainer's default, or FullAC); none is the default layout's",
@@ -354,8 +356,8 @@ def measure(args, plan, source, config, built, rank, tp, device, cuda, tiny, bac
         model = built[side]
         for batch in micro:  # each micro-batch's gradients reduced as it ends, as torchtitan's trainer does
             with loss_context():
-                loss = losses[side](model(batch), batch) / len(micro)
-                loss.backward()
+                loss = losses[side](model(batch), batch)
+                (loss / len(micro)).backward()
             if side not in first_loss:
                 first_loss[side] = float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss)
 
@@ -588,11 +590,9 @@ def report(result: dict, sides: tuple) -> None:
         print(f"throughput ratio shardlang / torchtitan: {result['throughput_ratio']:.4f}")
         peak = f"{result['peak_ratio']:.4f}" if result["peak_ratio"] is not None else "- (not measured)"
         print(f"peak memory ratio shardlang / torchtitan: {peak}")
-    if len(sides) == 1:
-        pass
-    elif result["counts_identical"]:
+    if len(sides) == 2 and result["counts_identical"]:
         print(f"collectives of one forward+backward: identical on every rank: {kinds(counts['shardlang'])}")
-    else:
+    elif len(sides) == 2:
         print("collectives of one forward+backward: DIFFERENT")
         for rank, seen in enumerate(result["counts_per_rank"]):
             print(f"  rank {rank}: shardlang {seen['shardlang']}")

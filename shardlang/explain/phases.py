@@ -7,11 +7,11 @@ of an 8B Llama, checkpointing every block, the loss's logits make the forward's 
 32 blocks, it is the end of the backward, 19 GiB higher, by the gradients of 28 more blocks. So
 extrapolating the highest moment of a few blocks is wrong, and explain extrapolates each moment's own.
 
-The moments (`Phases.PHASES`): the forward with the loss; the backward before the stack's blocks; the
-backward of the stack's last block (which the backward reaches first), of its middle blocks, and of its
-first; the backward after the blocks; the optimizer's step (and what follows it, `zero_grad`). The memory over the stack's backward moves
-linearly from block to block, so in each of those phases it peaks at one of its ends. Each phase's peak
-grows linearly with the blocks.
+The moments (`PHASES`): the forward with the loss; the backward before the stack's blocks; the backward
+of the stack's last block (which the backward reaches first), of its middle blocks, and of its first; the
+backward after the blocks; the optimizer's step and what follows it (`zero_grad`). The memory over the
+stack's backward moves linearly from block to block, so in each of those phases it peaks at one of its
+ends. Each phase's peak grows linearly with the blocks.
 """
 
 from __future__ import annotations
