@@ -175,7 +175,13 @@ def _named(side: str, what, args) -> str:
 def _said(run: dict | None) -> str:
     if run is None:
         return "out of memory"
-    return f"{run['median_s'] * 1e3:.1f} ms, whole peak {run['absolute_peak_bytes'] / 2**30:.1f} GiB"
+    said = f"{run['median_s'] * 1e3:.1f} ms, whole peak {run['absolute_peak_bytes'] / 2**30:.1f} GiB"
+    if "reserved_peak_bytes" in run:  # on a GPU: what the search's memory budget is calibrated against
+        said += (
+            f", reserved peak {run['reserved_peak_bytes'] / 2**30:.1f} of {run['capacity_bytes'] / 2**30:.1f} GiB"
+            f", {run['outside_torch_bytes'] / 2**30:.2f} GiB outside torch, {run['alloc_retries']} allocator retries"
+        )
+    return said
 
 
 def _titan_compare(args, plan: Path, order: str, titan_compiled: bool, side: str) -> dict:

@@ -420,6 +420,11 @@ def summarize(result: dict, everyone: list, sides: tuple, first_loss: dict, pict
         result[sides[0]]["alloc_retries"] = (
             torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0
         )
+        if torch.cuda.is_available():  # what the search's memory budget is calibrated against
+            free, total = torch.cuda.mem_get_info()
+            result[sides[0]]["reserved_peak_bytes"] = torch.cuda.max_memory_reserved()
+            result[sides[0]]["capacity_bytes"] = total
+            result[sides[0]]["outside_torch_bytes"] = total - free - torch.cuda.memory_reserved()
     else:
         result["counts_identical"] = all(kinds(e[2]["shardlang"]) == kinds(e[2]["torchtitan"]) for e in everyone)
         result["throughput_ratio"] = result["shardlang"]["tokens_per_s"] / result["torchtitan"]["tokens_per_s"]
@@ -586,6 +591,13 @@ def report(result: dict, sides: tuple) -> None:
         print(
             f"rank 0's allocator retries (cache freed to find room) over the run: {result[sides[0]]['alloc_retries']}"
         )
+        if "capacity_bytes" in result[sides[0]]:
+            row = result[sides[0]]
+            print(
+                f"rank 0's memory: reserved peak {row['reserved_peak_bytes'] / 2**30:.2f} GiB of "
+                f"{row['capacity_bytes'] / 2**30:.2f} GiB; outside torch's allocator "
+                f"(CUDA context, NCCL, cuBLAS): {row['outside_torch_bytes'] / 2**30:.2f} GiB"
+            )
     else:
         print(f"throughput ratio shardlang / torchtitan: {result['throughput_ratio']:.4f}")
         peak = f"{result['peak_ratio']:.4f}" if result["peak_ratio"] is not None else "- (not measured)"

@@ -197,7 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpus-per-node", type=_positive, default=8, metavar="G", help="GPUs a node holds (tp stays within one)"
     )
     search.add_argument(
-        "--memory", metavar="SIZE", help="what a GPU's predicted peak may take (default: 92%% of the GPU's memory)"
+        "--memory",
+        metavar="SIZE",
+        help="what a GPU's predicted peak may take (default: 95%% of what torch can allocate on --gpu)",
     )
     search.add_argument(
         "--tokens-per-step",
