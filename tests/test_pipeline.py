@@ -395,3 +395,18 @@ def test_zero_bubble_limit_matches_the_installed_torch(pools, tmp_path):
         return
     report = pools(2).run(run, job)[0]
     assert report.ok, [c.message for c in report.checks]
+
+
+@pytest.mark.distributed
+def test_init_pp_writes_a_pipeline_that_passes_every_check(tmp_path):
+    """`shardlang init --pp 2`: the stack's blocks in two stages under 1F1B, FSDP inside each stage over
+    dp, linted with the step and applied at world 4 with every check on CPU workers."""
+    from .conftest import shardlang_cli
+
+    out = tmp_path / "pp.sl"
+    done = shardlang_cli("init", MODEL, "--pp", "2", "-o", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "linted clean and applied at world 4 on CPU" in done.stdout
+    text = out.read_text()
+    assert "mesh world = auto[pp=2, dp=auto]" in text
+    assert "pipeline on world.pp {\n    split layers.* into auto\n    schedule = 1f1b\n}" in text

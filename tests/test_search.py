@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from attrs import evolve
 
 from shardlang.frontend.read import read_source
 from shardlang.frontend.source import Source
-from shardlang.search.candidates import Layout, base_plans, layouts, with_options
+from shardlang.search.candidates import Layout, base_plans, layouts, microbatches, with_options
 from shardlang.search.ranking import _next_accumulation
 
 from .conftest import ROOT, shardlang_cli
@@ -45,6 +46,45 @@ def test_every_candidate_is_a_plan_that_compiles_with_the_options_it_names():
         assert "compile layers.*" in candidate.text and "compile loss" in candidate.text
     every = with_options(bases[0], model, "every", True, False)
     assert "checkpoint layers.*" in every.text and "compile" not in every.text and "reshard" not in every.text
+
+
+def test_pipelines_are_weighed_with_tp_and_dp_over_micro_batches_the_batch_splits_into():
+    model = _llama()
+    found = layouts(model, 4, 8, experts=False, attention=False, pipelines=(2, 4))
+    assert {Layout(2, pp=2), Layout(1, tp=2, pp=2), Layout(1, pp=4)} <= set(found)
+    assert all(layout.pp * layout.dp * layout.tp == 4 for layout in found)
+    assert microbatches(Layout(2, pp=2), 8) == 4 and microbatches(Layout(1, pp=4), 4) == 4
+    assert microbatches(Layout(2, pp=2), 6) == 2  # 4 does not divide 6: one a stage
+    assert microbatches(Layout(1, pp=4), 2) is None  # fewer sequences than stages: no candidate
+
+
+def test_a_pipelined_candidate_is_a_plan_that_compiles_with_its_micro_batches():
+    """examples/llama.py (untied, 2 blocks) at world 4 with 8 sequences a step: pp 2 over dp 2, each
+    replica's 4 sequences in 4 micro-batches; pp 4 has more stages than blocks and is no candidate."""
+    model = _llama()
+    bases = {str(b.layout): b for b in base_plans(model, 4, 8, "examples/llama.py", sequences=8)}
+    assert "pp2 dp2" in bases and "pp4 dp1" not in bases
+    pipelined = bases["pp2 dp2"]
+    assert pipelined.microbatches == 4 and "mesh world = auto[pp=2, dp=2]" in pipelined.text
+    assert "    split layers.* into auto\n" in pipelined.text and "    microbatches = 4\n" in pipelined.text
+    candidate = with_options(pipelined, model, "every other", True, False)
+    assert candidate.name == "pp2 dp2, 1f1b over 4 micro-batches, ac every other"
+    plan, found = read_source(Source("<candidate>", candidate.text), None, 4)
+    assert plan is not None and plan.pipeline is not None and not [d for d in found if d.is_error]
+
+
+def test_a_model_whose_stages_would_share_a_parameter_is_not_pipelined():
+    from shardlang.compiler.starter import block_stacks, init_plan, unpipelinable
+
+    model = _llama()
+    model.output.weight = model.tok_embeddings.weight  # tied, as torchtitan's 1B
+    why = unpipelinable(model, block_stacks(model), 2)
+    assert why is not None and "output and tok_embeddings share a parameter" in why and "SL214" in why
+    assert "its 2 blocks cannot make 4 stages" in unpipelinable(_llama(), block_stacks(_llama()), 4)
+    text = init_plan(model, pp=2)
+    assert "mesh world = auto[dp=auto]" in text and "--pp 2 asked for, but output and tok_embeddings" in text
+    assert "pipeline on" not in text
+    assert not [b for b in base_plans(model, 4, 8, "tied", sequences=8) if b.layout.pp > 1]
 
 
 def test_accumulation_comes_from_the_activations_share_of_the_peak():
@@ -179,3 +219,27 @@ def test_a_tp_layout_is_settled_by_lints_step_before_it_is_weighed():
     assert "\n    layers.*.feed_forward.w2           : rowwise\n" in found.text
     assert "\n    # tok_embeddings                     : structure: left out (lint's simulated step" in found.text
     assert "\n    # lm_head                            : structure: left out" in found.text
+
+
+@pytest.mark.distributed  # explain's simulated world (fake process groups)
+def test_a_pipelined_candidate_is_predicted_at_its_highest_stage_and_not_where_it_compiles():
+    """examples/llama_pipeline.py (4 blocks) at world 4, pp 2 x dp 2, 16 sequences a step: the peak is the
+    higher of the first stage's and the last's, no accumulation; compiled, explain steps the stages eager,
+    so the search says it is not predicted."""
+    from shardlang.explain.timing import hardware
+    from shardlang.runtime.modelfile import load_model_file
+    from shardlang.search.ranking import Task, _explain, predict
+
+    model_file = load_model_file(str(ROOT / "examples" / "llama_pipeline.py"))
+    model = model_file.build_on_meta()
+    base = next(b for b in base_plans(model, 4, 8, "pp", sequences=16) if str(b.layout) == "pp2 dp2")
+    task = Task(
+        with_options(base, model, "none", True, False).text, 2, 4, model_file, hardware("h100"), 1 << 30, 1024, 64
+    )
+    predicted = predict(task)
+    plan, _ = read_source(Source("<search>", task.text), None, 4)
+    stages = [_explain(plan, model, task, 8, rank).peak.bytes for rank in (0, 3)]
+    assert predicted.fits and predicted.accumulation == 1 and predicted.micro_batch == 8
+    assert predicted.peak == max(stages) and stages[0] != stages[1]
+    compiled = evolve(task, text=with_options(base, model, "none", True, True).text)
+    assert predict(compiled).why == "not predicted: compile is not modelled for a pipeline"

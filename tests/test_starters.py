@@ -231,6 +231,21 @@ def test_context_attentions_own_refusal_leaves_out_context_parallelism_wherever_
     assert drops.cp and drops.cp.startswith("raises in module 'a.0.attention.self'") and not drops.mixed_precision
 
 
+def test_an_error_in_the_pipeline_block_leaves_out_the_pipeline_and_init_writes_no_pp_dim():
+    from examples.llama_pipeline import build_model
+
+    text = "shardlang 1\nmesh world = auto[pp=2, dp=auto]\npipeline on world.pp {\n    split layers.* into auto\n}\n"
+    drops = Drops().after(text, 4, "the split makes 3 stages")
+    assert drops.pp == "the split makes 3 stages" and Drops().after(text, 2, "x") is None  # the mesh: no feature
+    assert drops.said() == ["left out pipeline parallelism: the split makes 3 stages"]
+    assert drops.after(text, 4, "again") is None  # left out already
+    with torch.device("meta"):
+        model = build_model()
+    written = init_plan(model, pp=2, drops=drops)
+    assert "mesh world = auto[dp=auto]" in written and "pipeline on" not in written
+    assert "--pp 2 asked for, but the split makes 3 stages" in written
+
+
 def test_a_tied_weight_written_through_either_name_is_written():
     """torchtitan's Llama3 1B ties tok_embeddings to lm_head and its init_states writes lm_head's: SL224
     said tok_embeddings.weight was left unwritten (allocating the fake copy had untied the two)."""

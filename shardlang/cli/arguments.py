@@ -175,6 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="context-parallel size: each block's attention over sequences split N ways (default 1: none)",
     )
+    init.add_argument(
+        "--pp",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="pipeline-parallel size: the stack of blocks cut into N stages under 1F1B (default 1: none)",
+    )
     init.add_argument("-o", "--output", metavar="PLAN", help="write the plan to PLAN instead of stdout")
     init.add_argument(
         "--no-check",

@@ -3,10 +3,11 @@ run, and why.
 
 init writes a plan, lints it with the step, and where an error points at a line it wrote, leaves that line's
 feature out and tries again (cli.commands.init): a tensor- or expert-parallel rule (Llama 4's rowwise
-`shared_expert.down_proj`, whose output the model adds to in place), context parallelism (a Mamba mixer beside
-the attention it splits: SL223), `mixed_precision` (a model that meets a float32 mask with a bf16 weight, or
-runs an FFT bf16 has no kernel for), and last a stack's blocks as fully_shard units (a model that reads a
-block's parameter outside its forward), the root then holding them. A shape error raised in a module no rule
+`shared_expert.down_proj`, whose output the model adds to in place), context parallelism (a Mamba mixer
+beside the attention it splits: SL223), the pipeline (stages the step cannot run), `mixed_precision` (a
+model that meets a float32 mask with a bf16 weight, or runs an FFT bf16 has no kernel for), and last a
+stack's blocks as fully_shard units (a model that reads a block's parameter outside its forward), the root
+then holding them. A shape error raised in a module no rule
 governs (pointing at the unit holding it) is the split's: the rules of the nearest module above it that still
 has some go first (NeoMME's per-head `alpha` beside its attention's colwise heads). Each is written as a
 comment saying what lint found, so the plan says why it is smaller than what was asked for. One error is
@@ -43,6 +44,7 @@ SHAPE_ERROR = re.compile(
 BLOCKS = (
     (re.compile(r"^parallelize\b"), "rule"),
     (re.compile(r"^context_parallel\b"), "cp"),
+    (re.compile(r"^pipeline\b"), "pp"),
     (re.compile(r"^fully_shard\b"), "unit"),
 )
 
@@ -61,14 +63,18 @@ class Drops:
     #: its message.
     inits: Mapping[str, str] = attrs.field(factory=dict)
     summed: Mapping[str, str] = attrs.field(factory=dict)
+    #: Pipeline parallelism (the `pipeline` block), left out with why.
+    pp: str | None = None
 
     def __bool__(self) -> bool:
-        return bool(self.rules or self.cp or self.mixed_precision or self.units or self.inits or self.summed)
+        found = (self.rules, self.cp, self.mixed_precision, self.units, self.inits, self.summed, self.pp)
+        return any(bool(f) for f in found)
 
     def said(self) -> list[str]:
         """One line per feature left out, for init's output."""
         lines = [f"left out rule {key}: {why}" for key, why in self.rules.items()]
         lines += [f"left out context parallelism: {self.cp}"] if self.cp else []
+        lines += [f"left out pipeline parallelism: {self.pp}"] if self.pp else []
         lines += [f"left out mixed_precision: {self.mixed_precision}"] if self.mixed_precision else []
         lines += [f"left out the units {key}: {why}" for key, why in self.units.items()]
         lines += [f"added rule {key} : replicated_with_grad_allreduce: {why}" for key, why in self.summed.items()]
@@ -102,6 +108,8 @@ class Drops:
             return None if key in self.rules else attrs.evolve(self, rules={**self.rules, key: why})
         if block == "cp":
             return None if self.cp else attrs.evolve(self, cp=why)
+        if block == "pp":
+            return None if self.pp else attrs.evolve(self, pp=why)
         if block != "unit":
             return None
         split = self._split_by_rules(lines, message, why)

@@ -240,19 +240,27 @@ def root_initialiser(model: nn.Module) -> str | None:
     return next((name for name in ROOT_INITIALISERS if callable(getattr(model, name, None))), None)
 
 
-def _init_lines(method: str | None, unwritten: Sequence[str], failed: Mapping[str, str]) -> list[str]:
+def _init_lines(
+    method: str | None, unwritten: Sequence[str], failed: Mapping[str, str], pipelined: bool = False
+) -> list[str]:
     """The init statement and its comment: `init meta with METHOD` where the root has a whole-model
     initialiser, else `init meta`, else `init rank0` (rank 0 builds the model as build_model() does), the
     first whose init check did not fail (`failed`, from init's apply), and `init rank0` at once where init
-    meta's initialisers leave parameters unwritten (SL224)."""
+    meta's initialisers leave parameters unwritten (SL224). `pipelined`: `init cpu` where it would write
+    `init rank0`, which a pipeline's stages cannot take (SL216)."""
     if unwritten:
         said = (
             f"Not `init meta`: the model's initialisers leave {len(unwritten)} parameter"
             f"{'s' if len(unwritten) > 1 else ''} unwritten, whose values only its constructor computes "
-            f"({', '.join(unwritten[:3])}{', ...' if len(unwritten) > 3 else ''}; SL224). Rank 0 builds the "
-            "model on its CPU and sends each rank its shards."
+            f"({', '.join(unwritten[:3])}{', ...' if len(unwritten) > 3 else ''}; SL224). "
+            + (
+                "Each rank builds the model on its CPU as build_model() does (not rank 0 alone: each pipeline "
+                "stage holds other tensors) and keeps its own part."
+                if pipelined
+                else "Rank 0 builds the model on its CPU and sends each rank its shards."
+            )
         )
-        return [*(f"# {line}" for line in textwrap.wrap(said, 98)), "init rank0"]
+        return [*(f"# {line}" for line in textwrap.wrap(said, 98)), "init cpu" if pipelined else "init rank0"]
     tried = [f"Not `{key}`: its init check failed ({why})." for key, why in failed.items()]
     said = [f"# {line}" for text in tried for line in textwrap.wrap(text, 98)]
     if method is not None and str(Init("meta", method)) not in failed:
@@ -269,6 +277,8 @@ def _init_lines(method: str | None, unwritten: Sequence[str], failed: Mapping[st
             "# initialisers; buffers computed at construction are kept.",
             "init meta",
         ]
+    if pipelined:
+        return [*said, "# Each rank builds the model on its CPU as build_model() does and keeps its part.", "init cpu"]
     return [*said, "# Rank 0 builds the model as build_model() does and sends each rank its shards.", "init rank0"]
 
 
@@ -327,6 +337,8 @@ def init_plan(
     dp: int | None = None,
     ep: int = 1,
     cp: int = 1,
+    pp: int = 1,
+    microbatches: int | None = None,
     name: str = "the model",
     order: Order | None = None,
     unwritten: Sequence[str] = (),
@@ -342,9 +354,14 @@ def init_plan(
     (`attention_patterns`); the cp ranks reduce with the data-parallel ones. `unwritten`: the parameters
     that `init meta`'s initialisers leave unwritten (explain.unwritten.left_unwritten): then `init rank0`,
     which keeps what the constructor computed, and a comment naming them. `drops`: what lint's step found
-    cannot run (compiler.dropping), each left out with a comment saying why."""
+    cannot run (compiler.dropping), each left out with a comment saying why. `pp`-way pipeline parallelism
+    (1: none) cuts the one stack of blocks into `pp` stages of consecutive blocks under 1F1B, over
+    `microbatches` micro-batches (None: the language's default, one per stage), where `unpipelinable` finds
+    nothing against it."""
     drops = drops or Drops()
     stacks = block_stacks(model, order)
+    no_pipeline = (drops.pp or unpipelinable(model, stacks, pp)) if pp > 1 else None
+    keeps_pp = pp > 1 and no_pipeline is None
     experts = _ep_rules(model) if ep > 1 else []
     from_ep_plan = any(ours is not None for _, _, ours, _ in experts)
     if ep > 1 and not from_ep_plan:
@@ -372,7 +389,7 @@ def init_plan(
     if drops.cp:
         attention, no_attention = (), f"lint's simulated step says: {drops.cp}"
     keeps_cp = bool(attention)
-    dims = [f"dp={dp if dp else 'auto'}"] + ([f"ep={ep}"] if keeps_ep else [])
+    dims = ([f"pp={pp}"] if keeps_pp else []) + [f"dp={dp if dp else 'auto'}"] + ([f"ep={ep}"] if keeps_ep else [])
     dims += ([f"cp={cp}"] if keeps_cp else []) + ([f"tp={tp}"] if keeps_tp else [])
     lines = [
         f"# Starter plan for {name}, written by `shardlang init`: read it, then edit it.",
@@ -380,6 +397,7 @@ def init_plan(
         "",
         f"mesh world = auto[{', '.join(dims)}]",
     ]
+    lines += _pipeline_lines(stacks, pp, microbatches, no_pipeline) if pp > 1 else []
     if keeps_tp:
         lines += [
             "",
@@ -446,10 +464,54 @@ def init_plan(
     lines += [f"    each {stack}.*" for stack in stacks if f"{stack}.*" not in drops.units]
     lines += [] if drops.mixed_precision else ["    mixed_precision(param=bf16, reduce=fp32)"]
     lines += ["}"]
-    lines += ["", *_init_lines(root_initialiser(model), unwritten, drops.inits)]
+    lines += ["", *_init_lines(root_initialiser(model), unwritten, drops.inits, keeps_pp)]
     lines += [
         "",
         "# No verify statement: apply runs all six checks.",
         "",
     ]
     return "\n".join(lines)
+
+
+def unpipelinable(model: nn.Module, stacks: Sequence[str], pp: int) -> str | None:
+    """Why `model` cannot be cut into `pp` pipeline stages as init writes them (the blocks of its one stack
+    in consecutive stages, what runs before them on the first stage, what runs after on the last), or None
+    where it can: more than one stack (an encoder and a decoder), fewer blocks than stages, or a parameter
+    shared between modules that would sit on two stages (a tied embedding and output layer: SL214)."""
+    if len(stacks) != 1:
+        found = "no stack of repeated blocks" if not stacks else f"{len(stacks)} stacks of blocks ({', '.join(stacks)})"
+        return f"it has {found}; init pipelines one"
+    blocks = len(model.get_submodule(stacks[0])._modules)
+    if blocks < pp:
+        return f"its {blocks} blocks cannot make {pp} stages"
+    owners: dict[int, set[str]] = {}
+    prefix = stacks[0] + "."
+    for fqn, parameter in model.named_parameters(remove_duplicate=False):
+        inside = fqn.startswith(prefix)
+        # within a block a shared parameter stays on one stage; elsewhere its module is where it lives
+        owner = prefix + fqn[len(prefix) :].split(".", 1)[0] if inside else fqn.rsplit(".", 1)[0]
+        owners.setdefault(id(parameter), set()).add(owner)
+    shared = next((sorted(o) for o in owners.values() if len(o) > 1), None)
+    if shared:
+        return f"{' and '.join(shared[:2])} share a parameter (tied), which two stages cannot hold (SL214)"
+    return None
+
+
+def _pipeline_lines(stacks: Sequence[str], pp: int, microbatches: int | None, no_pipeline: str | None) -> list[str]:
+    """The `pipeline` block init writes (or, where `no_pipeline` says why not, a comment)."""
+    if no_pipeline is not None:
+        said = f"--pp {pp} asked for, but {no_pipeline}: no pipeline, and so no pp dim (SL217)."
+        return ["", *(f"# {line}" for line in textwrap.wrap(said, 98))]
+    stack = stacks[0]
+    count = f"{microbatches} micro-batches" if microbatches else "one micro-batch per stage"
+    return [
+        "",
+        f"# Pipeline: the blocks of {stack} in {pp} stages of consecutive blocks, the first stage also running",
+        "# what comes before them, the last what comes after (and the loss); torch's 1F1B schedule over",
+        f"# {count}. Inside each stage the statements below apply as to a whole model.",
+        "pipeline on world.pp {",
+        f"    split {stack}.* into auto",
+        "    schedule = 1f1b",
+        *([f"    microbatches = {microbatches}"] if microbatches else []),
+        "}",
+    ]

@@ -212,11 +212,15 @@ def _explain_pipelined(
     )
 
 
+#: explain's note on a pipelined plan that compiles (search takes it for "not predicted").
+PIPELINE_COMPILE = "compile is not modelled for a pipeline: the peak and the time are those of the stages run eager"
+
+
 def _compile_note(plan: ir.Plan, peak) -> tuple[str, ...]:
     """What explain leaves out of a pipelined plan that compiles: it steps its stages eager."""
     if not (plan.compiles or plan.compile_loss) or peak is None:
         return ()
-    return ("compile is not modelled for a pipeline: the peak and the time are those of the stages run eager",)
+    return (PIPELINE_COMPILE,)
 
 
 def _routing_note(plan: ir.Plan, peak) -> tuple[str, ...]:

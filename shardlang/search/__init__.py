@@ -3,9 +3,9 @@ per step (candidates.py: what is varied; ranking.py: what explain predicts for e
 
 The search is two rounds (a third where nothing fits), so that it stays within what explain can simulate
 in minutes:
-1. every layout the model takes (candidates.layouts; one beyond plain data parallelism first settled by
-   lint's simulated step, candidates.settled) with each activation-checkpointing choice, FSDP resharding
-   after forward and no compile;
+1. every layout the model takes (candidates.layouts, pipelines included where the model can be cut; one
+   beyond plain data parallelism first settled by lint's simulated step, candidates.settled) with each
+   activation-checkpointing choice, FSDP resharding after forward and no compile;
 2. for the best `refine` layouts-and-checkpointing of round 1 that fit, the same without resharding after
    forward, compiled, and both;
 3. only where nothing fits: for the `refine` layouts nearest to fitting, the plan of each with the smallest
@@ -59,7 +59,8 @@ def search(
 ) -> list[Ranked]:
     """Every candidate weighed, best first (the fitting ones by predicted tokens per second, then those that
     do not fit or cannot be predicted). `done(finished, total)` after each prediction (a progress bar)."""
-    bases = base_plans(model, settings.world, settings.gpus_per_node, name, order)
+    sequences = settings.tokens // settings.sequence
+    bases = base_plans(model, settings.world, settings.gpus_per_node, name, order, sequences)
     plain = [b for b in bases if all(size == 1 for _, size in b.layout.extra())]
     jobs = min(settings.jobs or min(8, os.cpu_count() or 1), max(len(bases) * len(CHECKPOINTING), 1))
     counter = _Counter(done, len(bases) * len(CHECKPOINTING) + settings.refine * len(REFINEMENTS))

@@ -84,6 +84,8 @@ def predict(task: Task) -> Prediction:
             if explanation.peak is None or explanation.time is None:
                 note = "; ".join(explanation.notes) or "explain simulated no step"
                 return Prediction(why=f"not predicted: {note}")
+            if plan.pipeline is not None:
+                return _pipelined(plan, model, task, batch, explanation)
             # After the first micro-batch every gradient is live throughout (Peak.accumulating).
             peak = explanation.peak.bytes if accumulation == 1 else explanation.peak.accumulating()
             if peak <= task.memory:
@@ -97,11 +99,31 @@ def predict(task: Task) -> Prediction:
     return Prediction(peak, why=f"does not fit within {MAX_ACCUMULATION} accumulation steps")
 
 
-def _explain(plan, model, task: Task, batch: int):
+def _pipelined(plan, model, task: Task, batch: int, first) -> Prediction:
+    """A pipelined candidate's prediction from `first` (explain on rank 0, the first stage): its peak the
+    higher of the first stage's and the last's (which holds the output layer and the logits), its step the
+    slowest pp rank's (explain's). No accumulation: a pipeline's micro-batches already are. Where it
+    compiles, not predicted (explain steps its stages eager)."""
+    from ..explain.pictures import size
+    from ..explain.simulate import PIPELINE_COMPILE
+
+    if PIPELINE_COMPILE in first.notes:
+        return Prediction(why=f"not predicted: {PIPELINE_COMPILE.split(':')[0]}")
+    last = _explain(plan, model, task, batch, rank=task.world - 1)
+    if last.peak is None:
+        return Prediction(why=f"not predicted on the last stage: {'; '.join(last.notes) or 'no step'}")
+    peak = max(first.peak.bytes, last.peak.bytes)
+    if peak > task.memory:
+        return Prediction(peak, why=f"does not fit: {size(peak)} (a pipeline's micro-batches are its accumulation)")
+    seconds = first.time.seconds
+    return Prediction(peak, seconds, task.tokens / seconds, batch, 1, fits=True)
+
+
+def _explain(plan, model, task: Task, batch: int, rank: int = 0):
     from ..explain.options import ExplainOptions
     from ..explain.simulate import explain
 
-    options = ExplainOptions(task.world, 0, None, True, False, batch, task.machine, None)
+    options = ExplainOptions(task.world, rank, None, True, False, batch, task.machine, None)
     return explain(plan, model, options, task.model_file)
 
 

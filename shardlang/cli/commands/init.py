@@ -49,6 +49,7 @@ def run_init(args: argparse.Namespace) -> int:
             dp=args.dp,
             ep=args.ep,
             cp=args.cp,
+            pp=args.pp,
             name=model_arg(args).strip(),
             order=order,
             unwritten=unwritten,
@@ -123,7 +124,7 @@ def _linted(args: argparse.Namespace, source: Source, model, model_file: ModelFi
 
     plan, found = read_source(source, None, None)
     if plan is None:
-        return None, found, args.tp * args.ep * args.cp * (args.dp or 2), ""
+        return None, found, args.pp * args.tp * args.ep * args.cp * (args.dp or 2), ""
     world = plan.meshes[0].fixed_size * (1 if args.dp else 2)
     step = model_file.example_input is not None
     linted, note = lint_against(plan, model, model_file, world, order, step)
