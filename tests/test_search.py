@@ -222,24 +222,30 @@ def test_a_tp_layout_is_settled_by_lints_step_before_it_is_weighed():
 
 
 @pytest.mark.distributed  # explain's simulated world (fake process groups)
-def test_a_pipelined_candidate_is_predicted_at_its_highest_stage_and_not_where_it_compiles():
+def test_a_pipelined_candidate_is_predicted_at_its_highest_stage_and_not_where_it_compiles(monkeypatch):
     """examples/llama_pipeline.py (4 blocks) at world 4, pp 2 x dp 2, 16 sequences a step: the peak is the
     higher of the first stage's and the last's, no accumulation; compiled, explain steps the stages eager,
     so the search says it is not predicted."""
     from shardlang.explain.timing import hardware
     from shardlang.runtime.modelfile import load_model_file
-    from shardlang.search.ranking import Task, _explain, predict
+    from shardlang.search import ranking
 
     model_file = load_model_file(str(ROOT / "examples" / "llama_pipeline.py"))
     model = model_file.build_on_meta()
     base = next(b for b in base_plans(model, 4, 8, "pp", sequences=16) if str(b.layout) == "pp2 dp2")
-    task = Task(
-        with_options(base, model, "none", True, False).text, 2, 4, model_file, hardware("h100"), 1 << 30, 1024, 64
-    )
-    predicted = predict(task)
-    plan, _ = read_source(Source("<search>", task.text), None, 4)
-    stages = [_explain(plan, model, task, 8, rank).peak.bytes for rank in (0, 3)]
+    text = with_options(base, model, "none", True, False).text
+    task = ranking.Task(text, 2, 4, model_file, hardware("h100"), 1 << 30, 1024, 64)
+    explain, explained = ranking._explain, {}
+
+    def recording(plan, model, task, batch, rank=0):
+        explained[rank] = explain(plan, model, task, batch, rank)
+        return explained[rank]
+
+    monkeypatch.setattr(ranking, "_explain", recording)
+    predicted = ranking.predict(task)
+    assert sorted(explained) == [0, 3]  # the first stage's rank and the last's
+    peaks = [explained[rank].peak.bytes for rank in (0, 3)]
     assert predicted.fits and predicted.accumulation == 1 and predicted.micro_batch == 8
-    assert predicted.peak == max(stages) and stages[0] != stages[1]
+    assert predicted.peak == max(peaks) and peaks[0] != peaks[1]
     compiled = evolve(task, text=with_options(base, model, "none", True, True).text)
-    assert predict(compiled).why == "not predicted: compile is not modelled for a pipeline"
+    assert ranking.predict(compiled).why == "not predicted: compile is not modelled for a pipeline"
