@@ -95,3 +95,26 @@ def test_the_planted_mistake_removes_the_first_rowwise_rule_in_the_blocks():
     assert named(rule, "raises in module 'model.layers.0.self_attn.o_proj' (Linear)")
     assert not named(rule, "raises in module 'model.layers.0.self_attn.o_proj_extra'")
     assert not named(rule, "raises in module 'model.layers.0.self_attn'")
+
+
+def test_a_pp_starter_is_read_as_pipelined_or_as_init_saying_why_not(tmp_path):
+    import json
+
+    from benchmarks.zoo.__main__ import pipelined, table
+
+    assert pipelined("mesh world = auto[pp=2, dp=1]\n\npipeline on world.pp {\n    split model.layers.* into auto\n}\n")
+    said = (
+        "# --pp 2 asked for, but it has 2 stacks of blocks (model.encoder.layers, model.decoder.layers); init\n"
+        "# pipelines one: no pipeline, and so no pp dim (SL217).\nmesh world = auto[dp=auto]\n"
+    )
+    assert pipelined(said) == "it has N stacks of blocks (_._, _._)"
+    assert pipelined("mesh world = auto[dp=auto]\n") == "no pipeline, and no comment saying why"
+    results = tmp_path / "results.jsonl"
+    passed = {"built": True, "crash": False, "lint": {"verdict": "clean"}, "apply": {"verdict": "pass", "checks": {}}}
+    records = [
+        {"family": "a", "mode": "pp", **passed, "pipelined": True},
+        {"family": "b", "mode": "pp", **passed, "pipelined": pipelined(said)},
+        {"family": "c", "mode": "pp", "built": "TypeError: no"},  # not built: no starter to read
+    ]
+    results.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert "pp: 1 of 2 starters pipelined; no pipeline, init saying why: 1 x it has N stacks" in table(results)

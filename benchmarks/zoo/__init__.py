@@ -1,7 +1,7 @@
 """The zoo (issue 41): every family transformers maps to a causal, seq2seq or masked language model, built
 tiny from its config class and swept through `shardlang init`, `lint` and `apply`, one family per process.
 
-    python -m benchmarks.zoo [--mode plain|tp|ep|cp ...] [--only FAMILY ...] [--shard I/N] [--timeout S]
+    python -m benchmarks.zoo [--mode plain|tp|ep|cp|pp ...] [--only FAMILY ...] [--shard I/N] [--timeout S]
                              [--results FILE] [--table] [--built]
 
 Sampling families by hand found a new class of failure each round; the sweep stops sampling. Each family

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ CACHE = ROOT / "benchmarks" / ".zoo"
 RESULTS = ROOT / "benchmarks" / "zoo_results.jsonl"
 
 #: The sweep's modes: init's flags, and which families they apply to (see `applies`).
-MODES = {"plain": (), "tp": ("--tp", "2"), "ep": ("--ep", "2"), "cp": ("--cp", "2")}
+MODES = {"plain": (), "tp": ("--tp", "2"), "ep": ("--ep", "2"), "cp": ("--cp", "2"), "pp": ("--pp", "2")}
 
 
 def run(fam: Family, mode: str, timeout: float, dp: int | None = None, device: str = "cpu") -> dict:
@@ -31,6 +32,8 @@ def run(fam: Family, mode: str, timeout: float, dp: int | None = None, device: s
     given = ["--dp", str(dp)] if dp else []
     ran = shardlang(["init", str(model), *MODES[mode], *given, "--no-check", "-o", str(plan)], timeout)
     record = {"init": init_verdict(ran)}
+    if mode == "pp" and plan.exists():  # a pipeline, or the comment that says why none
+        record["pipelined"] = pipelined(plan.read_text())
     if not plan.exists():
         record["crash"] = ran.crashed  # exit 2 with a diagnostic and no traceback is init refusing, not a crash
         record["tail"] = ran.tail()
@@ -59,6 +62,15 @@ def run(fam: Family, mode: str, timeout: float, dp: int | None = None, device: s
     elif mode == "tp":  # a plan that passed: its planted mistake must fail, named
         record["planted"] = plant(plan, model, world, timeout, shardlang)
     return record
+
+
+def pipelined(text: str) -> bool | str:
+    """True where the plan has a pipeline, else why init wrote none (its comment, names and numbers blanked)."""
+    if "\npipeline on " in text:
+        return True
+    comment = " ".join(line.lstrip("# ") for line in text.splitlines() if line.startswith("#"))
+    why = re.search(r"--pp \d+ asked for, but (.*?): no pipeline", comment)
+    return normalised(why.group(1)) if why else "no pipeline, and no comment saying why"
 
 
 def done_keys(path: Path) -> set[tuple[str, str]]:
@@ -138,6 +150,17 @@ def table(path: Path) -> str:
                 f"{count('agreement', 'false alarm')} | {count('agreement', 'miss')} | "
                 f"{count('agreement', 'lint crash')} |"
             )
+    cuts = [r["pipelined"] for r in records if "pipelined" in r]
+    if cuts:
+        whys: dict[str, int] = {}
+        for why in cuts:
+            if why is not True:
+                whys[why] = whys.get(why, 0) + 1
+        lines += [
+            "",
+            f"pp: {cuts.count(True)} of {len(cuts)} starters pipelined; no pipeline, init saying why: "
+            + ("; ".join(f"{n} x {why}" for why, n in sorted(whys.items(), key=lambda item: -item[1])) or "none"),
+        ]
     plants = {key(r): r["planted"] for r in records if r.get("planted")}
     if plants:
         missed = [" ".join(k) for k, p in plants.items() if not p["caught"]]
@@ -190,7 +213,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="families (model_type names) to run")
     parser.add_argument("--shard", default="0/1", help="I/N: every Nth family from the Ith (0-based)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds per command")
-    parser.add_argument("--dp", type=int, help="init's --dp (1: the tp, ep or cp ranks alone, world 2 at size 2)")
+    parser.add_argument("--dp", type=int, help="init's --dp (1: the tp, ep, cp or pp ranks alone, world 2 at size 2)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="apply's (cuda: NCCL, a GPU a rank)")
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--table", action="store_true", help="print the summary of the results file and exit")
