@@ -121,6 +121,43 @@ def test_blocks_that_differ_by_index_run_whole():
     assert {(c.op, c.count) for c in full.collectives} == {("all_reduce", 15 + 14)}
 
 
+class Spared(torch.nn.Module):
+    """A block whose `spare` norm never runs (DeepSeek V4's compressor norm in a layer that compresses
+    nothing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = torch.nn.Linear(16, 16)
+        self.spare = torch.nn.RMSNorm(16)
+
+    def forward(self, x):
+        return torch.relu(self.up(x))
+
+
+class Unused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.Sequential(Spared(), Spared())
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+@pytest.mark.distributed
+def test_a_unit_whose_forward_never_runs_is_stepped_past():
+    """torch's FSDP tracker read the unsharded gradient of every unit's parameters at its post-backward;
+    a unit never gathered has none, and the step failed ("'FSDPParam' object has no attribute
+    '_unsharded_param'"), leaving explain without collectives."""
+    plan = shardlang.loads(
+        "shardlang 1\nmesh world = cpu[dp=2]\nfully_shard on world.dp { each layers.*.spare; each layers.* }\n"
+    )
+    with torch.device("meta"):
+        model = Unused()
+    e = plan.explain(model, world_size=2, example_input=alternating_input)
+    assert not any("fails" in note for note in e.notes), e.notes
+    assert {c.op for c in e.collectives} == {"_allgather_base_", "_reduce_scatter_base_"}
+
+
 def test_local_sizes_are_torchs():
     """explain's vectorised arithmetic for every rank agrees with torch's own for Shard and Replicate,
     uneven and empty shards included. (For FSDP's _StridedShard over uneven TP shards, what FSDP holds

@@ -410,3 +410,75 @@ def test_init_pp_writes_a_pipeline_that_passes_every_check(tmp_path):
     text = out.read_text()
     assert "mesh world = auto[pp=2, dp=auto]" in text
     assert "pipeline on world.pp {\n    split layers.* into auto\n    schedule = 1f1b\n}" in text
+
+
+STREAMS = ROOT / "tests" / "fixtures" / "pipelines" / "streams.py"
+STREAMS_PLAN = """shardlang 1
+mesh world = cpu[pp=2, dp=auto]
+pipeline on world.pp {
+    split layers.* into auto
+    schedule = 1f1b
+}
+fully_shard on world.dp {
+    each layers.*
+}
+init meta
+"""
+
+
+@pytest.mark.distributed
+def test_a_model_that_widens_its_embedding_before_the_stack_pipelines(pools, tmp_path):
+    """DeepSeek V4's shape (transformers 5.24): the embedding widened into streams before the stack, the
+    head's dtype read in the forward. A later stage's embedding, held by the first stage, gives zeros of the
+    embedding's own shape (it gave the received streams, which the model then widened again), and the head,
+    held by the last, answers for its weight (it raised AttributeError on the first stage)."""
+    path = tmp_path / "streams.sl"
+    path.write_text(STREAMS_PLAN)
+    plan = shardlang.load(path)
+    report = pools(4).run(run, Job(str(path), {}, str(STREAMS), None, plan.checks))[0]
+    assert report.ok, [c.message for c in report.checks] + [d.message for d in report.diagnostics]
+    assert {c.check: c.status for c in report.checks}["gradients"] == "pass"
+
+
+@pytest.mark.distributed
+def test_blocks_that_carry_more_than_the_activation_are_refused_at_the_pipeline(tmp_path, monkeypatch):
+    """Hunyuan V4's blocks return the activation and the top-k indices the next block takes: a stage sends
+    one tensor. lint's step says so at the pipeline (not at the block's unit), and `init --pp 2` leaves the
+    pipeline out saying why."""
+    from .conftest import shardlang_cli
+
+    monkeypatch.setenv("SHARDLANG_TUPLE_BLOCKS", "1")
+    path = tmp_path / "streams.sl"
+    path.write_text(STREAMS_PLAN)
+    done = shardlang_cli("lint", str(path), str(STREAMS), "--world", "4")
+    assert done.returncode == 1
+    assert "streams.sl:3:1: error[SL220] the simulated training step of the pipeline stops: a pipeline stage " in (
+        done.stdout + done.stderr
+    )
+    assert "the blocks return a tuple (float32 tensor, int64 tensor)" in done.stdout + done.stderr
+    out = tmp_path / "init.sl"
+    done = shardlang_cli("init", str(STREAMS), "--pp", "2", "--dp", "1", "--no-check", "-o", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = out.read_text()
+    assert "pipeline on" not in text and "mesh world = auto[dp=1]" in text
+    assert "# --pp 2 asked for, but lint's simulated step of the pipeline stops: a pipeline stage sends" in text
+
+
+def test_a_wrapped_error_is_told_by_what_it_was_raised_from():
+    """torch's stages wrap what their backward raised in "Failed to run stage backward:" and the tensors'
+    shapes on the lines below: the first line alone said nothing of what went wrong."""
+    from shardlang.launch import raised
+
+    try:
+        try:
+            raise AttributeError("'FSDPParam' object has no attribute '_unsharded_param'")
+        except AttributeError as e:
+            raise RuntimeError("\n        Failed to run stage backward:\n        Stage output: Tensor(...)\n") from e
+    except RuntimeError as e:
+        wrapped = e
+    assert raised.summary(wrapped) == (
+        "RuntimeError: Failed to run stage backward: AttributeError: 'FSDPParam' object has no attribute "
+        "'_unsharded_param'"
+    )
+    assert raised.cause_saying(wrapped, "'FSDPParam'") == "'FSDPParam' object has no attribute '_unsharded_param'"
+    assert raised.cause_saying(wrapped, "a pipeline stage") is None

@@ -58,6 +58,7 @@ from ..runtime.torchcompat import (
     fsdp_param_groups,
     fsdp_param_groups_hidden,
 )
+from .fusednorm import REPLAYING
 from .phases import Phases
 
 #: The categories explain reports, from the trackers' reference types (their `.value`s).
@@ -387,7 +388,7 @@ class Extension:
         namespace = str(packet).partition(".")[0]
         if namespace in _COLLECTIVE_NAMESPACES or func.is_view or packet.__name__ in _FREE:
             return
-        recomputed = self._recomputing() and not _REPLAYING
+        recomputed = self._recomputing() and not REPLAYING
         if self._copying is not None:  # a copy between host and accelerator: bytes over the host link
             copied = sum(_nbytes(t) for t in tree_flatten(result)[0] if isinstance(t, torch.Tensor))
             self.costs[(self._copying, 0, copied, False, recomputed)] += 1
@@ -511,6 +512,21 @@ class FSDPTracker(Extension, FSDPMemTracker):
             group.pre_backward = self._fsdp_param_group_pre_backward(first, group.pre_backward)
             group.post_backward = self._fsdp_param_group_post_backward(first, group.post_backward)
 
+    def _fsdp_param_group_post_backward(self, fsdp_mod, post_backward):
+        """torch's wrapper reads each parameter's unsharded gradient before the unit's post-backward, but a
+        unit whose forward did not run in the step was never gathered and has no unsharded parameters
+        (DeepSeek V4's compressor norm in a layer that compresses nothing, torch 2.11-2.13): FSDP's own
+        post-backward passes over it, and so does the tracking, which has nothing of it to count."""
+        tracked = super()._fsdp_param_group_post_backward(fsdp_mod, post_backward)
+
+        @wraps(post_backward)
+        def inner(*args, **kwargs):
+            group = fsdp_mod._get_fsdp_state()._fsdp_param_group
+            gathered = group is None or all(hasattr(p, "_unsharded_param") for p in group.fsdp_params)
+            return (tracked if gathered else post_backward)(*args, **kwargs)
+
+        return inner
+
     def _deregister_module_and_optimizer_hooks(self) -> None:
         super()._deregister_module_and_optimizer_hooks()
         for state, pre_backward, post_backward in self._grouped:
@@ -539,62 +555,3 @@ def tracker(model, optimizer, blocks=None) -> Extension:
 
     kind = FSDPTracker if isinstance(model, FSDPModule) else Tracker
     return kind(model, optimizer, blocks)
-
-
-#: Non-empty while _FusedRMSNorm replays its forward in its backward: not checkpointing's recomputation.
-_REPLAYING: list[bool] = []
-
-
-class _FusedRMSNorm(torch.autograd.Function):
-    """RMSNorm as CUDA runs it (`_fused_rms_norm`: one kernel that saves its input and the inverse
-    RMS), where the fake step on CPU would run torch's composite, which saves a float32 copy of the
-    input and three intermediates: 5 times the input's bytes instead of 1. Forward: the composite
-    under no_grad (same values, same ops, nothing kept); backward: the composite again, differentiated
-    (the same collectives as the composite's own backward, with transient memory only). The replayed
-    forward's ops are costed as the backward kernel's work, not as checkpointing's recomputation."""
-
-    @staticmethod
-    def forward(ctx, x, normalized_shape, weight, eps, composite):
-        ctx.normalized_shape, ctx.eps, ctx.composite = normalized_shape, eps, composite
-        ctx.save_for_backward(x, weight)
-        with torch.no_grad():
-            return composite(x, normalized_shape, weight, eps)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        with torch.enable_grad():
-            inputs = [x.detach().requires_grad_()]
-            if weight is not None:
-                inputs.append(weight.detach().requires_grad_(weight.requires_grad))
-            # the forward replayed here to be differentiated stands for part of the fused backward kernel's
-            # work: costed, but not as checkpointing's recomputation (an op in backward with grad mode on)
-            _REPLAYING.append(True)
-            try:
-                y = ctx.composite(inputs[0], ctx.normalized_shape, inputs[1] if weight is not None else None, ctx.eps)
-            finally:
-                _REPLAYING.pop()
-            wanted = [t for t in inputs if t.requires_grad]
-            found = iter(torch.autograd.grad(y, wanted, grad))
-        grads = [next(found) if t.requires_grad else None for t in inputs]
-        return grads[0], None, grads[1] if weight is not None else None, None, None
-
-
-@contextlib.contextmanager
-def cuda_like_rms_norm():
-    """`torch.nn.functional.rms_norm` as CUDA's fused kernel keeps memory, for the length of the block."""
-    import torch.nn.functional as F
-
-    composite = F.rms_norm
-
-    @wraps(composite)
-    def fused(input, normalized_shape, weight=None, eps=None):
-        if not input.requires_grad and (weight is None or not weight.requires_grad):
-            return composite(input, normalized_shape, weight, eps)
-        return _FusedRMSNorm.apply(input, tuple(normalized_shape), weight, eps, composite)
-
-    F.rms_norm = fused
-    try:
-        yield
-    finally:
-        F.rms_norm = composite

@@ -189,7 +189,8 @@ def _measure_stage(step, stage, part, last: bool, chunks: list, received_like: l
     docstring says: its _Measured, and the (shape, dtype) of each tensor it sends on (what the next stage
     receives)."""
     from ..runtime.pipeline import model_output
-    from .memory import cuda_like_rms_norm, tracker
+    from .fusednorm import cuda_like_rms_norm
+    from .memory import tracker
 
     m = len(chunks)
     part.to_empty(device="cpu")

@@ -1,6 +1,6 @@
-"""lint's simulated training step (SL220-SL222, and SL224 before it): the plan applied in a simulated world and one forward, loss
-and backward run on fake tensors, as `explain` runs them, to find before any worker starts what `apply` would
-hit, at the plan line of the rule governing the module where it happens.
+"""lint's simulated training step (SL220-SL222, and SL224 before it): the plan applied in a simulated world and one
+forward, loss and backward run on fake tensors, as `explain` runs them, to find before any worker starts what
+`apply` would hit, at the plan line of the rule governing the module where it happens.
 
 - SL220: the step raises in a module (its forward, its hooks, or its backward): the module, what it
   received (each tensor argument's layout, and for a plain tensor the unsharded model's shape for it), the
@@ -16,15 +16,15 @@ hit, at the plan line of the rule governing the module where it happens.
 - SL224: under `init meta`, parameters that the model's initialisers, run on the meta model first, leave
   unwritten (compiler.rules.devices; explain.unwritten).
 
-It runs in a forked child (runtime.simulated.in_fork: the command's process stays without a process group,
-and a step that hangs costs its diagnostics, not the command), as rank 0 of the world, on the model cut to
-two blocks of its longest stack of identical blocks (explain's cut) when it has one; a failure there is
-confirmed on the whole model before it is reported. A pipelined plan is applied once per pp rank and
-stepped stage by stage from the meta model, as explain steps it (SL220 only). The fake tensors hold no values: what depends on them
-(a label out of range, a NaN) is left to apply's checks. What fake tensors cannot run is not the plan's fault:
-an op whose output depends on values (transformers' experts loop, `nonzero`; a model's own `.item()`) and
-torch._grouped_mm in float32 run on stand-ins (fakestep.StandIns), said in the note; a failure after a
-stand-in gave a value the model may never see is a note too, left to apply's checks.
+It runs in a forked child (runtime.simulated.in_fork: the command's process stays without a process group, and a
+step that hangs costs its diagnostics, not the command), as rank 0 of the world, on the model cut to two blocks of
+its longest stack of identical blocks (explain's cut) when it has one; a failure there is confirmed on the whole
+model before it is reported. A pipelined plan is applied once per pp rank and stepped stage by stage from the meta
+model, as explain steps it (SL220 only). The fake tensors hold no values: what depends on them (a label out of
+range, a NaN) is left to apply's checks. What fake tensors cannot run is not the plan's fault: an op whose output
+depends on values (transformers' experts loop, `nonzero`; a model's own `.item()`) and torch._grouped_mm in float32
+run on stand-ins (fakestep.StandIns), said in the note; a failure after a stand-in gave a value the model may never
+see is a note too, left to apply's checks.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from attrs import frozen
 
 from ..compiler.styles import DEFAULT_INPUTS as TAKES  # what a style takes where its rule gives no input=
 from ..frontend import ir
-from ..frontend.diagnostics import SL220, SL221, SL222, Diagnostic, PlanError
+from ..frontend.diagnostics import SL220, SL221, SL222, Diagnostic, PlanError, few
 from ..launch import raised
 from ..runtime.apply import SIMULATED, apply_plan
 from ..runtime.modelfile import ModelFile
@@ -116,7 +116,9 @@ def _rehearse_here(plan, model, model_file, world_size, stack) -> Rehearsal:
 def _pipelined(plan: ir.Plan, model: nn.Module, model_file: ModelFile, world_size: int) -> Rehearsal:
     """A pipelined plan: applied once per pp rank, and its step run stage by stage as explain runs it (each
     stage's forward on what the one before sent, the loss on the last, the backward back); SL220 where it
-    raises, at the rule governing the module of the stage that was running."""
+    raises, at the rule governing the module of the stage that was running (at the pipeline where a stage
+    cannot send what its blocks return)."""
+    from ..runtime.pipeline import ONE_ACTIVATION
     from ..verification import Context
     from .pipelined import pipeline_report, pp_size
     from .timing import hardware
@@ -138,13 +140,15 @@ def _pipelined(plan: ir.Plan, model: nn.Module, model_file: ModelFile, world_siz
     note = f"one training step simulated stage by stage, for each of the {pp} pp ranks"
     if failure is None:
         return Rehearsal((), note, True, tuple(phases))
-    for applied in applied_by_rank.values():
+    refused = raised.cause_saying(failure, ONE_ACTIVATION)  # the model's, not a module's: the pipeline's
+    for applied in () if refused else applied_by_rank.values():
         found = raised.raising_module(applied.model, failure)
         if found is not None:
             ctx = Context(plan, applied, model_file)
             message = f"the simulated training step raises in {raised.module_text(found)}: {raised.summary(failure)}"
             return Rehearsal((raised.in_module(ctx, found, message, {}, SL220),), note)
-    message = f"the simulated training step of the pipeline raises outside every module: {raised.summary(failure)}"
+    said = f"stops: {refused}" if refused else f"raises outside every module: {raised.summary(failure)}"
+    message = f"the simulated training step of the pipeline {said}"
     return Rehearsal((Diagnostic(SL220, message, plan.pipeline.span),), note)
 
 
@@ -340,7 +344,7 @@ def _stood_in(stand_ins) -> tuple[str, ...]:
 def _in_modules(names) -> str:
     """`in a, b` for the modules named (None: in a backward, outside every module's forward)."""
     named = sorted({n for n in names if n is not None})
-    return f"in {_listed(named)}" if named else "in the backward"
+    return f"in {few(named, 3)}" if named else "in the backward"
 
 
 def _after_guess(stand_ins, found: Diagnostic) -> str:
@@ -577,7 +581,7 @@ def _partial_gradients(ctx, watch: Watch) -> list[Diagnostic]:
     found = []
     for (kind, own, pieces), names in kinds.items():
         first = names[0]
-        others = f" (and {len(names) - 1} more like it: {_listed(names[1:])})" if len(names) > 1 else ""
+        others = f" (and {len(names) - 1} more like it: {few(names[1:], 3)})" if len(names) > 1 else ""
         message = (
             f"the simulated training step hands module '{first}' ({kind}){others}, whose parameters ({own}) are "
             "whole on every rank, a piece of its input: each rank's gradient of them is its piece's share, and "
@@ -591,8 +595,3 @@ def _partial_gradients(ctx, watch: Watch) -> list[Diagnostic]:
         module = ctx.model.get_submodule(first) if first else ctx.model
         found.append(raised.in_module(ctx, (first, module, None), message, watch.finished, SL222, help))
     return found
-
-
-def _listed(names: list[str], most: int = 3) -> str:
-    shown = ", ".join(names[:most])
-    return shown + (f", ... {len(names) - most} more" if len(names) > most else "")

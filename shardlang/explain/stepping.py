@@ -465,7 +465,8 @@ def _training_step(
     from ..verification.comms import Calls
     from ..verification.step import Step
     from . import compiled
-    from .memory import cuda_like_rms_norm, tracker
+    from .fusednorm import cuda_like_rms_norm
+    from .memory import tracker
 
     recorder = Calls()
     ctx = Context(plan, applied, model_file)

@@ -13,10 +13,26 @@ from ..frontend.diagnostics import Code, Diagnostic
 from ..frontend.source import Span
 
 
+def cause_saying(error: BaseException, words: str) -> str | None:
+    """The first line of the error in `error`'s chain (itself, what it was raised from) whose message
+    begins with `words`, or None."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if str(error).startswith(words):
+            return str(error).splitlines()[0]
+        error = error.__cause__ or error.__context__
+    return None
+
+
 def summary(error: BaseException) -> str:
-    """`RuntimeError: its first line`."""
+    """`RuntimeError: its first line`, and the summary of the error it was raised from where there is one
+    (torch's pipeline stages wrap what their backward raised in "Failed to run stage backward:", the
+    tensors' shapes on the lines below: the cause is what says what went wrong)."""
     text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else '(no message)'}"
+    said = f"{type(error).__name__}: {text[0].rstrip(':') if text else '(no message)'}"
+    cause = error.__cause__
+    return said if cause is None or cause is error else f"{said}: {summary(cause)}"
 
 
 @contextlib.contextmanager

@@ -17,21 +17,74 @@ import torch
 class PassThrough(torch.nn.Module):
     """A module another stage holds. As a block (or a module after the stack) it returns the activation it
     is given; before the stack it returns the activation this stage received, so that shapes and dtypes
-    computed from it are right."""
+    computed from it are right, or, where the module's own output has another shape (DeepSeek V4 widens
+    its embedding into hyper-connection streams before the stack), zeros of that shape in the received
+    dtype: what the model computes from them before the stack is thrown away, since the stage's first
+    block takes the received activation. `twin`: the module itself with its tensors on the meta device,
+    kept out of the module tree (nothing to shard or train), for that shape and for the attributes the
+    model reads of it (`self.lm_head.weight.dtype`; a submodule it reaches through it is a pass-through
+    too)."""
 
-    def __init__(self, role, carry):
+    def __init__(self, role, carry, twin=None):
         super().__init__()
         self.role, self.carry = role, carry
+        self.__dict__["twin"] = twin
 
     def forward(self, *args, **kwargs):
         if self.role == "before":
-            return self.carry["received"]
+            received = self.carry["received"]
+            shape = self.own_shape(args, kwargs)
+            if shape is None or shape == tuple(received.shape):
+                return received
+            return torch.zeros(shape, dtype=received.dtype, device=received.device)
         if args:
             return args[0]
         return kwargs.get("hidden_states", next(iter(kwargs.values()), None))
 
+    def own_shape(self, args, kwargs):
+        """The shape of the module's own output on these inputs, run on the meta device outside any
+        dispatch mode (explain's fake step, its trackers); None where it is no one tensor or will not run."""
+        from torch.utils._python_dispatch import _disable_current_modes
+        from torch.utils._pytree import tree_map
+
+        twin = self.__dict__["twin"]
+        if twin is None:
+            return None
+
+        def on_meta(x):
+            return torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+
+        try:
+            with _disable_current_modes(), torch.no_grad():
+                out = twin(*tree_map(on_meta, args), **tree_map(on_meta, kwargs))
+        except Exception:  # noqa: BLE001 - the received activation's shape, as before
+            return None
+        return tuple(out.shape) if isinstance(out, torch.Tensor) else None
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            twin = self.__dict__.get("twin")
+            if twin is None or name.startswith("_"):
+                raise
+            found = getattr(twin, name)  # a submodule of a module another stage holds: held there too
+            return PassThrough(self.role, self.carry, found) if isinstance(found, torch.nn.Module) else found
+
     def extra_repr(self):
         return f"{self.role} (held by another pipeline stage)"
+
+
+def meta_twin(module):
+    """A copy of `module` whose parameters and buffers are on the meta device (no memory, no values)."""
+    import copy
+    import itertools
+
+    memo = {}
+    for t in itertools.chain(module.parameters(), module.buffers()):
+        twin = torch.empty_like(t, device="meta")
+        memo[id(t)] = torch.nn.Parameter(twin, t.requires_grad) if isinstance(t, torch.nn.Parameter) else twin
+    return copy.deepcopy(module, memo)
 
 
 def split_stages(model, blocks, dropped, stages):
@@ -46,7 +99,7 @@ def split_stages(model, blocks, dropped, stages):
     for part, stage in zip(copies, stages):
         carry = {}
         for fqn, role in dropped[stage]:
-            part.set_submodule(fqn, PassThrough(role, carry))
+            part.set_submodule(fqn, PassThrough(role, carry, meta_twin(part.get_submodule(fqn))))
         if stage > 0:
             part.get_submodule(blocks[stage][0]).register_forward_pre_hook(take_received(carry), with_kwargs=True)
         if stage < last:
@@ -92,8 +145,23 @@ def take_received(carry):
     return hook
 
 
+#: What a stage's last block that returns more than the running activation is told (lint's step points it
+#: at the pipeline, not at the block).
+ONE_ACTIVATION = "a pipeline stage sends one tensor, the output of its last block"
+
+
 def keep_sent(carry):
     def hook(module, args, output):
+        if not isinstance(output, torch.Tensor):
+            parts = output if isinstance(output, (tuple, list)) else (output,)
+            kinds = ", ".join(
+                str(x.dtype).removeprefix("torch.") + " tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+                for x in parts
+            )
+            raise TypeError(
+                f"{ONE_ACTIVATION}, but the blocks return a {type(output).__name__} ({kinds}): the model carries "
+                "more than the activation from block to block, which a stage cannot receive in its place"
+            )
         carry["sent"] = output
 
     return hook

@@ -363,6 +363,7 @@ STEPS: dict[type, StepType] = {
         write_split_stages,
         helpers=(
             pipeline.PassThrough,
+            pipeline.meta_twin,
             pipeline.split_stages,
             pipeline.stage_inputs,
             pipeline.take_received,
