@@ -4,7 +4,8 @@ whose starters the zoo found wrong (Apertus: init meta leaves xIELU's alpha unwr
 LED: a float64 truth that is not finite). For each, `shardlang init` writes the starter plan and lints it with
 the simulated step (no error; a warning such as SL203's uneven shards allowed), and the plan passes every check at world 2 on a warm gloo pool: lint agrees with
 apply. Bamba (Mamba2 and attention) is swept, not sampled: its Mamba2 reference kernel takes five minutes
-of CI's two cores; Jamba stands for the hybrids. Skipped without transformers: pip install -e '.[hf]'."""
+of CI's two cores; Jamba stands for the hybrids. DeepSeek V4 stands for the pipelines (`init --pp 2`).
+Skipped without transformers: pip install -e '.[hf]'."""
 
 from __future__ import annotations
 
@@ -82,3 +83,22 @@ def test_lint_catches_the_planted_mistake_where_its_step_once_stopped_short(name
     assert main(["lint", str(plan), str(model), "--world", "2"]) == 1, why
     said = capsys.readouterr().out
     assert named(rule, said) and "stopped" not in said, (why, said)
+
+
+@pytest.mark.distributed
+def test_deepseek_v4_pipelines_at_pp_2(pools, tmp_path, capsys):
+    """DeepSeek V4 widens its embedding into hyper-connection streams before its blocks, and one of its
+    units (the compressor's norm) never runs: `init --pp 2` writes a pipeline, lint's step runs it stage
+    by stage, and the plan passes every check at pp 2 (its later stage once widened the received streams
+    again, and explain's tracker stopped at the unit that never ran)."""
+    import shardlang
+    from shardlang.cli.main import main
+
+    model = write_model_file("deepseek_v4", tmp_path / "deepseek_v4.py")
+    plan = tmp_path / "deepseek_v4.sl"
+    assert main(["init", str(model), "--pp", "2", "--dp", "1", "--no-check", "-o", str(plan)]) == 0
+    said = capsys.readouterr().out
+    assert "pipeline on world.pp {" in plan.read_text() and "linted at world 2" in said, plan.read_text()
+    report = pools(2).run(run, Job(str(plan), {}, str(model), None, shardlang.load(plan).checks))[0]
+    checks = {c.check: c.status for c in report.checks}
+    assert report.ok and checks["gradients"] == "pass", [c.message for c in report.checks]
