@@ -159,8 +159,8 @@ def keep_sent(carry):
                 for x in parts
             )
             raise TypeError(
-                f"{ONE_ACTIVATION}, but the blocks return a {type(output).__name__} ({kinds}): the model carries "
-                "more than the activation from block to block, which a stage cannot receive in its place"
+                f"{ONE_ACTIVATION}, but the blocks return a {type(output).__name__} ({kinds}), whose other parts "
+                "the model may hand the next block: each block must return the running activation alone"
             )
         carry["sent"] = output
 
