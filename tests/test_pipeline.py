@@ -441,27 +441,48 @@ def test_a_model_that_widens_its_embedding_before_the_stack_pipelines(pools, tmp
 
 
 @pytest.mark.distributed
-def test_blocks_that_carry_more_than_the_activation_are_refused_at_the_pipeline(tmp_path, monkeypatch):
+def test_blocks_that_carry_more_than_the_activation_are_refused_at_the_pipeline(tmp_path):
     """Hunyuan V4's blocks return the activation and the top-k indices the next block takes: a stage sends
     one tensor. lint's step says so at the pipeline (not at the block's unit), and `init --pp 2` leaves the
     pipeline out saying why."""
     from .conftest import shardlang_cli
 
-    monkeypatch.setenv("SHARDLANG_TUPLE_BLOCKS", "1")
+    model = str(STREAMS.parent / "carrying.py")
     path = tmp_path / "streams.sl"
     path.write_text(STREAMS_PLAN)
-    done = shardlang_cli("lint", str(path), str(STREAMS), "--world", "4")
-    assert done.returncode == 1
-    assert "streams.sl:3:1: error[SL220] the simulated training step of the pipeline stops: a pipeline stage " in (
-        done.stdout + done.stderr
+    done = shardlang_cli("lint", str(path), model, "--world", "4")
+    said = done.stdout + done.stderr
+    assert (
+        done.returncode == 1
+        and "streams.sl:3:1: error[SL220] the simulated training step of the pipeline stops: " in said
     )
-    assert "the blocks return a tuple (float32 tensor, int64 tensor)" in done.stdout + done.stderr
+    assert "the blocks return a tuple (float32 tensor, int64 tensor)" in said
     out = tmp_path / "init.sl"
-    done = shardlang_cli("init", str(STREAMS), "--pp", "2", "--dp", "1", "--no-check", "-o", str(out))
+    done = shardlang_cli("init", model, "--pp", "2", "--dp", "1", "--no-check", "-o", str(out))
     assert done.returncode == 0, done.stdout + done.stderr
     text = out.read_text()
     assert "pipeline on" not in text and "mesh world = auto[dp=1]" in text
     assert "# --pp 2 asked for, but lint's simulated step of the pipeline stops: a pipeline stage sends" in text
+
+
+@pytest.mark.distributed
+def test_what_the_step_could_not_reach_apply_finds_and_init_leaves_the_pipeline_out(tmp_path):
+    """Longformer reads a value of its input before its blocks: lint's step of the pipeline stops there (a
+    note, no finding: it raised SL220 at the module, a false alarm where the pipeline could run). init's
+    apply then finds the blocks' tuple, and init leaves the pipeline out and passes without it."""
+    from .conftest import shardlang_cli
+
+    model = str(STREAMS.parent / "reading.py")
+    path = tmp_path / "streams.sl"
+    path.write_text(STREAMS_PLAN)
+    done = shardlang_cli("lint", str(path), model, "--world", "4")
+    assert done.returncode == 0 and "the step stopped: DataDependentOutputException" in done.stdout, done.stdout
+    out = tmp_path / "init.sl"
+    done = shardlang_cli("init", model, "--pp", "2", "--dp", "1", "-o", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "apply found that the pipeline cannot run; leaving it out" in done.stderr
+    text = out.read_text()
+    assert "pipeline on" not in text and "# --pp 2 asked for, but apply found that a pipeline stage sends" in text
 
 
 def test_a_wrapped_error_is_told_by_what_it_was_raised_from():

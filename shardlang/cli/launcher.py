@@ -64,10 +64,11 @@ def run_local(job, world: int, device: str, timeout: float, console: Console, de
     return report, warnings
 
 
-def applied_on_cpu(args: argparse.Namespace, plan, source: Source, model_file, world: int, order):
+def applied_on_cpu(args: argparse.Namespace, plan, source: Source, model_file, world: int, order, raised=None):
     """`plan` applied at `world` on CPU workers (gloo), as `apply --device cpu` does, with its checks, where
     `init` and `search` check a plan before writing it: the report, or None where the job did not run to its
-    end (said on stderr). `args` names the model (MODEL, --entry, --hf) and the --timeout."""
+    end (said on stderr, and the error appended to the list `raised` where given). `args` names the model
+    (MODEL, --entry, --hf) and the --timeout."""
     from ..launch.failures import WorkerError
     from ..launch.job import Job
     from .signals import terminable
@@ -80,6 +81,8 @@ def applied_on_cpu(args: argparse.Namespace, plan, source: Source, model_file, w
             return run_local(job, world, "cpu", args.timeout, console, False, Out(json=False))[0]
     except WorkerError as e:
         worker_failed(e, {source.name: source}, False, Out(json=False))
+        if raised is not None:
+            raised.append(e)
         return None
 
 

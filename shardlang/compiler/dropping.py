@@ -87,6 +87,11 @@ class Drops:
         key = str(init)
         return None if key in self.inits else attrs.evolve(self, inits={**self.inits, key: _why(message)})
 
+    def after_pipeline(self, message: str) -> Drops | None:
+        """These drops and the pipeline, which apply found cannot run (`message`: its words from the
+        refusal on), where lint's step could not see it (it stopped short); None where it is left out."""
+        return None if self.pp else attrs.evolve(self, pp=f"apply found that {_why(message)}")
+
     def after(self, text: str, line: int, message: str) -> Drops | None:
         """These drops and the feature of `text`'s line `line` (1-based) that an error `message` points at,
         or None when that line is no feature init can leave out (or it already did)."""

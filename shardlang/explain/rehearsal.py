@@ -140,6 +140,9 @@ def _pipelined(plan: ir.Plan, model: nn.Module, model_file: ModelFile, world_siz
     note = f"one training step simulated stage by stage, for each of the {pp} pp ranks"
     if failure is None:
         return Rehearsal((), note, True, tuple(phases))
+    read = raised.value_read(failure)
+    if read is not None:  # a value fake tensors do not hold (Longformer's `.any().item()`): apply's checks decide
+        return Rehearsal((), f"{note}; the step stopped: {raised.summary(read)} reads tensor values")
     refused = raised.cause_saying(failure, ONE_ACTIVATION)  # the model's, not a module's: the pipeline's
     for applied in () if refused else applied_by_rank.values():
         found = raised.raising_module(applied.model, failure)

@@ -13,16 +13,30 @@ from ..frontend.diagnostics import Code, Diagnostic
 from ..frontend.source import Span
 
 
-def cause_saying(error: BaseException, words: str) -> str | None:
-    """The first line of the error in `error`'s chain (itself, what it was raised from) whose message
-    begins with `words`, or None."""
+def in_chain(error: BaseException, wanted) -> BaseException | None:
+    """The first error in `error`'s chain (itself, then what each was raised from) for which `wanted` holds,
+    or None."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
-        if str(error).startswith(words):
-            return str(error).splitlines()[0]
+        if wanted(error):
+            return error
         error = error.__cause__ or error.__context__
     return None
+
+
+def value_read(error: BaseException) -> BaseException | None:
+    """The error in `error`'s chain that fake tensors raise where an op reads tensor values (`.item()`,
+    `nonzero`), or None."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    return in_chain(error, lambda e: isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)))
+
+
+def cause_saying(error: BaseException, words: str) -> str | None:
+    """The first line of the error in `error`'s chain whose message begins with `words`, or None."""
+    found = in_chain(error, lambda e: str(e).startswith(words))
+    return None if found is None else str(found).splitlines()[0]
 
 
 def summary(error: BaseException) -> str:

@@ -65,8 +65,9 @@ def run_init(args: argparse.Namespace) -> int:
         verdict = _verdict(args, text, source, plan, found, at, drops, model_file)
         if verdict is not None:
             return verdict
-        status, failed_init = _check_init(args, plan, source, model_file, world, order)
+        status, failed_init, refused_pp = _check_init(args, plan, source, model_file, world, order)
         fewer = failed_init and drops.after_init(plan.init, failed_init)
+        fewer = fewer or (refused_pp and drops.after_pipeline(refused_pp))
         if not fewer:
             return status
         drops = fewer
@@ -150,23 +151,34 @@ def _said(args: argparse.Namespace, what: str) -> None:
 
 def _check_init(
     args: argparse.Namespace, plan: Plan, source: Source, model_file: ModelFile, world: int, order
-) -> tuple[int, str | None]:
+) -> tuple[int, str | None, str | None]:
     """Apply init's plan at `world` on CPU workers (gloo), as `apply --device cpu` does, with its checks: the
-    exit status, and the init check's message where it alone failed (another init mode may pass)."""
-    report = applied_on_cpu(args, plan, source, model_file, world, order)
+    exit status, the init check's message where it alone failed (another init mode may pass), and why the
+    pipeline cannot run where apply refused it (lint's step stopped short of the blocks: Longformer)."""
+    from ...runtime.pipeline import ONE_ACTIVATION
+
+    raised: list = []
+    report = applied_on_cpu(args, plan, source, model_file, world, order, raised)
+    said = [str(e) for e in raised]
+    if report is not None:
+        said += [c.message for c in report.checks if c.status == "fail"] + [d.message for d in report.diagnostics]
+    refused = next((m[m.index(ONE_ACTIVATION) :] for m in said if ONE_ACTIVATION in m), None)
+    if refused is not None and plan.pipeline is not None:
+        print("init: apply found that the pipeline cannot run; leaving it out", file=sys.stderr)
+        return FOUND, None, refused.splitlines()[0]
     if report is None:
         _said(args, f"applied at world {world} on CPU: it did not run to the end; do not train with it as it is")
-        return UNUSABLE, None
+        return UNUSABLE, None, None
     counts = report.summary
     if report.ok and report.usable:
         _said(args, f"linted clean and applied at world {world} on CPU: {counts or 'every check passed'}")
-        return OK, None
+        return OK, None, None
     failed = {c.check: c.message for c in report.checks if c.status == "fail"}
     if list(failed) == ["init"] and plan.init.mode == "meta":
         print(f"init: `{plan.init}` failed its init check; trying the next init mode", file=sys.stderr)
-        return FOUND, failed["init"]
+        return FOUND, failed["init"], None
     from ...launch.report import render
 
     render(report, {source.name: source}, Console(file=sys.stderr, highlight=False, soft_wrap=True))
     _said(args, f"applied at world {world} on CPU, its checks FAILED ({counts}): edit it before training with it")
-    return FOUND, None
+    return FOUND, None, None
