@@ -503,3 +503,22 @@ def test_a_wrapped_error_is_told_by_what_it_was_raised_from():
     )
     assert raised.cause_saying(wrapped, "'FSDPParam'") == "'FSDPParam' object has no attribute '_unsharded_param'"
     assert raised.cause_saying(wrapped, "a pipeline stage") is None
+
+
+@pytest.mark.distributed
+def test_a_module_declared_after_the_stack_but_run_before_it_is_refused_at_the_pipeline(tmp_path):
+    """Phi-4 multimodal declares `embed_tokens_extend` after its blocks and runs it before them: the
+    declaration order puts it on the last stage, and the first stage's pass-through handed the blocks the
+    token ids, which failed in the first block's norm (and init then left out mixed precision)."""
+    from .conftest import shardlang_cli
+
+    model = str(STREAMS.parent / "early.py")
+    path = tmp_path / "streams.sl"
+    path.write_text(STREAMS_PLAN)
+    done = shardlang_cli("lint", str(path), model, "--world", "4")
+    said = done.stdout + done.stderr
+    assert (
+        done.returncode == 1
+        and "streams.sl:3:1: error[SL220] the simulated training step of the pipeline stops: " in said
+    )
+    assert "'extend' runs before the blocks, but the model declares it after them" in said

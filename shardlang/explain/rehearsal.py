@@ -118,7 +118,7 @@ def _pipelined(plan: ir.Plan, model: nn.Module, model_file: ModelFile, world_siz
     stage's forward on what the one before sent, the loss on the last, the backward back); SL220 where it
     raises, at the rule governing the module of the stage that was running (at the pipeline where a stage
     cannot send what its blocks return)."""
-    from ..runtime.pipeline import ONE_ACTIVATION
+    from ..runtime.pipeline import CONTRACT
     from ..verification import Context
     from .pipelined import pipeline_report, pp_size
     from .timing import hardware
@@ -143,7 +143,7 @@ def _pipelined(plan: ir.Plan, model: nn.Module, model_file: ModelFile, world_siz
     read = raised.value_read(failure)
     if read is not None:  # a value fake tensors do not hold (Longformer's `.any().item()`): apply's checks decide
         return Rehearsal((), f"{note}; the step stopped: {raised.summary(read)} reads tensor values")
-    refused = raised.cause_saying(failure, ONE_ACTIVATION)  # the model's, not a module's: the pipeline's
+    refused = raised.cause_saying(failure, CONTRACT)  # the model's, not a module's: the pipeline's
     for applied in () if refused else applied_by_rank.values():
         found = raised.raising_module(applied.model, failure)
         if found is not None:

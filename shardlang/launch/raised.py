@@ -33,8 +33,9 @@ def value_read(error: BaseException) -> BaseException | None:
     return in_chain(error, lambda e: isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)))
 
 
-def cause_saying(error: BaseException, words: str) -> str | None:
-    """The first line of the error in `error`'s chain whose message begins with `words`, or None."""
+def cause_saying(error: BaseException, words: str | tuple[str, ...]) -> str | None:
+    """The first line of the error in `error`'s chain whose message begins with `words` (one of them), or
+    None."""
     found = in_chain(error, lambda e: str(e).startswith(words))
     return None if found is None else str(found).splitlines()[0]
 

@@ -25,12 +25,25 @@ class PassThrough(torch.nn.Module):
     model reads of it (`self.lm_head.weight.dtype`; a submodule it reaches through it is a pass-through
     too)."""
 
-    def __init__(self, role, carry, twin=None):
+    #: What a stage is told where the model breaks the contract (lint's step points these at the pipeline):
+    #: its last block returns more than the running activation, or a module declared after the stack runs
+    #: before it.
+    ONE_ACTIVATION = "a pipeline stage sends one tensor, the output of its last block"
+    RUNS_EARLY = "a pipeline stage cannot run a module another stage holds"
+
+    def __init__(self, role, carry, twin=None, name=""):
         super().__init__()
-        self.role, self.carry = role, carry
+        self.role, self.carry, self.name = role, carry, name
         self.__dict__["twin"] = twin
 
     def forward(self, *args, **kwargs):
+        if self.role == "block":
+            self.carry["blocks"] = True
+        elif self.role == "after" and not self.carry.get("blocks"):
+            raise TypeError(
+                f"{self.RUNS_EARLY}: '{self.name}' runs before the blocks, but the model declares it after them, so the "
+                "last stage holds it (the order of declaration places a module); declare it before the stack"
+            )
         if self.role == "before":
             received = self.carry["received"]
             shape = self.own_shape(args, kwargs)
@@ -69,10 +82,25 @@ class PassThrough(torch.nn.Module):
             if twin is None or name.startswith("_"):
                 raise
             found = getattr(twin, name)  # a submodule of a module another stage holds: held there too
-            return PassThrough(self.role, self.carry, found) if isinstance(found, torch.nn.Module) else found
+            if isinstance(found, torch.nn.Module):
+                return PassThrough(self.role, self.carry, found, f"{self.name}.{name}")
+            return found
 
     def extra_repr(self):
         return f"{self.role} (held by another pipeline stage)"
+
+
+def blocks_begin(carry):
+    """The first block a stage holds has begun: a module after the stack may run from here on."""
+
+    def hook(module, args, kwargs):
+        carry["blocks"] = True
+
+    return hook
+
+
+#: The contract's breaches, as the errors begin (explain.rehearsal and init point them at the pipeline).
+CONTRACT = (PassThrough.ONE_ACTIVATION, PassThrough.RUNS_EARLY)
 
 
 def meta_twin(module):
@@ -99,7 +127,8 @@ def split_stages(model, blocks, dropped, stages):
     for part, stage in zip(copies, stages):
         carry = {}
         for fqn, role in dropped[stage]:
-            part.set_submodule(fqn, PassThrough(role, carry, meta_twin(part.get_submodule(fqn))))
+            part.set_submodule(fqn, PassThrough(role, carry, meta_twin(part.get_submodule(fqn)), fqn))
+        part.get_submodule(blocks[stage][0]).register_forward_pre_hook(blocks_begin(carry), with_kwargs=True)
         if stage > 0:
             part.get_submodule(blocks[stage][0]).register_forward_pre_hook(take_received(carry), with_kwargs=True)
         if stage < last:
@@ -118,6 +147,7 @@ def stage_inputs(carry, receives):
 
     def hook(module, args, kwargs):
         kwargs = dict(kwargs)
+        carry["blocks"] = False  # no block has run yet in this forward
         inputs = kwargs.pop("shardlang_inputs", None)
         if inputs is None:
             raise RuntimeError("a pipeline stage runs through its schedule (Pipeline.step), not called directly")
@@ -145,11 +175,6 @@ def take_received(carry):
     return hook
 
 
-#: What a stage's last block that returns more than the running activation is told (lint's step points it
-#: at the pipeline, not at the block).
-ONE_ACTIVATION = "a pipeline stage sends one tensor, the output of its last block"
-
-
 def keep_sent(carry):
     def hook(module, args, output):
         if not isinstance(output, torch.Tensor):
@@ -159,7 +184,7 @@ def keep_sent(carry):
                 for x in parts
             )
             raise TypeError(
-                f"{ONE_ACTIVATION}, but the blocks return a {type(output).__name__} ({kinds}), whose other parts "
+                f"{PassThrough.ONE_ACTIVATION}, but the blocks return a {type(output).__name__} ({kinds}), whose other parts "
                 "the model may hand the next block: each block must return the running activation alone"
             )
         carry["sent"] = output

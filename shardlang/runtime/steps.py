@@ -364,6 +364,7 @@ STEPS: dict[type, StepType] = {
         helpers=(
             pipeline.PassThrough,
             pipeline.meta_twin,
+            pipeline.blocks_begin,
             pipeline.split_stages,
             pipeline.stage_inputs,
             pipeline.take_received,

@@ -155,14 +155,14 @@ def _check_init(
     """Apply init's plan at `world` on CPU workers (gloo), as `apply --device cpu` does, with its checks: the
     exit status, the init check's message where it alone failed (another init mode may pass), and why the
     pipeline cannot run where apply refused it (lint's step stopped short of the blocks: Longformer)."""
-    from ...runtime.pipeline import ONE_ACTIVATION
+    from ...runtime.pipeline import CONTRACT
 
     raised: list = []
     report = applied_on_cpu(args, plan, source, model_file, world, order, raised)
     said = [str(e) for e in raised]
     if report is not None:
         said += [c.message for c in report.checks if c.status == "fail"] + [d.message for d in report.diagnostics]
-    refused = next((m[m.index(ONE_ACTIVATION) :] for m in said if ONE_ACTIVATION in m), None)
+    refused = next((m[m.index(w) :] for m in said for w in CONTRACT if w in m), None)
     if refused is not None and plan.pipeline is not None:
         print("init: apply found that the pipeline cannot run; leaving it out", file=sys.stderr)
         return FOUND, None, refused.splitlines()[0]
