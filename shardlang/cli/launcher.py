@@ -67,7 +67,7 @@ def run_local(job, world: int, device: str, timeout: float, console: Console, de
 def applied_on_cpu(args: argparse.Namespace, plan, source: Source, model_file, world: int, order, raised=None):
     """`plan` applied at `world` on CPU workers (gloo), as `apply --device cpu` does, with its checks, where
     `init` and `search` check a plan before writing it: the report, or None where the job did not run to its
-    end (said on stderr, and the error appended to the list `raised` where given). `args` names the model
+    end (said on stderr, and the error's message appended to the list `raised` where given). `args` names the model
     (MODEL, --entry, --hf) and the --timeout."""
     from ..launch.failures import WorkerError
     from ..launch.job import Job
@@ -82,7 +82,7 @@ def applied_on_cpu(args: argparse.Namespace, plan, source: Source, model_file, w
     except WorkerError as e:
         worker_failed(e, {source.name: source}, False, Out(json=False))
         if raised is not None:
-            raised.append(e)
+            raised.append(str(e))  # its words only: the error's frames would keep the pool alive to the exit
         return None
 
 

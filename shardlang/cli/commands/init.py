@@ -159,7 +159,7 @@ def _check_init(
 
     raised: list = []
     report = applied_on_cpu(args, plan, source, model_file, world, order, raised)
-    said = [str(e) for e in raised]
+    said = list(raised)
     if report is not None:
         said += [c.message for c in report.checks if c.status == "fail"] + [d.message for d in report.diagnostics]
     refused = next((m[m.index(w) :] for m in said for w in CONTRACT if w in m), None)
