@@ -20,7 +20,17 @@ import torch
 from attrs import frozen
 
 from ..frontend import ir
-from .fakestep import Collective, Peak, by_key, count_tokens, group_names, quiet, recording_fake_mode, warm_adamw
+from .fakestep import (
+    Collective,
+    Peak,
+    by_key,
+    count_tokens,
+    group_names,
+    positions_as_on_real_tensors,
+    quiet,
+    recording_fake_mode,
+    warm_adamw,
+)
 from .memory import ORDER
 from .schedules import StageCost, play, textbook_bubble, timetable, walk
 from .timing import Hardware, StepTime, dim_layout, link_of, step_time
@@ -176,7 +186,9 @@ def _measure(plan: ir.Plan, applied_by_rank: dict, model_file, batch: int | None
             )
         return sizes
 
-    with quiet("torch._subclasses.fake_tensor"), recording_fake_mode(recorder):
+    # position ids read as the workers read them (a plain step's explain and lint do the same): on fake ones
+    # transformers takes every batch for packed sequences (Youtu and Sarvam's MLA then raised)
+    with quiet("torch._subclasses.fake_tensor"), recording_fake_mode(recorder), positions_as_on_real_tensors():
         where = step.where
         batch = batch if batch is not None else m * 2 * max(where.tp_size, 1)
         full = step.batch(size=batch)
