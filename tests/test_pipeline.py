@@ -426,6 +426,18 @@ init meta
 """
 
 
+def _lint_streams(tmp_path, fixture: str) -> tuple[str, int, str]:
+    """STREAMS_PLAN linted at world 4 against the streams fixture `fixture`: the model file, lint's exit and
+    what it printed."""
+    from .conftest import shardlang_cli
+
+    model = str(STREAMS.parent / fixture)
+    path = tmp_path / "streams.sl"
+    path.write_text(STREAMS_PLAN)
+    done = shardlang_cli("lint", str(path), model, "--world", "4")
+    return model, done.returncode, done.stdout + done.stderr
+
+
 @pytest.mark.distributed
 def test_a_model_that_widens_its_embedding_before_the_stack_pipelines(pools, tmp_path):
     """DeepSeek V4's shape (transformers 5.24): the embedding widened into streams before the stack, the
@@ -447,15 +459,8 @@ def test_blocks_that_carry_more_than_the_activation_are_refused_at_the_pipeline(
     pipeline out saying why."""
     from .conftest import shardlang_cli
 
-    model = str(STREAMS.parent / "carrying.py")
-    path = tmp_path / "streams.sl"
-    path.write_text(STREAMS_PLAN)
-    done = shardlang_cli("lint", str(path), model, "--world", "4")
-    said = done.stdout + done.stderr
-    assert (
-        done.returncode == 1
-        and "streams.sl:3:1: error[SL220] the simulated training step of the pipeline stops: " in said
-    )
+    model, status, said = _lint_streams(tmp_path, "carrying.py")
+    assert status == 1 and "streams.sl:3:1: error[SL220] the simulated training step of the pipeline stops: " in said
     assert "the blocks return a tuple (float32 tensor, int64 tensor)" in said
     out = tmp_path / "init.sl"
     done = shardlang_cli("init", model, "--pp", "2", "--dp", "1", "--no-check", "-o", str(out))
@@ -472,11 +477,8 @@ def test_what_the_step_could_not_reach_apply_finds_and_init_leaves_the_pipeline_
     apply then finds the blocks' tuple, and init leaves the pipeline out and passes without it."""
     from .conftest import shardlang_cli
 
-    model = str(STREAMS.parent / "reading.py")
-    path = tmp_path / "streams.sl"
-    path.write_text(STREAMS_PLAN)
-    done = shardlang_cli("lint", str(path), model, "--world", "4")
-    assert done.returncode == 0 and "the step stopped: DataDependentOutputException" in done.stdout, done.stdout
+    model, status, said = _lint_streams(tmp_path, "reading.py")
+    assert status == 0 and "the step stopped: DataDependentOutputException" in said, said
     out = tmp_path / "init.sl"
     done = shardlang_cli("init", model, "--pp", "2", "--dp", "1", "-o", str(out))
     assert done.returncode == 0, done.stdout + done.stderr
@@ -510,15 +512,6 @@ def test_a_module_declared_after_the_stack_but_run_before_it_is_refused_at_the_p
     """Phi-4 multimodal declares `embed_tokens_extend` after its blocks and runs it before them: the
     declaration order puts it on the last stage, and the first stage's pass-through handed the blocks the
     token ids, which failed in the first block's norm (and init then left out mixed precision)."""
-    from .conftest import shardlang_cli
-
-    model = str(STREAMS.parent / "early.py")
-    path = tmp_path / "streams.sl"
-    path.write_text(STREAMS_PLAN)
-    done = shardlang_cli("lint", str(path), model, "--world", "4")
-    said = done.stdout + done.stderr
-    assert (
-        done.returncode == 1
-        and "streams.sl:3:1: error[SL220] the simulated training step of the pipeline stops: " in said
-    )
+    _, status, said = _lint_streams(tmp_path, "early.py")
+    assert status == 1 and "streams.sl:3:1: error[SL220] the simulated training step of the pipeline stops: " in said
     assert "'extend' runs before the blocks, but the model declares it after them" in said

@@ -8,6 +8,7 @@ import json
 import re
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from benchmarks.zoo.build import ROOT, Family, applies, families, probe, write_model_file
@@ -152,14 +153,11 @@ def table(path: Path) -> str:
             )
     cuts = [r["pipelined"] for r in records if "pipelined" in r]
     if cuts:
-        whys: dict[str, int] = {}
-        for why in cuts:
-            if why is not True:
-                whys[why] = whys.get(why, 0) + 1
+        whys = Counter(why for why in cuts if why is not True)
         lines += [
             "",
             f"pp: {cuts.count(True)} of {len(cuts)} starters pipelined; no pipeline, init saying why: "
-            + ("; ".join(f"{n} x {why}" for why, n in sorted(whys.items(), key=lambda item: -item[1])) or "none"),
+            + ("; ".join(f"{n} x {why}" for why, n in whys.most_common()) or "none"),
         ]
     plants = {key(r): r["planted"] for r in records if r.get("planted")}
     if plants:

@@ -44,10 +44,13 @@ def summary(error: BaseException) -> str:
     """`RuntimeError: its first line`, and the summary of the error it was raised from where there is one
     (torch's pipeline stages wrap what their backward raised in "Failed to run stage backward:", the
     tensors' shapes on the lines below: the cause is what says what went wrong)."""
-    text = str(error).strip().splitlines()
-    said = f"{type(error).__name__}: {text[0].rstrip(':') if text else '(no message)'}"
-    cause = error.__cause__
-    return said if cause is None or cause is error else f"{said}: {summary(cause)}"
+    said, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        text = str(error).strip().splitlines()
+        said.append(f"{type(error).__name__}: {text[0].rstrip(':') if text else '(no message)'}")
+        error = error.__cause__
+    return ": ".join(said)
 
 
 @contextlib.contextmanager

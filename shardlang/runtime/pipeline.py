@@ -37,9 +37,7 @@ class PassThrough(torch.nn.Module):
         self.__dict__["twin"] = twin
 
     def forward(self, *args, **kwargs):
-        if self.role == "block":
-            self.carry["blocks"] = True
-        elif self.role == "after" and not self.carry.get("blocks"):
+        if self.role == "after" and not self.carry.get("blocks"):  # blocks_begin: the stage's first block
             raise TypeError(
                 f"{self.RUNS_EARLY}: '{self.name}' runs before the blocks, but the model declares it after them, so the "
                 "last stage holds it (the order of declaration places a module); declare it before the stack"
