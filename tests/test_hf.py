@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from shardlang.compiler.predict import expert_tp_layout
 from shardlang.compiler.starter import HF_STYLES, block_stacks, hf_tp_plan, init_plan
 from shardlang.runtime.modelfile import ModelFileError, load_model_file
 
@@ -134,6 +135,26 @@ def test_starter_plan_of_a_moe_model_splits_the_experts_by_width():
     assert "    model.layers.*.mlp.experts              : expert_tensor_parallel\n" in text
     assert "# model.layers.*.mlp.experts.gate_up_proj : packed_colwise: a parameter, not a module" in text
     assert "# model.layers.*.mlp.gate_proj            : colwise: no such module in this model" in text
+
+
+def test_experts_the_models_tp_plan_leaves_whole_are_split_by_width():
+    """transformers 5.25 leaves every MoE's experts out of its tp_plan (expert parallelism instead): init
+    splits them by width all the same, saying so, rather than keep every expert whole on each tp rank; not
+    where --ep splits them, nor stored [experts, in, out] (Ergo's, gpt-oss's), which no layout here takes."""
+    from examples.hf_qwen3_moe import TP_PLAN, build_model
+
+    with torch.device("meta"):
+        model = build_model()
+    model.config.base_model_tp_plan = {k: v for k, v in TP_PLAN.items() if ".experts" not in k}
+    model._tp_plan = {k: v for k, v in model._tp_plan.items() if ".experts" not in k}
+    text = init_plan(model, tp=2)
+    assert "    # model.layers.*.mlp.experts: added: the model's tp_plan leaves these experts whole" in text
+    assert re.search(r"\n    model\.layers\.\*\.mlp\.experts +: expert_tensor_parallel\n", text), text
+    assert "expert_tensor_parallel" not in init_plan(model, tp=2, ep=2)
+    experts = model.model.layers[0].mlp.experts
+    experts.is_transposed = True
+    assert "is_transposed" in expert_tp_layout(experts, 2)
+    assert "expert_tensor_parallel" not in init_plan(model, tp=2)
 
 
 def test_starter_plan_of_a_model_without_tp_plan_is_fsdp_only():

@@ -93,6 +93,8 @@ OVERRIDES: dict[str, dict] = {
         "t5gemma",
     )
 }
+# Kolibri 1.1's indexed attention: at most as many indexer heads as query heads per key head (2 here)
+OVERRIDES["kolibri1_1"] = {"index_num_heads": 2, "index_topk": 8, "index_pool_size": 32, "index_compression": 4}
 
 #: Families not built, and why (remote code, extra packages, not a language model one can shrink).
 NOT_BUILT: dict[str, str] = {}

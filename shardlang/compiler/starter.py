@@ -54,7 +54,12 @@ HF_STYLES: Mapping[str, str | None] = {
     "ep_router": None,
     "ep_dispatch_experts": None,
     "grouped_gemm": None,
+    # heads kept whole: the same as colwise/rowwise where the module's heads divide over tp (translate)
+    "unit_colwise": "colwise",
+    "unit_rowwise": "rowwise",
 }
+#: The transformers styles that keep each attention head whole on a rank, and the projection dim counting heads.
+UNIT_STYLES = {"unit_colwise": "out_features", "unit_rowwise": "in_features"}
 WHY_NOT = {
     "replicate": "every rank keeps the whole tensor: no rule needed",
     "packed_rowwise": "3-D expert tensors stored [experts, hidden, 2 x width]: no built-in style",
@@ -161,8 +166,9 @@ def hf_tp_plan(model: nn.Module, kind: str = "tp") -> dict[str, str]:
     return plan
 
 
-def translate(model: nn.Module, key: str, style: str) -> tuple[str | None, str]:
-    """One rule of a transformers TP plan as (shardlang style, "") or (None, why it stays a comment)."""
+def translate(model: nn.Module, key: str, style: str, tp: int = 1) -> tuple[str | None, str]:
+    """One rule of a transformers TP plan as (shardlang style, "") or (None, why it stays a comment), at
+    tensor-parallel degree `tp`."""
     if not modules_matching(model, key):
         regex = pattern_regex(key)
         params = any(regex.fullmatch("." + name) for name, _ in model.named_parameters())
@@ -175,6 +181,8 @@ def translate(model: nn.Module, key: str, style: str) -> tuple[str | None, str]:
             layout = expert_tp_layout(model.get_submodule(fqn), 1)
             if isinstance(layout, str):
                 return None, f"{layout}; the experts stay whole on each tp rank and fully_shard shards them over dp"
+    if style in UNIT_STYLES:
+        return _whole_heads(model, key, style, ours, tp)
     if "{rope}" in ours:
         config = getattr(model, "config", None)
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -182,6 +190,28 @@ def translate(model: nn.Module, key: str, style: str) -> tuple[str | None, str]:
         if rope is None:
             return None, "mla_kv_a_proj needs the rotary width, and the model's config has no qk_rope_head_dim"
         return ours.format(rope=rope), ""
+    return ours, ""
+
+
+def _whole_heads(model: nn.Module, key: str, style: str, ours: str, tp: int) -> tuple[str | None, str]:
+    """transformers' unit_colwise/unit_rowwise, which keep each head whole: colwise/rowwise where every
+    matched projection's heads divide over tp; with fewer heads than ranks transformers repeats each head on
+    several ranks over a second mesh axis, which no built-in style does."""
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    if not head_dim:
+        return None, f"{style} splits by head, and the model's config gives no head_dim"
+    for fqn in modules_matching(model, key):
+        width = getattr(model.get_submodule(fqn), UNIT_STYLES[style], None)
+        if width is None or width % head_dim:
+            return None, f"{style} on {fqn}: not a projection of whole heads of width {head_dim}"
+        if (width // head_dim) % tp:
+            return None, (
+                f"{style} on {fqn}: its {width // head_dim} heads do not divide over tp={tp} (transformers "
+                "repeats each head on several ranks over a second mesh axis): no built-in style"
+            )
     return ours, ""
 
 
@@ -211,6 +241,27 @@ def _stacked_expert_rules(model: nn.Module, stacks: tuple[str, ...]) -> list[tup
         for stack, outermost in _outermost_in_first_blocks(model, stacks, stacked_experts)
         for path in outermost
     ]
+
+
+#: Why init splits experts by width that the model's tp_plan leaves whole.
+EXPERTS_WHOLE = "added: the model's tp_plan leaves these experts whole on every tp rank; split by width"
+
+
+def _experts_by_width(model: nn.Module, stacks, rules, split, tp: int) -> list[tuple[str, str, str | None, str]]:
+    """`expert_tensor_parallel` rules for the stacked experts of each stack's first block that no rule of
+    `rules` names (nor splits a module inside them) and expert parallelism does not split (`split`), where
+    their layout divides over `tp`: without it every tp rank would hold every expert whole."""
+    named = [key for key, _, ours, _ in rules if ours is not None]
+    added = []
+    for stack, outermost in _outermost_in_first_blocks(model, stacks, stacked_experts):
+        first = next(iter(model.get_submodule(stack).named_children()))[1]
+        for path in outermost:
+            pattern = f"{stack}.*.{path}"
+            if any(within(key, pattern) for key in named + list(split)) or any(k == pattern for k, *_ in rules):
+                continue
+            if not isinstance(expert_tp_layout(first.get_submodule(path), tp), str):
+                added.append((pattern, "stacked experts", "expert_tensor_parallel", EXPERTS_WHOLE))
+    return added
 
 
 def _outermost_in_first_blocks(model: nn.Module, stacks: tuple[str, ...], matches) -> list[tuple[str, list[str]]]:
@@ -371,7 +422,9 @@ def init_plan(
     experts = _left_out(experts, drops.rules)
     keeps_ep = any(ours is not None for _, _, ours, _ in experts)
     split = [key for key, _, ours, _ in experts if ours is not None]
-    rules = [(key, style, *translate(model, key, style)) for key, style in hf_tp_plan(model).items()] if tp > 1 else []
+    rules = (
+        [(key, style, *translate(model, key, style, tp)) for key, style in hf_tp_plan(model).items()] if tp > 1 else []
+    )
     proposed = tp > 1 and not rules  # no tp_plan of its own: rules read off its structure (compiler.proposed)
     groups = proposed_tp_groups(model, stacks, tp) if proposed else _sibling_groups(rules)
     rules = [rule for group in groups for rule in group] if proposed else rules
@@ -383,6 +436,7 @@ def init_plan(
         else (key, style, ours, why)
         for key, style, ours, why in rules
     ]
+    rules += _experts_by_width(model, stacks, rules, split, tp) if tp > 1 else []
     rules = _sums_written(_left_out(rules, with_partners(groups, drops.rules)))  # a rule takes its group
     if tp > 1:  # modules whose whole parameters lint's step found meeting a piece of their input
         rules += [(key, SUMMED, SUMMED, ADDED) for key in drops.summed if key not in drops.rules]
