@@ -18,6 +18,7 @@ from shardlang.compiler.float32 import float32_units  # noqa: E402
 from shardlang.compiler.lint import lint  # noqa: E402
 from shardlang.compiler.lower import lower  # noqa: E402
 from shardlang.compiler.program import FullyShard  # noqa: E402
+from shardlang.compiler.starter import init_plan  # noqa: E402
 from shardlang.launch.job import Job, run  # noqa: E402
 from shardlang.verification.reference import K  # noqa: E402
 from shardlang.verification.routing import Record, Replay, replay_under  # noqa: E402
@@ -45,11 +46,11 @@ def _qwen2_moe():
     return build_model()
 
 
-def _units(text: str, model) -> list[FullyShard]:
+def _units(text: str, model, world: int = 2) -> list[FullyShard]:
     plan = shardlang.loads(text)
-    linted = lint(plan, model, 2)
+    linted = lint(plan, model, world)
     assert linted.ok, linted.diagnostics
-    return [s for s in lower(plan, linted.resolution, 2).steps if isinstance(s, FullyShard)]
+    return [s for s in lower(plan, linted.resolution, world).steps if isinstance(s, FullyShard)]
 
 
 def test_ernie_routers_get_float32_units_before_their_layers():
@@ -76,6 +77,25 @@ def test_no_float32_unit_without_a_dtype_that_rounds_them_or_a_model_that_asks()
         "    mixed_precision(param=bf16, reduce=fp32)\n}\n"
     )
     assert [s.module for s in _units(qwen, _qwen2_moe()) if s.why] == []
+
+
+def test_a_float32_unit_inside_the_experts_divides_its_gradients_as_they_do():
+    """Ergo (transformers 5.25) keeps each expert's norm scale in float32, inside the experts that
+    expert_parallel gives a unit of their own over dp, whose gradients are divided by dp x ep (the ep ranks
+    train on their own data): the norm's float32 unit divides alike. It divided by dp alone, and a correct
+    plan's norm gradients came out ep times too large (apply failed; lint, on fake tensors, passed)."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "ErgoConfig"):
+        pytest.skip("transformers before 5.25 has no Ergo")
+    from benchmarks import zoo
+
+    with torch.device("meta"):
+        model = zoo.build(zoo.family("ergo"))
+    plan = init_plan(model, ep=2)
+    units = {u.module: u for u in _units(plan, model, world=4) if isinstance(u.module, str)}
+    norm, experts = units["model.layers.1.mlp.experts.post_expert_norm"], units["model.layers.1.mlp.experts"]
+    assert experts.divide_by is not None and norm.divide_by == experts.divide_by
+    assert "stays float32" in norm.why
 
 
 def test_the_printed_program_says_why_the_router_is_float32():
@@ -105,7 +125,7 @@ def test_float32_units_follow_transformers_patterns():
 # --- the replayed routing -----------------------------------------------------------------------------------
 
 
-def _routed(choose=None):
+def _routed(choose=None, joined: bool = False):
     """A bfloat16 ERNIE (the 'sharded run') routes a batch; a float64 truth and a bfloat16 'same' reference
     replay it (`choose` may change the recorded choices first). The replay's judgement, the choices
     recorded and the truth. The routers' weights are scaled up from the tiny init, so that experts' scores
@@ -124,7 +144,7 @@ def _routed(choose=None):
     choices = record.choices if choose is None else [choose(c) for c in record.choices]
     replay = Replay()
     truth, same = _references(model, replay)
-    replay.start({0: choices}, 0)
+    replay.start({0: choices}, 0, joined=joined)
     for reference in (truth, same):
         reference(inputs).logits.float().sum().backward()
     return replay.judge(K), record.choices, truth
@@ -186,6 +206,35 @@ def test_a_tie_within_rounding_is_replayed_not_failed():
     assert torch.equal(replay.seen["truth", 0, 0].forced, swapped)
 
 
+def test_choices_of_a_sequence_split_over_context_ranks_join_back():
+    """Under context parallelism each rank's router sees its head-tail part of every sequence, as rows of
+    [batch x part] (or [batch, part, k], or DeepSeek's [tokens, groups, k]): joined in rank order, the
+    choices are the whole sequence's, row for row."""
+    from shardlang.runtime.context_layout import sequence_layout
+    from shardlang.verification.routing import Sequence
+
+    batch, length, k = 3, 16, 2
+    whole = torch.arange(batch * length * k).reshape(batch, length, k)
+    layout = sequence_layout("headtail", 2)
+    parts = [layout.split(whole, 1, rank) for rank in range(2)]
+    sequence = Sequence(layout, 0, batch)
+    assert torch.equal(sequence.join(parts), whole)
+    assert torch.equal(sequence.join([p.reshape(-1, k) for p in parts]), whole.reshape(-1, k))
+    grouped = [p.reshape(-1, 1, k) for p in parts]
+    assert torch.equal(sequence.join(grouped), whole.reshape(-1, 1, k))
+    assert sequence.join([parts[0].reshape(-1, k)[:5], parts[1].reshape(-1, k)[:5]]) is None  # not its tokens
+    assert sequence.join([parts[0], None]) is None
+
+
+def test_choices_joined_out_of_order_are_not_replayed():
+    """Choices joined from a sequence's parts that differ from the reference's own on most tokens are not
+    these tokens' (a layout the join misread): not replayed, counted, and no router is blamed."""
+    judged, recorded, _ = _routed(lambda c: c.roll(1, 0).flip(-1) if c.shape[0] > 1 else c, joined=True)
+    assert judged.unmatched == len(recorded) and judged.wrong == 0, judged
+    judged, _, _ = _routed(joined=True)  # joined right: replayed
+    assert judged.unmatched == 0 and judged.wrong == 0, judged
+
+
 # --- the plan, applied ------------------------------------------------------------------------------------
 
 
@@ -200,6 +249,16 @@ def test_ernie_tp_ep_bf16_passes_with_its_routers_in_float32(pools):
     (check,) = report.checks
     assert report.ok and check.status == "pass", check.message
     assert "2 modules kept in float32" in check.message
+
+
+@pytest.mark.distributed
+def test_ernie_under_context_parallelism_replays_its_routing(pools):
+    """Each cp rank's routers see part of every sequence: the check joins their choices back and replays
+    every topk call in the references (bfloat16 compute, where a near-tie flips)."""
+    report = _apply(pools, ROOT / "tests/fixtures/families/ernie4_5_moe_cp_bf16.sl")
+    (check,) = report.checks
+    assert check.status == "pass", check.message
+    assert "not replayed" not in check.message, check.message
 
 
 @pytest.mark.distributed

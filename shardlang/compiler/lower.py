@@ -162,7 +162,8 @@ def _units(plan: ir.Plan, resolution: Resolution) -> list[p.Step]:
 
 def _float32_unit(plan: ir.Plan, kept: Float32Unit) -> p.Step:
     """A float32 unit inside `kept.unit`: its options, but parameters in float32, gradients reduced in its
-    `reduce`, and inputs taken as they come (in the outer unit's compute dtype)."""
+    `reduce`, and inputs taken as they come (in the outer unit's compute dtype); its gradients divided as the
+    outer unit's (the experts' unit over dp, dividing by dp x ep: Ergo's per-expert norms)."""
     block = plan.units[kept.unit.block]
     outer = kept.unit.option(block, "mixed_precision")
     policy = ir.MixedPrecision(param=FLOAT32, reduce=outer.reduce, cast_forward_inputs=False)
@@ -171,7 +172,8 @@ def _float32_unit(plan: ir.Plan, kept: Float32Unit) -> p.Step:
         return policy if name == "mixed_precision" else kept.unit.option(block, name)
 
     origin = kept.unit.unit.span if kept.unit.unit is not None else block.span
-    return p.FullyShard(kept.module, block.mesh, _fsdp_kwargs(plan, block, get), origin, why=kept.why())
+    kwargs = _fsdp_kwargs(plan, block, get)
+    return p.FullyShard(kept.module, block.mesh, kwargs, origin, divide_by=block.divide_by, why=kept.why())
 
 
 def _unit(

@@ -185,6 +185,14 @@ def expert_tp_layout(module: nn.Module, tp: int) -> dict[str, tuple[int | None, 
             "expert_tensor_parallel splits a module holding every expert's weights stacked on dim 0 as transformers "
             "stores them (gate_up_proj [experts, 2 x width, hidden], down_proj [experts, hidden, width])"
         )
+    if getattr(module, "is_transposed", False):  # transformers' use_experts_implementation(is_transposed=True)
+        return (
+            "its experts are stored [experts, in, out] (is_transposed, as Ergo's), which the shapes alone do "
+            "not tell from [experts, out, in]: no built-in layout"
+        )
+    inner = next((n for n, m in module.named_children() if any(True for _ in m.parameters())), None)
+    if inner is not None:  # Ergo's per-expert norm, on each expert's whole output before the routing weights
+        return f"it holds '{inner}', with parameters, inside the experts' forward: no built-in layout splits it"
     hidden, width = down.shape[1], down.shape[2]
     layout = {}
     for name, param in own.items():
@@ -204,12 +212,14 @@ def expert_tp_layout(module: nn.Module, tp: int) -> dict[str, tuple[int | None, 
 
 
 def expert_tensors(module: nn.Module) -> tuple[str, ...]:
-    """The own parameters of a stacked-experts module that are split by expert: each whose dim 0 counts the
-    experts (gpt-oss's 2-D biases too). None of any other module's."""
+    """The parameters of a stacked-experts module that are split by expert, named relative to it: each whose
+    dim 0 counts the experts (gpt-oss's 2-D biases too), its own and its submodules' (Ergo's per-expert norm
+    scales [experts, hidden], which the module's forward indexes by the expert ids it is given: local ones,
+    once split). None of any other module's."""
     experts = stacked_experts(module)
     if experts is None:
         return ()
-    return tuple(n for n, p in module.named_parameters(recurse=False) if p.dim() >= 1 and p.shape[0] == experts)
+    return tuple(n for n, p in module.named_parameters() if p.dim() >= 1 and p.shape[0] == experts)
 
 
 def owned(model_modules: Mapping[str, nn.Module], buffers: bool = True) -> Iterator[tuple[str, str, str, object]]:
@@ -344,10 +354,11 @@ def _by_rule(plan, match: RuleMatch, resolution, probe, owner, name, is_param, o
         return Placed(mesh.mesh, mesh.dims, (placement,))
     if probe != owner and kind == "expert_parallel":
         members = expert_members(resolution.modules[probe])
-        key = owner[len(probe) + 1 :].split(".")[0] if probe else owner.split(".")[0]
-        if members is not None and key in members:
-            return Placed(held=(mesh.mesh, mesh.dims[0], members.index(key), len(members)))
-        return None
+        inside = owner[len(probe) + 1 :] if probe else owner
+        if members is not None and inside.split(".")[0] in members:
+            return Placed(held=(mesh.mesh, mesh.dims[0], members.index(inside.split(".")[0]), len(members)))
+        split = f"{inside}.{name}" in expert_tensors(resolution.modules[probe])  # a submodule's, split with them
+        return Placed(mesh.mesh, mesh.dims, (ir.Shard(0),)) if split else None
     if probe == owner and kind == "expert_parallel":
         # the experts split on dim 0; anything else of the module stays a plain tensor
         return (

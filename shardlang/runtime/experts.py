@@ -72,10 +72,12 @@ class ExpertParallel(ParallelStyle):
         ep = device_mesh.size()
         if experts % ep:
             raise ValueError(f"{experts} experts do not split evenly over {ep} ranks")
-        for name in expert_tensors(module):
-            param = module._parameters[name]
+        for name in expert_tensors(module):  # (a submodule's too: Ergo's per-expert norm scales)
+            path, _, leaf = name.rpartition(".")
+            owner = module.get_submodule(path)
+            param = owner._parameters[leaf]
             sharded = distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
-            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+            owner.register_parameter(leaf, nn.Parameter(sharded, requires_grad=param.requires_grad))
         ranks = ExpertRanks(device_mesh.get_group(), ep, device_mesh.get_local_rank(), experts)
         if takes_expert_counts(module):
             forward = _counted_forward(module.forward, ranks)
