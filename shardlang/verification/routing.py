@@ -9,14 +9,15 @@ gradients, and the router's, by far more than rounding: on 2 x H200, ERNIE-4.5-M
 So the check compares like with like: while the sharded model runs forward, each topk's indices are recorded
 (each replica's by its ranks), and while a reference runs forward on that replica's inputs, each topk
 returns those indices, its values gathered from the reference's own scores (gradients still flow through
-the reference's own router).
+the reference's own router). Under context parallelism each rank's router sees its part of the sequence:
+the replica's choices are its ranks' joined back in sequence order (Sequence).
 
 Replaying could hide a router that scores wrong, so each forced choice is judged against the truth's own:
 where they differ, the truth scores its own choice above the forced one by `gap`. The sharded run's scores
 may be K times as far from the truth's as the same-precision reference's are (the check's rule), and a
 choice that far off can cost at most 2 k times that: a token whose gap is larger was routed wrong, and the
 check fails naming the module that called topk. A topk whose shape differs from the recorded one (a
-sequence split over ranks) is not replayed, and the report says how many were not.
+sequence split over ranks before the router) is not replayed, and the report says how many were not.
 """
 
 from __future__ import annotations
@@ -34,9 +35,35 @@ TOPK = frozenset({torch.topk, torch.Tensor.topk})
 
 def replayable(plan) -> bool:
     """Whether the sharded run's choices can be paired with the references' call by call: not when ranks hold
-    parts of the sequence or of the model (context parallelism, pipelines), nor under torch.compile (a mode
-    over a compiled region changes what it compiles). The same on every rank: the plan decides."""
-    return plan.pipeline is None and plan.context_parallel is None and not plan.compiles
+    parts of the model (pipelines), nor under torch.compile (a mode over a compiled region changes what it
+    compiles). Under context parallelism each rank's choices are its part of the sequence's, joined back
+    (Sequence). The same on every rank: the plan decides."""
+    return plan.pipeline is None and not plan.compiles
+
+
+@frozen
+class Sequence:
+    """How the ranks of one replica split its sequences (context parallelism): the layout (runtime.
+    context_layout), this rank's place in it, and the replica's batch size. A router sees its rank's tokens,
+    [batch, shard, ...] or, flattened, [batch x shard, ...] (DeepSeek's group choice: [tokens, groups, k]);
+    the references see the whole sequence's."""
+
+    layout: object  # runtime.context_layout.SequenceLayout
+    rank: int
+    batch: int
+
+    def join(self, shards: list) -> torch.Tensor | None:
+        """One topk's indices from every rank of the layout (in rank order) in the order of the whole
+        sequence; None where they are not its tokens' (a shape neither form above)."""
+        if any(s is None for s in shards) or len({tuple(s.shape) for s in shards}) != 1:
+            return None
+        first = shards[0]
+        if first.dim() >= 3 and first.shape[0] == self.batch:
+            return self.layout.join(shards, 1)
+        if first.dim() >= 2 and first.shape[0] % self.batch == 0:
+            rows = [s.reshape(self.batch, -1, *s.shape[1:]) for s in shards]
+            return self.layout.join(rows, 1).reshape(-1, *first.shape[1:])
+        return None
 
 
 class Record(TorchFunctionMode):
@@ -54,17 +81,29 @@ class Record(TorchFunctionMode):
         return out
 
 
-def by_replica(choices: list, replica: int) -> dict[int, list]:
+def by_replica(choices: list, replica: int, sequence: Sequence | None = None) -> dict[int, list]:
     """Every replica's recorded choices, from the first rank computing it (ranks of one replica route alike:
-    their router's inputs are whole and equal after the reductions)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return {replica: choices}
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (replica, choices))
-    found: dict[int, list] = {}
-    for r, c in everyone:
-        found.setdefault(r, c)
-    return found
+    their router's inputs are whole and equal after the reductions); under context parallelism (`sequence`)
+    each choice joined from the first rank holding each part of the sequence."""
+    place = sequence.rank if sequence is not None else 0
+    everyone: list = [(replica, place, choices)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (replica, place, choices))
+    found: dict[int, dict[int, list]] = {}
+    for r, at, c in everyone:
+        found.setdefault(r, {}).setdefault(at, c)
+    if sequence is None:
+        return {r: parts[0] for r, parts in found.items()}
+    return {r: _joined(parts, sequence) for r, parts in found.items()}
+
+
+def _joined(parts: dict[int, list], sequence: Sequence) -> list:
+    """Each topk call's choices joined from the parts of the sequence (None for a call they do not make
+    alike: not replayed)."""
+    ranks = [parts.get(at, []) for at in range(sequence.layout.ranks)]
+    calls = min(len(r) for r in ranks)
+    return [sequence.join([r[call] for r in ranks]) for call in range(calls)]
 
 
 @frozen
@@ -110,7 +149,10 @@ class Judged:
                 "within rounding of a tie, replayed in the references"
             )
         if self.unmatched:
-            parts.append(f"{self.unmatched} topk calls not replayed (their shape differs from the sharded run's)")
+            parts.append(
+                f"{self.unmatched} topk calls not replayed (their shape differs from the sharded run's, or, joined "
+                "from the parts of a sequence, most of their tokens chose otherwise)"
+            )
         return "; ".join(parts)
 
 
@@ -123,9 +165,11 @@ class Replay:
     replica: int = 0
     seen: dict[tuple[str, int, int], Seen] = field(factory=dict)
     unmatched: int = 0
+    #: The choices were joined from the parts of a sequence (context parallelism: Sequence).
+    joined: bool = False
 
-    def start(self, choices: dict[int, list], replica: int) -> None:
-        self.choices, self.replica, self.seen, self.unmatched = choices, replica, {}, 0
+    def start(self, choices: dict[int, list], replica: int, joined: bool = False) -> None:
+        self.choices, self.replica, self.seen, self.unmatched, self.joined = choices, replica, {}, 0, joined
 
     def forced(self, call: int) -> torch.Tensor | None:
         mine = self.choices.get(self.replica, [])
@@ -181,7 +225,11 @@ class Forcing(TorchFunctionMode):
             return out
         call, self.calls = self.calls, self.calls + 1
         forced = self.replay.forced(call)
-        if forced is None or tuple(forced.shape) != tuple(out[1].shape):
+        if (
+            forced is None
+            or tuple(forced.shape) != tuple(out[1].shape)
+            or self._misjoined(forced, out[1], args, kwargs)
+        ):
             self.replay.unmatched += self.role == "truth"
             return out
         scores, dim, largest = _topk_args(args, kwargs)
@@ -190,6 +238,17 @@ class Forcing(TorchFunctionMode):
         seen = Seen(module, scores.detach().cpu(), forced.cpu(), out[1].detach().cpu(), dim, largest)
         self.replay.seen[self.role, self.replay.replica, call] = seen
         return torch.return_types.topk((torch.gather(scores, dim, forced), forced))
+
+    def _misjoined(self, forced: torch.Tensor, own: torch.Tensor, args, kwargs) -> bool:
+        """Whether choices joined from the parts of a sequence (Sequence) differ from the reference's own on
+        most tokens: rounding flips a few near-ties, so they are not these tokens' choices (the join read a
+        layout the model does not have, such as [sequence, batch] rows) and are not replayed. A router
+        scoring wrong still fails the gradients it moves."""
+        if not self.replay.joined:
+            return False
+        dim = _topk_args(args, kwargs)[1]
+        forced, own = _rows(forced.to(own.device), dim), _rows(own, dim)
+        return bool(((forced.sort(-1).values != own.sort(-1).values).any(-1)).double().mean() > 0.5)
 
     def enter(self, module, args) -> None:
         self.stack.append(self.names.get(id(module), type(module).__name__))
