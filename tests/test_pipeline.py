@@ -515,3 +515,23 @@ def test_a_module_declared_after_the_stack_but_run_before_it_is_refused_at_the_p
     _, status, said = _lint_streams(tmp_path, "early.py")
     assert status == 1 and "streams.sl:3:1: error[SL220] the simulated training step of the pipeline stops: " in said
     assert "'extend' runs before the blocks, but the model declares it after them" in said
+
+
+@pytest.mark.distributed
+def test_experts_whose_float32_grouped_mm_fake_tensors_refuse_pipeline_clean(tmp_path):
+    """Qwen3-MoE's experts run torch._grouped_mm in float32, which the meta kernel refuses (CUDA's does;
+    CPU's takes it): lint's pipelined step runs it on stand-ins as the plain step does, and says so. It
+    raised, a false alarm at the experts (Sarvam's MLA in the zoo, issue 41)."""
+    pytest.importorskip("transformers")
+    from .conftest import shardlang_cli
+
+    path = tmp_path / "moe_pipeline.sl"
+    path.write_text(
+        "shardlang 1\nmesh world = auto[pp=2, dp=auto]\n"
+        "pipeline on world.pp {\n    split before model.layers.1\n    microbatches = 4\n}\n"
+        "fully_shard on world.dp {\n    each model.layers.*\n}\n"
+    )
+    done = shardlang_cli("lint", str(path), str(ROOT / "examples" / "hf_qwen3_moe.py"), "--world", "2")
+    said = done.stdout + done.stderr
+    assert done.returncode == 0, said
+    assert "stage by stage, for each of the 2 pp ranks; torch._grouped_mm ran in float32 in model.layers.0" in said

@@ -13,6 +13,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from attrs import field, frozen
 
+from ..frontend.diagnostics import few
+
 
 @frozen
 class Collective:
@@ -198,6 +200,38 @@ class StandIns:
         self.seen.clear()
         self.float32_grouped_mm.clear()
 
+    def notes(self) -> tuple[str, ...]:
+        """The step's notes on what it ran on stand-ins, and what it could not check."""
+        notes = []
+        if self.uncast_units:
+            notes.append(
+                f"the dtypes of products in fully_shard units over one rank with mixed_precision "
+                f"({', '.join(self.uncast_units)}) not checked: under fake tensors torch {torch.__version__} "
+                "leaves their parameters uncast (apply runs them)"
+            )
+        for sound, how in ((True, "masks all true"), (False, "tensors of ones where fake tensors held no value")):
+            seen = [s for s in self.seen if s.sound == sound]
+            if seen:
+                ops = ", ".join(sorted({s.op.removeprefix("aten::") for s in seen}))
+                notes.append(f"{ops} {_in_modules(s.module for s in seen)} read tensor values: the step ran on {how}")
+        if self.float32_grouped_mm:
+            notes.append(
+                f"torch._grouped_mm ran in float32 {_in_modules(self.float32_grouped_mm)}, as CPU's kernel takes "
+                "it (CUDA's takes only bf16: mixed_precision(param=bf16) on their units, or "
+                "config._experts_implementation = 'eager')"
+            )
+        return tuple(notes)
+
+    def after_guess(self, message: str) -> str:
+        """The note that stands for a failure (`message`) after a stand-in gave a value the model may never
+        see."""
+        guess = next(s for s in self.seen if not s.sound)
+        return (
+            f"the step stopped: after {guess.op.removeprefix('aten::')} {_in_modules([guess.module])} read a value "
+            f"fake tensors do not hold (it was given ones), {message}; that may come of the value it was given, "
+            "so it is left to apply's checks"
+        )
+
     def run(self, mode, func, args, kwargs):
         """`func` on real tensors: each fake argument's values where fake tensors kept them (a constant),
         else ones of its shape and dtype; its tensors made fake again, keeping their values (nonzero's
@@ -231,6 +265,12 @@ class StandIns:
         self.float32_grouped_mm.append(self.where())
         dtype = kwargs.get("out_dtype") or next(t.dtype for t in _tensors(args) if t.is_floating_point())
         return call(tree_map(_bf16, args), tree_map(_bf16, kwargs)).to(dtype)
+
+
+def _in_modules(names) -> str:
+    """`in a, b` for the modules named (None: in a backward, outside every module's forward)."""
+    named = sorted({n for n in names if n is not None})
+    return f"in {few(named, 3)}" if named else "in the backward"
 
 
 def _bf16(x):

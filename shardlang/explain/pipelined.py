@@ -142,9 +142,12 @@ def _sub(a: dict, b: dict) -> dict:
     return {k: a.get(k, 0) - b.get(k, 0) for k in a.keys() | b.keys()}
 
 
-def _measure(plan: ir.Plan, applied_by_rank: dict, model_file, batch: int | None, microbatches: int, ran: list):
+def _measure(
+    plan: ir.Plan, applied_by_rank: dict, model_file, batch: int | None, microbatches: int, ran: list, stand_ins=None
+):
     """Every stage measured in order (a stage receives the previous one's output): {stage: _Measured},
-    the batch, tokens and data-parallel replicas. The step's phases are noted in `ran` (step.Step)."""
+    the batch, tokens and data-parallel replicas. The step's phases are noted in `ran` (step.Step); what fake
+    tensors cannot run runs on `stand_ins` where given (lint's step: fakestep.StandIns)."""
     from torch.distributed import pipelining
 
     from ..verification import Context
@@ -188,7 +191,11 @@ def _measure(plan: ir.Plan, applied_by_rank: dict, model_file, batch: int | None
 
     # position ids read as the workers read them (a plain step's explain and lint do the same): on fake ones
     # transformers takes every batch for packed sequences (Youtu and Sarvam's MLA then raised)
-    with quiet("torch._subclasses.fake_tensor"), recording_fake_mode(recorder), positions_as_on_real_tensors():
+    with (
+        quiet("torch._subclasses.fake_tensor"),
+        recording_fake_mode(recorder, stand_ins),
+        positions_as_on_real_tensors(),
+    ):
         where = step.where
         batch = batch if batch is not None else m * 2 * max(where.tp_size, 1)
         full = step.batch(size=batch)
@@ -306,11 +313,12 @@ def pipeline_report(
     hardware: Hardware | None = None,
     meshes=None,
     ran: list | None = None,
+    stand_ins=None,
 ):
     """The pipeline seen from every pp rank. With a model file's example_input and `hardware`, one
     step is simulated stage by stage: (report, rank R's collectives, rank R's Peak, rank R's StepTime,
     None); else, or if the step fails, (report, (), None, None, the exception or None). The step's phases
-    are noted in `ran` (step.Step.ran)."""
+    are noted in `ran` (step.Step.ran); lint's step passes its `stand_ins` (fakestep.StandIns)."""
     pipeline = plan.pipeline
     pp = len(applied_by_rank)
     v = pipeline.stages_per_rank
@@ -336,7 +344,7 @@ def pipeline_report(
     if model_file is not None and model_file.example_input is not None and hardware is not None:
         try:
             measured, batch, microbatch, tokens, replicas = _measure(
-                plan, applied_by_rank, model_file, batch, m, ran if ran is not None else []
+                plan, applied_by_rank, model_file, batch, m, ran if ran is not None else [], stand_ins
             )
         except Exception as e:  # noqa: BLE001 - the stages stand; the step is what fails
             failure = e

@@ -120,6 +120,7 @@ def _pipelined(plan: ir.Plan, model: nn.Module, model_file: ModelFile, world_siz
     cannot send what its blocks return)."""
     from ..runtime.pipeline import CONTRACT
     from ..verification import Context
+    from .fakestep import StandIns
     from .pipelined import pipeline_report, pp_size
     from .timing import hardware
 
@@ -134,12 +135,18 @@ def _pipelined(plan: ir.Plan, model: nn.Module, model_file: ModelFile, world_siz
         linted = applied_by_rank[index].linted
     meshes = named_mesh_dims(plan, world_size)
     phases: list[str] = []
-    *_, failure = pipeline_report(
-        plan, applied_by_rank, world_size, 0, model_file, None, hardware(), meshes, ran=phases
-    )
+    stand_ins = StandIns()
+    stand_ins.uncast_units = _uncast_units(Context(plan, applied_by_rank[0], model_file))
+    with Watch([applied.model for applied in applied_by_rank.values()]) as watch:
+        stand_ins.where = watch.running
+        *_, failure = pipeline_report(
+            plan, applied_by_rank, world_size, 0, model_file, None, hardware(), meshes, ran=phases, stand_ins=stand_ins
+        )
     note = f"one training step simulated stage by stage, for each of the {pp} pp ranks"
     if failure is None:
-        return Rehearsal((), note, True, tuple(phases))
+        return Rehearsal((), "; ".join((note, *stand_ins.notes())), True, tuple(phases))
+    if stand_ins.guessed:  # what raised may come of a value the model never sees
+        return Rehearsal((), f"{note}; {stand_ins.after_guess(raised.summary(failure))}")
     read = raised.value_read(failure)
     if read is not None:  # a value fake tensors do not hold (Longformer's `.any().item()`): apply's checks decide
         return Rehearsal((), f"{note}; the step stopped: {raised.summary(read)} reads tensor values")
@@ -205,10 +212,10 @@ def _step(plan: ir.Plan, model: nn.Module, model_file: ModelFile) -> tuple[list[
             found, ran = _forward_backward(step, watch, full, expected)
     phases = tuple(step.ran)
     if found and stand_ins.guessed:  # what raised may come of a value the model never sees
-        return [], False, (_after_guess(stand_ins, found[0]),), phases
+        return [], False, (stand_ins.after_guess(found[0].message),), phases
     if found and unrun is not None:  # the model's own failure on these inputs, not the plan's
         return [], False, (f"the step stopped: {found[0].message}; the unsharded model raises too ({unrun})",), phases
-    return (_partial_gradients(ctx, watch) if ran else found), ran, _stood_in(stand_ins), phases
+    return (_partial_gradients(ctx, watch) if ran else found), ran, stand_ins.notes(), phases
 
 
 def _uncast_units(ctx) -> tuple[str, ...]:
@@ -321,45 +328,6 @@ def _reduced_over(ctx, mesh: ir.MeshRef):
     return summed
 
 
-def _stood_in(stand_ins) -> tuple[str, ...]:
-    """The step's notes on what it ran on stand-ins (fakestep.StandIns), and what it could not check."""
-    notes = []
-    if stand_ins.uncast_units:
-        notes.append(
-            f"the dtypes of products in fully_shard units over one rank with mixed_precision "
-            f"({', '.join(stand_ins.uncast_units)}) not checked: under fake tensors torch {torch.__version__} "
-            "leaves their parameters uncast (apply runs them)"
-        )
-    for sound, how in ((True, "masks all true"), (False, "tensors of ones where fake tensors held no value")):
-        seen = [s for s in stand_ins.seen if s.sound == sound]
-        if seen:
-            ops = ", ".join(sorted({s.op.removeprefix("aten::") for s in seen}))
-            notes.append(f"{ops} {_in_modules(s.module for s in seen)} read tensor values: the step ran on {how}")
-    if stand_ins.float32_grouped_mm:
-        notes.append(
-            f"torch._grouped_mm ran in float32 {_in_modules(stand_ins.float32_grouped_mm)}, as CPU's kernel takes "
-            "it (CUDA's takes only bf16: mixed_precision(param=bf16) on their units, or "
-            "config._experts_implementation = 'eager')"
-        )
-    return tuple(notes)
-
-
-def _in_modules(names) -> str:
-    """`in a, b` for the modules named (None: in a backward, outside every module's forward)."""
-    named = sorted({n for n in names if n is not None})
-    return f"in {few(named, 3)}" if named else "in the backward"
-
-
-def _after_guess(stand_ins, found: Diagnostic) -> str:
-    """The note that stands for a failure after a stand-in gave a value the model may never see."""
-    guess = next(s for s in stand_ins.seen if not s.sound)
-    return (
-        f"the step stopped: after {guess.op.removeprefix('aten::')} {_in_modules([guess.module])} read a value "
-        f"fake tensors do not hold (it was given ones), {found.message}; that may come of the value it was given, "
-        "so it is left to apply's checks"
-    )
-
-
 def _on_meta(model: nn.Module) -> bool:
     return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
@@ -374,11 +342,15 @@ class Watch:
     what the unsharded model hands them (`split`, in the order they ran)."""
 
     def __init__(
-        self, model: nn.Module, unsharded: dict[str, list[tuple]] | None = None, shapes: dict[str, tuple] | None = None
+        self,
+        model: nn.Module | list[nn.Module],
+        unsharded: dict[str, list[tuple]] | None = None,
+        shapes: dict[str, tuple] | None = None,
     ):
         from ..verification.localise import plain_name
 
-        self.names = {id(m): plain_name(n) for n, m in model.named_modules()}
+        models = model if isinstance(model, list) else [model]
+        self.names = {id(m): plain_name(n) for model in models for n, m in model.named_modules()}
         self.unsharded = unsharded or {}
         self.shapes = shapes or {}
         self.received: dict[str, tuple] = {}  # each module's last call
