@@ -535,3 +535,13 @@ def test_experts_whose_float32_grouped_mm_fake_tensors_refuse_pipeline_clean(tmp
     said = done.stdout + done.stderr
     assert done.returncode == 0, said
     assert "stage by stage, for each of the 2 pp ranks; torch._grouped_mm ran in float32 in model.layers.0" in said
+
+
+@pytest.mark.distributed
+def test_a_module_declared_before_the_stack_but_run_after_it_is_refused_at_the_pipeline(tmp_path):
+    """OPT declares its final_layer_norm before its layers and runs it after them: the declaration order puts
+    it on the first stage, and the last stage's pass-through of it handed the head what that stage
+    received, so the last stage's blocks had no gradient (apply failed; lint passed: a miss in the zoo)."""
+    _, status, said = _lint_streams(tmp_path, "late.py")
+    assert status == 1 and "streams.sl:3:1: error[SL220] the simulated training step of the pipeline stops: " in said
+    assert "'late' runs after the blocks, but the model declares it before them" in said

@@ -113,8 +113,9 @@ class Drops:
             return None if key in self.rules else attrs.evolve(self, rules={**self.rules, key: why})
         if block == "cp":
             return None if self.cp else attrs.evolve(self, cp=why)
-        if block == "pp":
-            return None if self.pp else attrs.evolve(self, pp=why)
+        if block == "pp":  # the words are said whole in the plan's comment: whose they are too
+            stepped = message.startswith("the simulated training step ")
+            return None if self.pp else attrs.evolve(self, pp=f"lint's simulated step {why}" if stepped else why)
         if block != "unit":
             return None
         split = self._split_by_rules(lines, message, why)

@@ -411,9 +411,7 @@ def init_plan(
     nothing against it."""
     drops = drops or Drops()
     stacks = block_stacks(model, order)
-    stepped = (drops.pp or "").startswith("of the pipeline ")  # lint's step, its opening words cut (_why)
-    said = f"lint's simulated step {drops.pp}" if stepped else drops.pp
-    no_pipeline = (said or unpipelinable(model, stacks, pp)) if pp > 1 else None
+    no_pipeline = (drops.pp or unpipelinable(model, stacks, pp)) if pp > 1 else None
     keeps_pp = pp > 1 and no_pipeline is None
     experts = _ep_rules(model) if ep > 1 else []
     from_ep_plan = any(ours is not None for _, _, ours, _ in experts)

@@ -27,7 +27,7 @@ class PassThrough(torch.nn.Module):
 
     #: What a stage is told where the model breaks the contract (lint's step points these at the pipeline):
     #: its last block returns more than the running activation, or a module declared after the stack runs
-    #: before it.
+    #: before it, or one declared before it runs after it (OPT's final_layer_norm).
     ONE_ACTIVATION = "a pipeline stage sends one tensor, the output of its last block"
     RUNS_EARLY = "a pipeline stage cannot run a module another stage holds"
 
@@ -41,6 +41,11 @@ class PassThrough(torch.nn.Module):
             raise TypeError(
                 f"{self.RUNS_EARLY}: '{self.name}' runs before the blocks, but the model declares it after them, so the "
                 "last stage holds it (the order of declaration places a module); declare it before the stack"
+            )
+        if self.role == "before" and self.carry.get("blocks"):
+            raise TypeError(
+                f"{self.RUNS_EARLY}: '{self.name}' runs after the blocks, but the model declares it before them, so the "
+                "first stage holds it (the order of declaration places a module); declare it after the stack"
             )
         if self.role == "before":
             received = self.carry["received"]
