@@ -268,8 +268,9 @@ class StandIns:
 
 
 def _in_modules(names) -> str:
-    """`in a, b` for the modules named (None: in a backward, outside every module's forward)."""
-    named = sorted({n for n in names if n is not None})
+    """`in a, b` for the modules named ("": the root's own forward; None: in a backward, outside every
+    module's forward)."""
+    named = sorted({n or "the model's own forward" for n in names if n is not None})
     return f"in {few(named, 3)}" if named else "in the backward"
 
 

@@ -53,13 +53,22 @@ class PassThrough(torch.nn.Module):
             if shape is None or shape == tuple(received.shape):
                 return received
             return torch.zeros(shape, dtype=received.dtype, device=received.device)
-        if args:
-            return args[0]
-        return kwargs.get("hidden_states", next(iter(kwargs.values()), None))
+        given = args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values()), None))
+        wrapped = self.wrapped(args, kwargs) if self.role == "block" else None
+        return given if wrapped is None else wrapped[0]([given] + [None] * (wrapped[1] - 1))
 
-    def own_shape(self, args, kwargs):
-        """The shape of the module's own output on these inputs, run on the meta device outside any
-        dispatch mode (explain's fake step, its trackers); None where it is no one tensor or will not run."""
+    def wrapped(self, args, kwargs):
+        """How the block wraps its activation, learnt once from its twin on the meta device: (tuple or list,
+        length) where it returns the activation in a tuple or list whose other items are None (TAPAS's
+        `(hidden_states,)`, RWKV's `(hidden_states, None, None)`), so that the model unwraps a pass-through's
+        as it does its own blocks'; None where it returns it alone."""
+        if "wrap" not in self.__dict__:
+            self.__dict__["wrap"] = wrapping(self._on_meta(args, kwargs))
+        return self.__dict__["wrap"]
+
+    def _on_meta(self, args, kwargs):
+        """The twin's output on these inputs on the meta device, outside any dispatch mode (explain's fake
+        step, its trackers); None where there is no twin or it will not run."""
         from torch.utils._python_dispatch import _disable_current_modes
         from torch.utils._pytree import tree_map
 
@@ -72,9 +81,14 @@ class PassThrough(torch.nn.Module):
 
         try:
             with _disable_current_modes(), torch.no_grad():
-                out = twin(*tree_map(on_meta, args), **tree_map(on_meta, kwargs))
-        except Exception:  # noqa: BLE001 - the received activation's shape, as before
+                return twin(*tree_map(on_meta, args), **tree_map(on_meta, kwargs))
+        except Exception:  # noqa: BLE001 - as if it returned the activation alone
             return None
+
+    def own_shape(self, args, kwargs):
+        """The shape of the module's own output on these inputs (_on_meta); None where it is no one tensor or
+        will not run."""
+        out = self._on_meta(args, kwargs)
         return tuple(out.shape) if isinstance(out, torch.Tensor) else None
 
     def __getattr__(self, name):
@@ -178,8 +192,19 @@ def take_received(carry):
     return hook
 
 
+def wrapping(output):
+    """(tuple or list, length) where `output` is a tuple or list holding the activation first and None
+    after it; else None."""
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        if all(x is None for x in output[1:]):
+            return type(output), len(output)
+    return None
+
+
 def keep_sent(carry):
     def hook(module, args, output):
+        if wrapping(output) is not None:  # (hidden_states,): the activation, wrapped
+            output = output[0]
         if not isinstance(output, torch.Tensor):
             parts = output if isinstance(output, (tuple, list)) else (output,)
             kinds = ", ".join(
@@ -188,7 +213,8 @@ def keep_sent(carry):
             )
             raise TypeError(
                 f"{PassThrough.ONE_ACTIVATION}, but the blocks return a {type(output).__name__} ({kinds}), whose other parts "
-                "the model may hand the next block: each block must return the running activation alone"
+                "the model may hand the next block: each block must return the running activation alone (or first in a "
+                "tuple or list whose other items are None)"
             )
         carry["sent"] = output
 

@@ -365,6 +365,7 @@ STEPS: dict[type, StepType] = {
             pipeline.PassThrough,
             pipeline.meta_twin,
             pipeline.blocks_begin,
+            pipeline.wrapping,
             pipeline.split_stages,
             pipeline.stage_inputs,
             pipeline.take_received,
