@@ -95,6 +95,10 @@ OVERRIDES: dict[str, dict] = {
 }
 # Kolibri 1.1's indexed attention: at most as many indexer heads as query heads per key head (2 here)
 OVERRIDES["kolibri1_1"] = {"index_num_heads": 2, "index_topk": 8, "index_pool_size": 32, "index_compression": 4}
+# transformers 5.25: Gemma 4's per-layer input embeddings (a 262k vocabulary each); dots.llm3's MLA needs as
+# many key/value heads as query heads
+OVERRIDES["gemma4_text"] = {"vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 16}
+OVERRIDES["dots3_note_text"] = {"num_key_value_heads": 4}
 
 #: Families not built, and why (remote code, extra packages, not a language model one can shrink).
 NOT_BUILT: dict[str, str] = {}
