@@ -188,7 +188,7 @@ class StandIns:
         self.where = where or (lambda: None)
         self.seen: list[StandIn] = []
         self.float32_grouped_mm: list[str | None] = []
-        #: units over one rank with mixed_precision whose parameters fake tensors leave uncast on this torch
+        #: units with mixed_precision over one rank or beside tp whose parameters fake tensors leave uncast on this torch
         #: (torchcompat.fake_fsdp_casts_one_rank_units): their products' dtypes go unchecked, and the note says so
         self.uncast_units: tuple[str, ...] = ()
 
@@ -205,7 +205,7 @@ class StandIns:
         notes = []
         if self.uncast_units:
             notes.append(
-                f"the dtypes of products in fully_shard units over one rank with mixed_precision "
+                f"the dtypes of products in fully_shard units with mixed_precision over one rank or beside tp "
                 f"({', '.join(self.uncast_units)}) not checked: under fake tensors torch {torch.__version__} "
                 "leaves their parameters uncast (apply runs them)"
             )

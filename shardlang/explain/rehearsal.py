@@ -219,18 +219,20 @@ def _step(plan: ir.Plan, model: nn.Module, model_file: ModelFile) -> tuple[list[
 
 
 def _uncast_units(ctx) -> tuple[str, ...]:
-    """The fully_shard blocks (their spans) with mixed_precision over a mesh of one rank, where this torch's
-    fake tensors do not cast their parameters as real ones do (torchcompat.fake_fsdp_casts_one_rank_units):
-    the step cannot tell their products' dtypes, and says so rather than raise on what apply runs."""
+    """The fully_shard blocks (their spans) with mixed_precision over a mesh of one rank or beside tensor
+    parallelism on their mesh, where this torch's fake tensors do not cast their parameters as real ones do
+    (torchcompat.fake_fsdp_casts_one_rank_units): the step cannot tell their products' dtypes, and says so
+    rather than raise on what apply runs."""
     from ..runtime.torchcompat import fake_fsdp_casts_one_rank_units
 
     if fake_fsdp_casts_one_rank_units():
         return ()
+    split = {block.mesh.mesh for block in ctx.plan.parallelize}
     return tuple(
         f"{block.span.file}:{block.span.line}"
         for block in ctx.plan.units
         if block.kind == "fully_shard"
-        and ctx.applied.mesh(block.mesh).size() == 1
+        and (ctx.applied.mesh(block.mesh).size() == 1 or block.mesh.mesh in split)
         and (any(u.get("mixed_precision") for u in block.units) or bool(dict(block.options).get("mixed_precision")))
     )
 

@@ -22,9 +22,10 @@ def fsdp_strided_shard() -> bool:
 
 def fake_fsdp_casts_one_rank_units() -> bool:
     """Whether, under fake tensors, FSDP2 casts to `mixed_precision`'s param dtype the parameters of a unit
-    over one rank (a dp dim of size 1 beside TP), as it does on real tensors. torch 2.11 does not: lint's step
-    met float32 weights with bf16 inputs there, where apply's real run casts and passes (plans/llama_2d.sl
-    at world 2, 2026-11-28). 2.13 does; 2.12 is not tried and counted with 2.11."""
+    over one rank (a dp dim of size 1 beside TP) or beside tensor parallelism, as it does on real tensors.
+    torch 2.11 does not: lint's step met float32 weights with bf16 inputs there, where apply's real run casts
+    and passes (plans/llama_2d.sl at world 2, 2026-11-28, and at world 4, dp 2 x tp 2, 2026-12-07; a 1-D
+    unit casts). 2.13 does; 2.12 is not tried and counted with 2.11."""
     import torch
 
     return tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
