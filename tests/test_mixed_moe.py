@@ -206,6 +206,36 @@ def test_a_tie_within_rounding_is_replayed_not_failed():
     assert torch.equal(replay.seen["truth", 0, 0].forced, swapped)
 
 
+def test_a_choice_by_max_along_a_dim_is_replayed():
+    """PhiMoE's sparsemixer picks each token's expert with `scores.max(dim=-1)`: a choice, recorded and
+    replayed as topk's are (keepdim or not); a max of a whole tensor, or of two, is no choice."""
+    from shardlang.verification.routing import Replay, choice
+
+    class Router(torch.nn.Module):
+        def forward(self, scores):
+            first = scores.max(dim=-1)[1]
+            _, second = torch.max(scores, -1, keepdim=True)
+            return torch.max(scores), torch.max(scores, scores), first, second
+
+    scores = torch.tensor([[1.0, 1.0 + 2**-30, 0.5], [0.2, 0.9, 0.1]], dtype=torch.float64)
+    assert choice(torch.max, (scores,), {}) is None and choice(torch.max, (scores, scores), {}) is None
+    record = Record()
+    with record:
+        Router()(scores.float())  # float32 rounds the tie: expert 0 for token 0
+    assert [c.tolist() for c in record.choices] == [[[0], [1]], [[0], [1]]]
+    forced = [torch.tensor([[1], [1]]), torch.tensor([[1], [1]])]  # the other run chose expert 1 for token 0
+    replay, router = Replay(), Router()
+    replay_under(router, replay, "truth")
+    replay.start({0: forced}, 0)
+    _, _, first, second = router(scores)
+    assert first.tolist() == [1, 1] and second.tolist() == [[1], [1]]
+    same = Router()
+    replay_under(same, replay, "same")
+    same(scores.float())
+    judged = replay.judge(K)
+    assert judged.wrong == 0 and judged.unmatched == 0, judged
+
+
 def test_choices_of_a_sequence_split_over_context_ranks_join_back():
     """Under context parallelism each rank's router sees its head-tail part of every sequence, as rows of
     [batch x part] (or [batch, part, k], or DeepSeek's [tokens, groups, k]): joined in rank order, the

@@ -2,7 +2,8 @@
 token to the experts the sharded run sent it to, and a choice rounding cannot explain fails.
 
 A mixture of experts picks each token's experts with torch.topk over its router's scores (Mixtral, OLMoE,
-Qwen2-MoE, ERNIE-4.5-MoE, DeepSeek's two-stage group choice, torchtitan's). Where two experts' scores lie
+Qwen2-MoE, ERNIE-4.5-MoE, DeepSeek's two-stage group choice, torchtitan's), or with max along a dim
+(PhiMoE's sparsemixer, one expert at a time): a choice, replayed alike. Where two experts' scores lie
 within rounding of each other, the sharded run (bfloat16, each rank's partial sums rounded) and an unsharded
 reference can choose differently, and a token sent to another expert moves whole rows of both experts'
 gradients, and the router's, by far more than rounding: on 2 x H200, ERNIE-4.5-MoE's correct plan failed so.
@@ -31,6 +32,50 @@ from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 TOPK = frozenset({torch.topk, torch.Tensor.topk})
+#: max/min along a dim choose one index each (PhiMoE's sparsemixer routes by `scores.max(dim=-1)`).
+EXTREMES = {torch.max: True, torch.Tensor.max: True, torch.min: False, torch.Tensor.min: False}
+
+
+@frozen
+class Choice:
+    """A discrete choice along `dim` of `scores`: topk's, or max's or min's along a dim (one index each,
+    `keepdim` as asked), with `largest` as asked."""
+
+    scores: torch.Tensor
+    dim: int
+    largest: bool
+    keepdim: bool = True
+
+    def indices(self, out) -> torch.Tensor:
+        """The call's indices with the choice's dim kept (k of them along it, 1 for max and min)."""
+        return out[1] if self.keepdim else out[1].unsqueeze(self.dim)
+
+    def forced(self, func, indices: torch.Tensor):
+        """What the call returns choosing `indices` (dim kept): the scores there, and the indices."""
+        values = torch.gather(self.scores, self.dim, indices)
+        if func in TOPK:
+            return torch.return_types.topk((values, indices))
+        if not self.keepdim:
+            values, indices = values.squeeze(self.dim), indices.squeeze(self.dim)
+        kind = torch.return_types.max if EXTREMES[func] else torch.return_types.min
+        return kind((values, indices))
+
+
+def choice(func, args, kwargs) -> Choice | None:
+    """The choice a call makes, or None for any other call (max of a whole tensor, or of two)."""
+    if func in TOPK:
+        scores = args[0] if args else kwargs["input"]
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
+        largest = args[3] if len(args) > 3 else kwargs.get("largest", True)
+        return Choice(scores, dim % scores.dim(), largest)
+    if func in EXTREMES:
+        scores = args[0] if args else kwargs.get("input")
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        if not isinstance(scores, torch.Tensor) or not isinstance(dim, int) or scores.dim() == 0:
+            return None
+        keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
+        return Choice(scores, dim % scores.dim(), EXTREMES[func], bool(keepdim))
+    return None
 
 
 def replayable(plan) -> bool:
@@ -60,14 +105,15 @@ class Sequence:
         first = shards[0]
         if first.dim() >= 3 and first.shape[0] == self.batch:
             return self.layout.join(shards, 1)
-        if first.dim() >= 2 and first.shape[0] % self.batch == 0:
+        if first.dim() >= 1 and first.shape[0] % self.batch == 0:
             rows = [s.reshape(self.batch, -1, *s.shape[1:]) for s in shards]
             return self.layout.join(rows, 1).reshape(-1, *first.shape[1:])
         return None
 
 
 class Record(TorchFunctionMode):
-    """While active, the indices of every topk, in call order (None for a DTensor's: not replayed)."""
+    """While active, the indices of every choice (topk's, max's or min's along a dim), in call order (None
+    for a DTensor's: not replayed)."""
 
     def __init__(self):
         super().__init__()
@@ -75,8 +121,9 @@ class Record(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in TOPK:
-            indices = out[1]
+        made = choice(func, args, kwargs or {})
+        if made is not None:
+            indices = made.indices(out)
             self.choices.append(None if isinstance(indices, DTensor) else indices.detach().cpu())
         return out
 
@@ -221,32 +268,28 @@ class Forcing(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func not in TOPK:
+        made = choice(func, args, kwargs)
+        if made is None:
             return out
         call, self.calls = self.calls, self.calls + 1
-        forced = self.replay.forced(call)
-        if (
-            forced is None
-            or tuple(forced.shape) != tuple(out[1].shape)
-            or self._misjoined(forced, out[1], args, kwargs)
-        ):
-            self.replay.unmatched += self.role == "truth"
+        forced, own = self.replay.forced(call), made.indices(out)
+        if forced is None or tuple(forced.shape) != tuple(own.shape) or self._misjoined(forced, own, made.dim):
+            # counted for topk's alone: a max along a dim is as often no routing (a shard's own reduction)
+            self.replay.unmatched += self.role == "truth" and func in TOPK
             return out
-        scores, dim, largest = _topk_args(args, kwargs)
-        forced = forced.to(out[1].device)
+        forced = forced.to(own.device)
         module = self.stack[-1] if self.stack else ""
-        seen = Seen(module, scores.detach().cpu(), forced.cpu(), out[1].detach().cpu(), dim, largest)
+        seen = Seen(module, made.scores.detach().cpu(), forced.cpu(), own.detach().cpu(), made.dim, made.largest)
         self.replay.seen[self.role, self.replay.replica, call] = seen
-        return torch.return_types.topk((torch.gather(scores, dim, forced), forced))
+        return made.forced(func, forced)
 
-    def _misjoined(self, forced: torch.Tensor, own: torch.Tensor, args, kwargs) -> bool:
+    def _misjoined(self, forced: torch.Tensor, own: torch.Tensor, dim: int) -> bool:
         """Whether choices joined from the parts of a sequence (Sequence) differ from the reference's own on
         most tokens: rounding flips a few near-ties, so they are not these tokens' choices (the join read a
         layout the model does not have, such as [sequence, batch] rows) and are not replayed. A router
         scoring wrong still fails the gradients it moves."""
         if not self.replay.joined:
             return False
-        dim = _topk_args(args, kwargs)[1]
         forced, own = _rows(forced.to(own.device), dim), _rows(own, dim)
         return bool(((forced.sort(-1).values != own.sort(-1).values).any(-1)).double().mean() > 0.5)
 
@@ -256,14 +299,6 @@ class Forcing(TorchFunctionMode):
     def leave(self, module, args, output) -> None:
         if self.stack:
             self.stack.pop()
-
-
-def _topk_args(args, kwargs) -> tuple[torch.Tensor, int, bool]:
-    """topk(input, k, dim=-1, largest=True, sorted=True): its input, dim and largest."""
-    scores = args[0] if args else kwargs["input"]
-    dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
-    largest = args[3] if len(args) > 3 else kwargs.get("largest", True)
-    return scores, dim % scores.dim(), largest
 
 
 def replay_under(model: torch.nn.Module, replay: Replay, role: str) -> None:
