@@ -355,8 +355,9 @@ def _by_rule(plan, match: RuleMatch, resolution, probe, owner, name, is_param, o
     if probe != owner and kind == "expert_parallel":
         members = expert_members(resolution.modules[probe])
         inside = owner[len(probe) + 1 :] if probe else owner
-        if members is not None and inside.split(".")[0] in members:
-            return Placed(held=(mesh.mesh, mesh.dims[0], members.index(inside.split(".")[0]), len(members)))
+        member = inside.split(".")[0]
+        if members is not None and member in members:
+            return Placed(held=(mesh.mesh, mesh.dims[0], members.index(member), len(members)))
         split = f"{inside}.{name}" in expert_tensors(resolution.modules[probe])  # a submodule's, split with them
         return Placed(mesh.mesh, mesh.dims, (ir.Shard(0),)) if split else None
     if probe == owner and kind == "expert_parallel":

@@ -406,8 +406,8 @@ def _few_values_floors(references) -> dict[str, float]:
         for (n, t), s in pairs
         if t.grad is not None and s.grad is not None and t.grad.numel() < SLICE_VALUES and n not in unfinite
     }
-    kinds: dict[str, float] = {}
+    kind_of = {name: re.sub(r"\.\d+\.", ".*.", name) for name in few}  # the same parameter in every block
+    largest: dict[str, float] = {}
     for name, error in few.items():
-        kind = re.sub(r"\.\d+\.", ".*.", name)
-        kinds[kind] = max(kinds.get(kind, 0.0), error)
-    return {name: K * kinds[re.sub(r"\.\d+\.", ".*.", name)] for name in few}
+        largest[kind_of[name]] = max(largest.get(kind_of[name], 0.0), error)
+    return {name: K * largest[kind_of[name]] for name in few}
