@@ -9,6 +9,7 @@ at the right module's rule. The step runs in a forked child holding a fake proce
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import re
 
@@ -228,6 +229,30 @@ def test_a_value_fake_tensors_do_not_hold_is_a_guess_and_float32_grouped_mm_runs
     assert out.shape == (6, 32) and out.dtype == a.grad.dtype == b.grad.dtype == torch.float32
     assert stand_ins.guessed and [s.op for s in stand_ins.seen] == ["aten::_local_scalar_dense"]
     assert len(stand_ins.float32_grouped_mm) == 3  # the forward's and the backward's two
+
+
+def test_a_copy_of_a_fake_model_shares_its_fake_mode_and_copies_no_storage_reference(monkeypatch):
+    """copy_model shares the model's fake mode with the copy: a deep copy of the mode copies the storage weak
+    references its converter keeps for constants (torch's StorageWeakRef, whose copies free one reference
+    twice). That double free corrupted the heap of lint's step on mixtral_ep in some runs (a SIGABRT in CI)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from shardlang.explain.fakestep import StandIns, copy_model
+
+    with fake_mode(StandIns()) as mode:
+        model = torch.nn.Linear(4, 4)
+        (torch.rand(3) > 0).nonzero()  # a stand-in's output: the converter keeps a weak reference to its storage
+    assert mode.fake_tensor_converter.constant_storage_mapping
+
+    def refuse(*_):
+        raise AssertionError("a StorageWeakRef was copied")
+
+    monkeypatch.setattr(StorageWeakRef, "__deepcopy__", refuse, raising=False)
+    copied = copy_model(model)
+    assert copied.weight.fake_mode is model.weight.fake_mode is mode
+    assert copied.weight is not model.weight and copied.weight.shape == (4, 4)
+    with pytest.raises(AssertionError, match="StorageWeakRef was copied"):
+        copy.deepcopy(model)  # what the step did before
 
 
 def test_without_stand_ins_the_fake_mode_still_refuses():

@@ -113,6 +113,23 @@ def recording_fake_mode(recorder, stand_ins: StandIns | None = None):
 RANDOM_SCALARS = frozenset({torch.ops.aten.rand.default, torch.ops.aten.rand_like.default})
 
 
+def copy_model(model: nn.Module) -> nn.Module:
+    """`copy.deepcopy(model)`, its fake tensors' fake modes shared with the copy rather than copied. A copied
+    mode copies its converter's storage weak references (torch's StorageWeakRef, which has no copy of its own:
+    the original and the copy each free the one reference they share), a double free that corrupted the heap
+    of lint's step on a later allocation (a SIGABRT, "corrupted double-linked list", in some runs of
+    mixtral_ep's step: expert parallelism's counts are constants the mode keeps)."""
+    import copy
+    import itertools
+
+    memo = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        mode = getattr(getattr(t, "_local_tensor", t), "fake_mode", None)
+        if mode is not None:
+            memo[id(mode)] = mode
+    return copy.deepcopy(model, memo)
+
+
 def drawn(mode, fake: torch.Tensor, draws: torch.Generator) -> torch.Tensor:
     """`fake` (a uniform draw) with a value: drawn for real where it holds one value on the CPU."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily

@@ -29,7 +29,6 @@ see is a note too, left to apply's checks.
 
 from __future__ import annotations
 
-import copy
 import itertools
 import warnings
 from typing import Any
@@ -46,6 +45,7 @@ from ..launch import raised
 from ..runtime.apply import SIMULATED, apply_plan
 from ..runtime.modelfile import ModelFile
 from ..runtime.simulated import in_fork, placed_as, simulated_world
+from .fakestep import copy_model
 from .mixing import with_context_mixing
 from .simulate import named_mesh_dims, on_cpu
 from .stepping import cut_stack, repeated_stack
@@ -109,7 +109,7 @@ def _rehearse_here(plan, model, model_file, world_size, stack) -> Rehearsal:
                 note = f"one training step simulated at {whole} on {BLOCKS} of the {len(keys)} blocks of `{path}`"
                 return Rehearsal((), "; ".join((note, *notes)), ran, phases)
         # confirmed on the whole model
-        found, ran, notes, phases = _step(simulated, copy.deepcopy(model), model_file)
+        found, ran, notes, phases = _step(simulated, copy_model(model), model_file)
     return Rehearsal(tuple(found), "; ".join((f"one training step simulated at {whole}", *notes)), ran, phases)
 
 
@@ -129,7 +129,7 @@ def _pipelined(plan: ir.Plan, model: nn.Module, model_file: ModelFile, world_siz
     for index in range(pp):
         try:  # a copy of one model each time: linted by the first application, handed on to the others
             mode = SIMULATED.at_pp_rank(index)
-            applied_by_rank[index] = apply_plan(plan, copy.deepcopy(model), mode=mode, linted=linted)
+            applied_by_rank[index] = apply_plan(plan, copy_model(model), mode=mode, linted=linted)
         except PlanError as e:
             return Rehearsal(tuple(e.diagnostics), f"the plan could not be applied for pp rank {index}")
         linted = applied_by_rank[index].linted
@@ -188,7 +188,7 @@ def _step(plan: ir.Plan, model: nn.Module, model_file: ModelFile) -> tuple[list[
     from ..verification.step import Step, not_compiled
     from .fakestep import StandIns, idle_conversions, positions_as_on_real_tensors, quiet, recording_fake_mode
 
-    reference = copy.deepcopy(model)
+    reference = copy_model(model)
     try:
         applied = apply_plan(plan, model, mode=SIMULATED)
     except PlanError as e:  # what lint finds once `use` styles are run (SL203/SL204), or a step that fails

@@ -5,7 +5,6 @@ extrapolated exactly (`Stepper`), and the largest batch that fits a memory limit
 
 from __future__ import annotations
 
-import copy
 import math
 from collections import Counter
 
@@ -20,6 +19,7 @@ from .fakestep import (
     Collective,
     Peak,
     by_key,
+    copy_model,
     count_tokens,
     group_names,
     idle_conversions,
@@ -415,7 +415,7 @@ def cut_stack(model: nn.Module, path: str, keep: list[str]) -> nn.Module:
     children = container._modules
     container._modules = {k: children[k] for k in keep}
     try:
-        return copy.deepcopy(model)
+        return copy_model(model)
     finally:
         container._modules = children
 
