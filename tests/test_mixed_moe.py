@@ -21,7 +21,7 @@ from shardlang.compiler.program import FullyShard  # noqa: E402
 from shardlang.compiler.starter import init_plan  # noqa: E402
 from shardlang.launch.job import Job, run  # noqa: E402
 from shardlang.verification.reference import K  # noqa: E402
-from shardlang.verification.routing import Record, Replay, replay_under  # noqa: E402
+from shardlang.verification.routing import Record, Replay, Routed, replay_under  # noqa: E402
 from shardlang.verification.truth import Float64Kernels, run_forward_under  # noqa: E402
 
 from .conftest import ROOT  # noqa: E402
@@ -144,7 +144,7 @@ def _routed(choose=None, joined: bool = False):
     choices = record.choices if choose is None else [choose(c) for c in record.choices]
     replay = Replay()
     truth, same = _references(model, replay)
-    replay.start({0: choices}, 0, joined=joined)
+    replay.start({0: Routed(choices)}, 0, joined=joined)
     for reference in (truth, same):
         reference(inputs).logits.float().sum().backward()
     return replay.judge(K), record.choices, truth
@@ -198,7 +198,7 @@ def test_a_tie_within_rounding_is_replayed_not_failed():
     swapped = torch.where(first == 0, 1, torch.where(first == 1, 0, first))
     replay = Replay()
     truth, same = _references(model, replay)
-    replay.start({0: [swapped, *record.choices[1:]]}, 0)
+    replay.start({0: Routed([swapped, *record.choices[1:]])}, 0)
     for reference in (truth, same):
         reference(inputs)
     judged = replay.judge(K)
@@ -226,7 +226,7 @@ def test_a_choice_by_max_along_a_dim_is_replayed():
     forced = [torch.tensor([[1], [1]]), torch.tensor([[1], [1]])]  # the other run chose expert 1 for token 0
     replay, router = Replay(), Router()
     replay_under(router, replay, "truth")
-    replay.start({0: forced}, 0)
+    replay.start({0: Routed(forced)}, 0)
     _, _, first, second = router(scores)
     assert first.tolist() == [1, 1] and second.tolist() == [[1], [1]]
     same = Router()
@@ -234,6 +234,104 @@ def test_a_choice_by_max_along_a_dim_is_replayed():
     same(scores.float())
     judged = replay.judge(K)
     assert judged.wrong == 0 and judged.unmatched == 0, judged
+
+
+def _phimoe_routed(replayed: str):
+    """PhiMoE in training (its sparsemixer draws Gumbel noise and Heun's random mask, and masks by a
+    threshold) run in bfloat16 as the 'sharded run', then a float64 truth and a bfloat16 'same' reference
+    replaying `replayed`: "choices" alone (as before masks and draws were replayed) or "all". The judgement,
+    and the truth's router gradients' largest error from the bfloat16 run's, relative."""
+    from examples.families.common import example_input
+    from examples.families.phimoe import build_model
+
+    torch.manual_seed(0)
+    model = build_model().train()
+    inputs = example_input(4, torch.Generator().manual_seed(1))
+    sharded = copy.deepcopy(model).to(torch.bfloat16)
+    record = Record(sharded)
+    with record:
+        sharded(inputs).logits.float().sum().backward()
+    routed = record.routed()
+    replay = Replay()
+    truth, same = _references(model, replay)
+    replay.start({0: routed if replayed == "all" else Routed(routed.choices)}, 0)
+    for reference in (truth, same):
+        reference(inputs).logits.float().sum().backward()
+    errors = []
+    for name in (f"model.layers.{i}.mlp.router.weight" for i in range(2)):
+        mine = sharded.get_parameter(name).grad.double()
+        errors.append(float((mine - truth.get_parameter(name).grad).norm() / mine.norm()))
+    return replay.judge(K), routed, max(errors)
+
+
+def test_a_routers_random_draws_and_threshold_masks_are_replayed():
+    """PhiMoE's router gradient depends on its random draws (the references draw their own: float64's differ
+    from bfloat16's from one state) and on its threshold masks: replayed with its choices, the truth's router
+    gradients are the bfloat16 run's to bfloat16's rounding; with its choices alone one is not (here the
+    truth's layer-1 router gradient is all zeros)."""
+    judged, routed, error = _phimoe_routed("all")
+    assert (
+        routed.masks
+        and routed.draws
+        and {key[0] for key in routed.draws} == {f"model.layers.{i}.mlp.router" for i in range(2)}
+    )
+    assert judged.wrong == 0, judged
+    assert error < 0.03, error
+    _, _, error = _phimoe_routed("choices")
+    assert error > 0.1, error
+
+
+def test_a_mask_flipped_beyond_rounding_fails_naming_its_router():
+    """A replayed comparison the truth makes otherwise by far more than rounding (every threshold mask
+    inverted) is a wrong routing of that router, as a wrong choice is."""
+    from examples.families.common import example_input
+    from examples.families.phimoe import build_model
+
+    torch.manual_seed(0)
+    model = build_model().train()
+    inputs = example_input(4, torch.Generator().manual_seed(1))
+    sharded = copy.deepcopy(model).to(torch.bfloat16)
+    record = Record(sharded)
+    with record:
+        sharded(inputs)
+    routed = record.routed()
+    replay = Replay()
+    truth, same = _references(model, replay)
+    inverted = {key: ~mask for key, mask in routed.masks.items()}
+    replay.start({0: Routed(routed.choices, inverted, routed.draws)}, 0)
+    for reference in (truth, same):
+        reference(inputs)
+    judged = replay.judge(K)
+    assert judged.wrong > 0 and judged.worst[0] in {f"model.layers.{i}.mlp.router" for i in range(2)}, judged
+
+
+def test_comparisons_and_draws_outside_a_choosing_module_are_not_recorded():
+    """Only the modules that make a choice have their comparisons and draws replayed: an activation's `x > 0`
+    or a dropout-like draw elsewhere is the references' own."""
+
+    class Gate(torch.nn.Module):
+        def forward(self, x):
+            keep = torch.rand_like(x) > 0.5
+            return x.topk(1, dim=-1).indices, keep
+
+    class Elsewhere(torch.nn.Module):
+        def forward(self, x):
+            return (x > 0) & (torch.rand_like(x) > 0.5)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate, self.other = Gate(), Elsewhere()
+
+        def forward(self, x):
+            return self.gate(x), self.other(x)
+
+    net = Net()
+    record = Record(net)
+    with record:
+        net(torch.randn(3, 4))
+    routed = record.routed()
+    assert list(routed.draws) == [("gate", 0)] and list(routed.masks) == [("gate", 1)], routed
 
 
 def test_choices_of_a_sequence_split_over_context_ranks_join_back():
@@ -362,7 +460,7 @@ def test_a_tie_routed_otherwise_moves_gradients_far_beyond_rounding_unless_repla
         replay = Replay()
         truth, _ = _references(model, replay)
         if replayed:
-            replay.start({0: record.choices}, 0)
+            replay.start({0: Routed(record.choices)}, 0)
         truth(inputs).logits.float().sum().backward()
         for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.gate.weight"):
             want = truth.get_parameter(name).grad

@@ -156,12 +156,12 @@ class Training:
         ctx, runner = self.ctx, self.runner
         if ctx.pipeline is not None:  # the schedule runs forward and backward on every microbatch
             return runner.scheduled(lambda inputs: ctx.pipeline.step(*inputs), batch, ctx.pipeline.microbatches)
-        record = routing.Record()
+        record = routing.Record(ctx.model)
         with record if self.replayable else contextlib.nullcontext():
             output = runner.forward(ctx.model, batch)
         if self.replayable:  # every rank: the choices are gathered
             replica, sequence = self.where.replica, self._sequence(batch)
-            choices = routing.by_replica(record.choices, replica, sequence)
+            choices = routing.by_replica(record, replica, sequence)
             self.references.replay.start(choices, replica, joined=sequence is not None)
         return runner.finish(output, batch)
 
