@@ -256,6 +256,44 @@ def test_sl200_says_where_a_scoped_name_was_looked_for(old, new, help):
     assert [d.help[0] for d in found] == [help]
 
 
+class _LayerDrop(torch.nn.Module):
+    """Four blocks, each skipped at random in training with probability 1/2 (LayerDrop)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            if self.training and torch.rand([]) < 0.5:
+                continue
+            x = layer(x)
+        return x
+
+
+def test_blocks_layerdrop_skips_in_the_trace_are_still_a_stack_and_init_says_so():
+    """The trace draws from one seed (the same order every run), and the blocks LayerDrop skipped by its
+    draw ran in an eval-mode forward: the stack gets its FSDP units, and a comment on what they need."""
+    from shardlang.compiler.starter import block_stacks, init_plan
+    from shardlang.compiler.trace import trace_order
+
+    def example_input(batch, generator):
+        return torch.randn(batch, 8, generator=generator)
+
+    model = _LayerDrop()
+    order = trace_order(model, example_input)
+    assert order == trace_order(model, example_input)
+    assert order.skipped and set(order.skipped) | {m for m in order.modules if m.startswith("layers.")} == {
+        f"layers.{i}" for i in range(4)
+    }
+    assert block_stacks(model, order) == ("layers",)
+    text = init_plan(model, name="layerdrop", order=order)
+    assert "    each layers.*" in text and "skipped at random in training (LayerDrop" in text
+    model.eval()  # in eval mode every block runs: nothing skipped, nothing said
+    order = trace_order(model, example_input)
+    assert not order.skipped and "LayerDrop" not in init_plan(model, name="layerdrop", order=order)
+
+
 FFN = "    feed_forward.{w1,w3}   : colwise\n"
 FFN_PREPARE = "    feed_forward           : prepare_input(input=shard(1), desired=replicate)\n"
 FFN_NORM = "    ffn_norm               : sequence_parallel\n"

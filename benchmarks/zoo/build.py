@@ -172,13 +172,15 @@ def special_ids(config_class) -> dict:
 
 
 def random_knobs(config_class) -> list[str]:
-    """Dropout probabilities and router jitter, numbers a config takes: zero, so that one training step of
-    the sharded model and of the reference are the same computation (random masks differ by rank)."""
+    """Dropout and LayerDrop probabilities and router jitter, numbers a config takes: zero, so that one
+    training step of the sharded model and of the reference are the same computation (random masks differ
+    by rank)."""
     parameters = inspect.signature(config_class.__init__).parameters.values()
+    random = ("dropout", "jitter", "layerdrop")
     return [
         p.name
         for p in parameters
-        if ("dropout" in p.name or p.name.endswith("pdrop") or "jitter" in p.name) and type(p.default) in (int, float)
+        if (any(word in p.name for word in random) or p.name.endswith("pdrop")) and type(p.default) in (int, float)
     ]
 
 

@@ -94,8 +94,9 @@ def block_stacks(model: nn.Module, order: Order | None = None) -> tuple[str, ...
     holding the most parameters (a decoder's layers, not the per-head norms inside each layer's
     attention, which are more numerous but tiny), and any other outside it holding at least half as many
     (an encoder's and a decoder's). With a traced `order`, only stacks whose every block ran its forward
-    (a unit whose forward never runs never gathers its parameters). In the order the model declares them."""
-    ran = set(order.modules) if order is not None and order.modules is not None else None
+    (a unit whose forward never runs never gathers its parameters), in training or, skipped at random by
+    the traced draw (LayerDrop), in eval mode. In the order the model declares them."""
+    ran = {*order.modules, *order.skipped} if order is not None and order.modules is not None else None
     sizes = {}
     for fqn, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
@@ -514,6 +515,7 @@ def init_plan(
     if drops.mixed_precision:
         said = f"No mixed_precision (lint's simulated step, with bf16 parameters: {drops.mixed_precision})."
         lines += [f"# {line}" for line in textwrap.wrap(said, 98)]
+    lines += _skipped_lines(stacks, order)
     lines.append(f"fully_shard on world{over} {{")
     lines += [f"    each {stack}.*" for stack in stacks if f"{stack}.*" not in drops.units]
     lines += [] if drops.mixed_precision else ["    mixed_precision(param=bf16, reduce=fp32)"]
@@ -525,6 +527,21 @@ def init_plan(
         "",
     ]
     return "\n".join(lines)
+
+
+def _skipped_lines(stacks: Sequence[str], order: Order | None) -> list[str]:
+    """A comment on each stack whose blocks training skips at random (LayerDrop): FSDP's collectives pair
+    only where every rank skips alike."""
+    skipped = [s for s in stacks if order is not None and any(_nested(m, s) for m in order.skipped)]
+    if not skipped:
+        return []
+    said = (
+        f"Blocks of {', '.join(f'`{s}`' for s in skipped)} are skipped at random in training (LayerDrop: "
+        "some ran in eval mode and not in a training forward). Each is still a unit: every rank must skip "
+        "alike (one random seed on every rank, the same draws before each block), or a rank waits in a "
+        "collective of a block the others skipped."
+    )
+    return [f"# {line}" for line in textwrap.wrap(said, 98)]
 
 
 def unpipelinable(model: nn.Module, stacks: Sequence[str], pp: int) -> str | None:

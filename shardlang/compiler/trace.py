@@ -21,10 +21,13 @@ BATCH = 2
 
 @frozen
 class Order:
-    """Module FQNs in the order their forward first ran (`modules`), or None with `why` it is not known."""
+    """Module FQNs in the order their forward first ran (`modules`), or None with `why` it is not known.
+    `skipped`: modules that ran in an eval-mode forward but not in the traced (training) one: skipped at
+    random in training (LayerDrop, stochastic depth), by the traced draw."""
 
     modules: tuple[str, ...] | None
     why: str = ""
+    skipped: tuple[str, ...] = ()
 
     @property
     def traced(self) -> bool:
@@ -38,26 +41,44 @@ def trace_order(model: nn.Module, example_input: Callable[[int, torch.Generator]
     if example_input is None:
         return Order(None, "the model file defines no example_input")
     try:
-        return Order(_run(model, example_input, "meta"))
+        return _traced(model, example_input, "meta")
     except Exception as e:  # noqa: BLE001 - any failure of user code means: order unknown, say why
         failure = _describe(e)
     size = sum(t.numel() for t in [*model.parameters(), *model.buffers()])
     if size > CPU_LIMIT:
         return Order(None, f"its forward on the meta device failed ({failure})")
     try:
-        return Order(_run(model, example_input, "cpu"))
+        return _traced(model, example_input, "cpu")
     except Exception as e:  # noqa: BLE001
         return Order(None, f"its forward failed on the meta device ({failure}) and on the CPU ({_describe(e)})")
+
+
+def _traced(model: nn.Module, example_input: Callable, device: str) -> Order:
+    """The order on `device`, the random draws of the model's forward made from one seed (the same order
+    every time); where the model trains and some blocks of a stack did not run, the modules an eval-mode
+    forward runs besides (`skipped`: blocks LayerDrop skipped by the draw)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        modules = _run(model, example_input, device)
+    if not model.training or not _partly_ran(model, set(modules)):
+        return Order(modules)
+    try:
+        evaluated = _run(model, example_input, device, training=False)
+    except Exception:  # noqa: BLE001 - a forward that runs only in training: nothing more to learn
+        return Order(modules)
+    return Order(modules, skipped=tuple(m for m in evaluated if m not in set(modules)))
 
 
 #: The most parameter and buffer elements a model may hold to be traced on the CPU (1 GiB in float32).
 CPU_LIMIT = 2**28
 
 
-def _run(model: nn.Module, example_input: Callable, device: str) -> tuple[str, ...]:
+def _run(model: nn.Module, example_input: Callable, device: str, training: bool | None = None) -> tuple[str, ...]:
     inputs = example_input(BATCH, torch.Generator().manual_seed(0))
     inputs = inputs if isinstance(inputs, tuple) else (inputs,)
     copy_ = random_copy(model, device)
+    if training is not None:
+        copy_.train(training)
     seen: dict[str, None] = {}
     hooks = [
         module.register_forward_pre_hook(lambda _m, _a, name=name: seen.setdefault(name))
@@ -70,6 +91,17 @@ def _run(model: nn.Module, example_input: Callable, device: str) -> tuple[str, .
         for hook in hooks:
             hook.remove()
     return tuple(seen)
+
+
+def _partly_ran(model: nn.Module, ran: set[str]) -> bool:
+    """Whether some container of blocks (ModuleList, Sequential, ModuleDict) had some children run and others
+    not."""
+    for fqn, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+            children = [f"{fqn}.{name}" if fqn else name for name in module._modules]
+            if len({child in ran for child in children}) == 2:
+                return True
+    return False
 
 
 def random_copy(model: nn.Module, device: str) -> nn.Module:
