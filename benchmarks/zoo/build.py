@@ -99,9 +99,21 @@ OVERRIDES["kolibri1_1"] = {"index_num_heads": 2, "index_topk": 8, "index_pool_si
 # many key/value heads as query heads
 OVERRIDES["gemma4_text"] = {"vocab_size_per_layer_input": 128, "hidden_size_per_layer_input": 16}
 OVERRIDES["dots3_note_text"] = {"num_key_value_heads": 4}
+# transformers 5.25: the MLA attentions with a sparse-attention indexer expand keys to every query head, and
+# repeat them once more by num_attention_heads // num_key_value_heads; LongCat-Flash's rotary takes head_dim
+for name in ("axk2", "deepseek_v32", "glm_moe_dsa"):
+    OVERRIDES[name] = {"num_key_value_heads": 4}
+OVERRIDES["longcat_flash"] = {"head_dim": 8}
+OVERRIDES["dots1"] = {"n_shared_experts": 1}  # its default is None, which its MoE multiplies
+OVERRIDES["lfm2_moe"] = {"layer_types": ["conv", "full_attention"]}  # its default is None
+#: Families whose causal-LM class takes a config of its own (the text half of a multimodal model type).
+OWN_CONFIG = frozenset({"qwen3_5_moe", "qwen4_exp"})
 
 #: Families not built, and why (remote code, extra packages, not a language model one can shrink).
-NOT_BUILT: dict[str, str] = {}
+NOT_BUILT: dict[str, str] = {
+    name: f"a multimodal model type whose per-layer text config the shrink cannot redo; its text model is swept as {name}_text"
+    for name in ("gemma4", "dots3_note")
+}
 
 
 @attrs.frozen
@@ -189,6 +201,8 @@ def config_of(fam: Family):
     import transformers
 
     config_class = getattr(transformers, fam.config_class)
+    if fam.name in OWN_CONFIG:
+        config_class = getattr(transformers, fam.model_class).config_class
     kwargs = shrunk(config_class)
     subs = [key for key in getattr(config_class, "sub_configs", None) or {} if key in accepted(config_class)]
     default = config_class() if subs else None
