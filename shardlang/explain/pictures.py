@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import html
-import re
 from collections.abc import Sequence
 
 from rich.console import Console
 from rich.table import Table
 
+from ..frontend.patterns import starred
 from .layouts import TensorInfo
 from .simulate import Explanation, select
 from .stepping import FIT_CAP
@@ -44,16 +44,11 @@ def ranks_text(ranks: Sequence[int]) -> str:
     return ",".join(parts)
 
 
-def _starred(name: str) -> str:
-    """`name` with its integer path segments as `*` (layers.0.attention.wq -> layers.*.attention.wq)."""
-    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", name)
-
-
 def _unit(t: TensorInfo, n: int) -> str:
     """The fully_shard unit that gathers `t` (for a collapsed row, its name starred as the row's is)."""
     if t.unit is None:
         return "-"
-    return _starred(t.unit) if n > 1 else t.unit
+    return starred(t.unit) if n > 1 else t.unit
 
 
 def grouped(tensors: Sequence[TensorInfo]) -> list[tuple[str, TensorInfo, int]]:
@@ -62,7 +57,7 @@ def grouped(tensors: Sequence[TensorInfo]) -> list[tuple[str, TensorInfo, int]]:
     rows: dict[tuple, list] = {}
     for t in tensors:
         key = (
-            _starred(t.name),
+            starred(t.name),
             t.kind,
             t.shape,
             t.dtype,

@@ -109,3 +109,9 @@ def plain_name(name: str) -> str:
     """A module's or a state-dict key's dotted name without the segments wrappers insert, as the unsharded
     model names it and as torch's get_model_state_dict keys it."""
     return ".".join(part for part in name.split(".") if part not in WRAPPER_SEGMENTS)
+
+
+def starred(name: str) -> str:
+    """`name` with each integer segment as `*` (layers.0.attention.wq -> layers.*.attention.wq; a
+    Sequential's 0.weight -> *.weight): the same tensor in every block."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)", "*", name)

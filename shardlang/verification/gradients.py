@@ -40,13 +40,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
 from ..frontend import ir
+from ..frontend.patterns import starred
 from . import layout as lay
 from . import localise, routing
 from .outcome import FAIL, PASS, SKIPPED, Outcome
@@ -406,7 +406,7 @@ def _few_values_floors(references) -> dict[str, float]:
         for (n, t), s in pairs
         if t.grad is not None and s.grad is not None and t.grad.numel() < SLICE_VALUES and n not in unfinite
     }
-    kind_of = {name: re.sub(r"\.\d+\.", ".*.", name) for name in few}  # the same parameter in every block
+    kind_of = {name: starred(name) for name in few}  # the same parameter in every block
     largest: dict[str, float] = {}
     for name, error in few.items():
         largest[kind_of[name]] = max(largest.get(kind_of[name], 0.0), error)
