@@ -306,11 +306,9 @@ def _unsharded(
 
 def _sequence_shard(ctx, full: tuple) -> tuple:
     """This rank's shard of every sequence-shaped input, as context_parallel's hook cuts it."""
-    from ..runtime.context_layout import along_sequence, sequence_layout
+    from ..runtime.context_layout import along_sequence
 
-    cp = ctx.plan.context_parallel
-    mesh = ctx.applied.mesh(cp.mesh)
-    layout, rank = sequence_layout(cp.load_balance, mesh.size()), mesh.get_local_rank()
+    layout, rank = ctx.sequence_split()
     cut, _ = along_sequence(full, lambda x: layout.split(x, 1, rank))
     return cut
 

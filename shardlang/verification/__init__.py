@@ -98,6 +98,17 @@ class Context:
     def model(self) -> torch.nn.Module:
         return self.applied.model
 
+    def sequence_split(self):
+        """Under context parallelism, how this rank's sequences split (runtime.context_layout's layout) and
+        this rank's place in it; None without."""
+        from ..runtime.context_layout import sequence_layout
+
+        cp = self.plan.context_parallel
+        if cp is None:
+            return None
+        mesh = self.applied.mesh(cp.mesh)
+        return sequence_layout(cp.load_balance, mesh.size()), mesh.get_local_rank()
+
     @property
     def device(self) -> torch.device:
         """The device the model's tensors should be on: cuda:<local rank> or cpu."""

@@ -167,14 +167,11 @@ class Training:
 
     def _sequence(self, batch: tuple) -> routing.Sequence | None:
         """Under context parallelism, how this replica's sequences split over its cp ranks."""
-        from ..runtime.context_layout import sequence_layout
-
-        cp = self.ctx.plan.context_parallel
-        if cp is None:
+        split = self.ctx.sequence_split()
+        if split is None:
             return None
-        mesh = self.ctx.applied.mesh(cp.mesh)
         first = next(x for x in batch if isinstance(x, torch.Tensor))
-        return routing.Sequence(sequence_layout(cp.load_balance, mesh.size()), mesh.get_local_rank(), first.shape[0])
+        return routing.Sequence(*split, first.shape[0])
 
     def _judge_routing(self, step: int) -> None:
         if not self.replayable:
