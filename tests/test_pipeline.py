@@ -511,16 +511,6 @@ def test_a_wrapped_error_is_told_by_what_it_was_raised_from():
 
 
 @pytest.mark.distributed
-def test_a_module_declared_after_the_stack_but_run_before_it_is_refused_at_the_pipeline(tmp_path):
-    """Phi-4 multimodal declares `embed_tokens_extend` after its blocks and runs it before them: the
-    declaration order puts it on the last stage, and the first stage's pass-through handed the blocks the
-    token ids, which failed in the first block's norm (and init then left out mixed precision)."""
-    _, status, said = _lint_streams(tmp_path, "early.py")
-    assert status == 1 and "streams.sl:3:1: error[SL220] the simulated training step of the pipeline stops: " in said
-    assert "'extend' runs before the blocks, but the model declares it after them" in said
-
-
-@pytest.mark.distributed
 def test_experts_whose_float32_grouped_mm_fake_tensors_refuse_pipeline_clean(tmp_path):
     """Qwen3-MoE's experts run torch._grouped_mm in float32, which the meta kernel refuses (CUDA's does;
     CPU's takes it): lint's pipelined step runs it on stand-ins as the plain step does, and says so. It
@@ -541,13 +531,45 @@ def test_experts_whose_float32_grouped_mm_fake_tensors_refuse_pipeline_clean(tmp
 
 
 @pytest.mark.distributed
-def test_a_module_declared_before_the_stack_but_run_after_it_is_refused_at_the_pipeline(tmp_path):
-    """OPT declares its final_layer_norm before its layers and runs it after them: the declaration order puts
-    it on the first stage, and the last stage's pass-through of it handed the head what that stage
-    received, so the last stage's blocks had no gradient (apply failed; lint passed: a miss in the zoo)."""
-    _, status, said = _lint_streams(tmp_path, "late.py")
-    assert status == 1 and "streams.sl:3:1: error[SL220] the simulated training step of the pipeline stops: " in said
-    assert "'late' runs after the blocks, but the model declares it before them" in said
+@pytest.mark.parametrize(("fixture", "module", "stage"), [("late.py", "late", 1), ("early.py", "extend", 0)])
+def test_a_module_declared_on_the_other_side_of_the_stack_goes_where_it_runs(pools, tmp_path, fixture, module, stage):
+    """OPT declares its final_layer_norm before its layers and runs it after them; Phi-4 multimodal declares
+    `embed_tokens_extend` after its blocks and runs it before them. The traced order puts each on the stage
+    where it runs: lint is clean and apply's gradients match the unsharded model's. Declaration order put
+    them on the other stage (the last stage's blocks had no gradient, or the first block got token ids), and
+    the pipeline was refused (SL220)."""
+    from shardlang.compiler.lint import lint
+    from shardlang.compiler.trace import trace_order
+    from shardlang.runtime.modelfile import load_model_file
+
+    model_path, status, said = _lint_streams(tmp_path, fixture)
+    assert status == 0 and "error[" not in said, said
+    model_file = load_model_file(model_path)
+    order = trace_order(model_file.build_on_meta(), model_file.example_input)
+    plan = shardlang.load(tmp_path / "streams.sl")
+    linted = lint(plan, model_file.build_on_meta(), 4, order=order)
+    assert linted.resolution.stages.stage_of(module) == stage
+    job = Job(str(tmp_path / "streams.sl"), {}, model_path, None, plan.checks, order=order)
+    report = pools(4).run(run, job)[0]
+    assert report.ok, [c.message for c in report.checks] + [d.message for d in report.diagnostics]
+    assert {c.check: c.status for c in report.checks}["gradients"] == "pass"
+
+
+def test_without_the_order_modules_run_in_a_pipeline_places_them_as_declared():
+    """No trace (a model file without example_input, or lint called without `order`): the declaration order
+    places the modules outside the stack, and the runtime refuses one that runs on the other side
+    (PassThrough's RUNS_EARLY and ONE_ACTIVATION say so)."""
+    from shardlang.compiler.resolve import resolve
+    from shardlang.compiler.trace import trace_order
+    from tests.fixtures.pipelines import early, late
+
+    plan = shardlang.loads(STREAMS_PLAN)
+    for fixture, module, declared in ((late, "late", 0), (early, "extend", 1)):
+        model = fixture.build_model()
+        resolution, _ = resolve(plan, model, 2)
+        assert resolution.stages.stage_of(module) == declared
+        resolution, _ = resolve(plan, model, 2, trace_order(model, fixture.example_input))
+        assert resolution.stages.stage_of(module) == 1 - declared
 
 
 @pytest.mark.distributed

@@ -68,8 +68,8 @@ def compile_plan(
 
 def order_for(plan: Plan, model, model_file: ModelFile):
     """The order the model's modules run in, for the lint rules that follow activations through it (SL210:
-    only plans with tensor parallelism need it)."""
-    return order_always(model, model_file) if plan.parallelize else None
+    plans with tensor parallelism) and for a pipeline, whose modules outside the stack go where they run."""
+    return order_always(model, model_file) if plan.parallelize or plan.pipeline is not None else None
 
 
 def order_always(model, model_file: ModelFile):

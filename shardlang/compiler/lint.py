@@ -58,7 +58,7 @@ def lint(
     if found:
         return Linted(None, None, tuple(found))
     shapes = mesh_shapes(plan, world_size)
-    resolution, found = resolve(plan, model, pipeline_size(plan, shapes))
+    resolution, found = resolve(plan, model, pipeline_size(plan, shapes), order)
     if order is not None:
         resolution = attrs.evolve(resolution, order=order)
     predictions = predict(plan, resolution, shapes, observed, strided_shard)

@@ -87,9 +87,12 @@ class Resolution:
     context: tuple[str, ...] = ()
 
 
-def resolve(plan: ir.Plan, model: nn.Module, pp: int = 1) -> tuple[Resolution, list[Diagnostic]]:
+def resolve(
+    plan: ir.Plan, model: nn.Module, pp: int = 1, order: Order | None = None
+) -> tuple[Resolution, list[Diagnostic]]:
     """Match every target of `plan` against `model`. SL200 for a pattern that matches nothing. `pp` is the
-    size of a pipeline's dim (for `split STACK into auto`)."""
+    size of a pipeline's dim (for `split STACK into auto`); `order`, the order the model's modules run in
+    (compiler.trace), places a pipeline's modules outside its stack."""
     modules = tuple(model.named_modules())
     found: list[Diagnostic] = []
     rules = []
@@ -143,7 +146,7 @@ def resolve(plan: ir.Plan, model: nn.Module, pp: int = 1) -> tuple[Resolution, l
 
     stages = None
     if plan.pipeline is not None:
-        stages, problems = split(plan.pipeline, model, lambda target: _matches(target, modules, ""), pp)
+        stages, problems = split(plan.pipeline, model, lambda target: _matches(target, modules, ""), pp, order)
         found += problems
 
     order = {fqn: i for i, (fqn, _) in enumerate(modules)}

@@ -4,8 +4,9 @@ and which modules outside the stack go with the first or the last stage (docs/la
 The model contract: the model's forward runs the blocks of one stack (a ModuleList, ModuleDict or
 Sequential) in order, each taking the running activation as its first argument and returning it. Every
 module with parameters outside the stack runs before the stack (it belongs to the first stage) or after
-it (the last stage), as the order in which the model declares its modules says; modules without
-parameters (rotary tables, masks) run on every stage. Data only: the runtime cuts the model.
+it (the last stage), as the order the modules run in says (traced: compiler.trace), or, where it is not
+known, the order the model declares them in; modules without parameters (rotary tables, masks) run on
+every stage. Data only: the runtime cuts the model.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from attrs import frozen
 
 from ..frontend import ir
 from ..frontend.diagnostics import SL200, SL211, SL212, SL214, Diagnostic, few
+from .trace import Order
 
 STACKS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -66,9 +68,12 @@ def _within(fqn: str, owner: str) -> bool:
     return fqn == owner or fqn.startswith(owner + ".")
 
 
-def split(pipeline: ir.Pipeline, model: nn.Module, matches, pp: int) -> tuple[Stages | None, list[Diagnostic]]:
+def split(
+    pipeline: ir.Pipeline, model: nn.Module, matches, pp: int, order: Order | None = None
+) -> tuple[Stages | None, list[Diagnostic]]:
     """Resolve the split on `model`. `matches(target)` lists the FQNs a target matches (resolve's matcher);
-    `pp` is the pipeline dim's size (`split STACK into auto` makes pp x stages_per_rank stages)."""
+    `pp` is the pipeline dim's size (`split STACK into auto` makes pp x stages_per_rank stages); `order`,
+    the order the model's modules run in (compiler.trace), places the modules outside the stack."""
     modules = dict(model.named_modules())
     if pipeline.stack is not None:
         fqns = matches(pipeline.stack)
@@ -136,7 +141,7 @@ def split(pipeline: ir.Pipeline, model: nn.Module, matches, pp: int) -> tuple[St
             starts.append(at)
     ends = [*starts[1:], len(blocks)]
     stages_blocks = tuple(tuple(blocks[a:b]) for a, b in zip(starts, ends))
-    first, last, found = _outside(model, stack, pipeline)
+    first, last, found = _outside(model, stack, pipeline, _ran_before(order, blocks[0]))
     if found:
         return None, found
     stages = Stages(stack, stages_blocks, first, last)
@@ -164,9 +169,23 @@ def _stack_help(model: nn.Module) -> tuple[str, ...]:
     return (f"the model's stacks: {few(stacks)}",) if stacks else ("the model has no ModuleList of blocks to cut",)
 
 
-def _outside(model: nn.Module, stack: str, pipeline: ir.Pipeline) -> tuple[tuple[str, ...], tuple[str, ...], list]:
-    """The modules with parameters beside the path from the root to the stack: those declared before the
-    path's next module run before the stack (first stage), those after it, after (last stage)."""
+def _ran_before(order: Order | None, first_block: str):
+    """fqn -> whether module `fqn` first ran before the stack's first block (None where the trace does not
+    say: no trace, or a module that did not run)."""
+    if order is None or order.modules is None or first_block not in order.modules:
+        return lambda fqn: None
+    ran = {fqn: i for i, fqn in enumerate(order.modules)}
+    start = ran[first_block]
+    return lambda fqn: ran[fqn] < start if fqn in ran else None
+
+
+def _outside(
+    model: nn.Module, stack: str, pipeline: ir.Pipeline, ran_before
+) -> tuple[tuple[str, ...], tuple[str, ...], list]:
+    """The modules with parameters beside the path from the root to the stack: those that run before the
+    stack (first stage) and those that run after it (last stage), as `ran_before(fqn)` says, or where it does
+    not know, as declared: before the path's next module, or after it (OPT declares its decoder's
+    final_layer_norm before its layers, and runs it after them)."""
     first, last, found = [], [], []
     path = stack.split(".") if stack else []
     prefix, module = "", model
@@ -192,7 +211,8 @@ def _outside(model: nn.Module, stack: str, pipeline: ir.Pipeline) -> tuple[tuple
                 before = False
                 continue
             if any(True for _ in child.parameters()):
-                (first if before else last).append(fqn)
+                runs_before = ran_before(fqn)
+                (first if (before if runs_before is None else runs_before) else last).append(fqn)
         prefix = f"{prefix}.{step}" if prefix else step
         module = module.get_submodule(step)
     return tuple(first), tuple(last), found

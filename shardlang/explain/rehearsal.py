@@ -88,19 +88,20 @@ def _stepped(plan, model, model_file, world_size, resolution, timeout_s) -> Rehe
     if model_file.example_input is None:
         return Rehearsal((), f"the training step was not simulated: {model_file.origin} defines no example_input")
     stack = repeated_stack(model, resolution)
-    status, result = in_fork(lambda: _rehearse_here(plan, model, model_file, world_size, stack), timeout_s)
+    order = resolution.order if resolution is not None else None
+    status, result = in_fork(lambda: _rehearse_here(plan, model, model_file, world_size, stack, order), timeout_s)
     if status != "ok":
         return Rehearsal((), f"the training step could not be simulated: {result}")
     return with_context_mixing(result, plan, model, model_file, resolution, timeout_s)  # SL223
 
 
-def _rehearse_here(plan, model, model_file, world_size, stack) -> Rehearsal:
+def _rehearse_here(plan, model, model_file, world_size, stack, order=None) -> Rehearsal:
     simulated = on_cpu(plan)
     whole = f"rank 0 of {world_size}"
     with simulated_world(world_size, 0), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if plan.pipeline is not None:  # stepped as explain steps it: from the meta model, stage by stage
-            return _pipelined(simulated, model, model_file, world_size)
+            return _pipelined(simulated, model, model_file, world_size, order)
         model = _as_apply_builds_it(plan, model, model_file)
         if stack is not None and len(stack[1]) > BLOCKS:
             path, keys = stack
@@ -113,11 +114,11 @@ def _rehearse_here(plan, model, model_file, world_size, stack) -> Rehearsal:
     return Rehearsal(tuple(found), "; ".join((f"one training step simulated at {whole}", *notes)), ran, phases)
 
 
-def _pipelined(plan: ir.Plan, model: nn.Module, model_file: ModelFile, world_size: int) -> Rehearsal:
+def _pipelined(plan: ir.Plan, model: nn.Module, model_file: ModelFile, world_size: int, order=None) -> Rehearsal:
     """A pipelined plan: applied once per pp rank, and its step run stage by stage as explain runs it (each
     stage's forward on what the one before sent, the loss on the last, the backward back); SL220 where it
     raises, at the rule governing the module of the stage that was running (at the pipeline where a stage
-    cannot send what its blocks return)."""
+    cannot send what its blocks return). `order` (compiler.trace) places the modules outside the stack."""
     from ..runtime.pipeline import CONTRACT
     from ..verification import Context
     from .fakestep import StandIns
@@ -129,7 +130,7 @@ def _pipelined(plan: ir.Plan, model: nn.Module, model_file: ModelFile, world_siz
     for index in range(pp):
         try:  # a copy of one model each time: linted by the first application, handed on to the others
             mode = SIMULATED.at_pp_rank(index)
-            applied_by_rank[index] = apply_plan(plan, copy_model(model), mode=mode, linted=linted)
+            applied_by_rank[index] = apply_plan(plan, copy_model(model), order, mode=mode, linted=linted)
         except PlanError as e:
             return Rehearsal(tuple(e.diagnostics), f"the plan could not be applied for pp rank {index}")
         linted = applied_by_rank[index].linted

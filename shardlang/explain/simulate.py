@@ -107,13 +107,13 @@ def explain(
     return _explain_here(plan, model, options, model_file)
 
 
-def lint_once(plan: ir.Plan, model: nn.Module, world_size: int) -> Linted:
+def lint_once(plan: ir.Plan, model: nn.Module, world_size: int, order=None) -> Linted:
     """`plan` linted on `model` at `world_size` as apply lints it (what `use` styles place seen by running
     them), once for every application of one explain to that model's module tree: PlanError if it does not
     fit. SL301 (what the installed torch cannot run) is left out: it shows as a failed step. Linted on the
     plan's own meshes (a cpu and a cuda mesh on one module is SL208), not the ones put on the CPU."""
     sources = {plan.source.name: plan.source}
-    linted = lint(plan, model, world_size, None, fsdp_strided_shard(), runs=False)
+    linted = lint(plan, model, world_size, None, fsdp_strided_shard(), runs=False, order=order)
     if linted.ok:
         linted = seeing_styles(plan, model, world_size, import_uses(plan), linted, runs=False)
     if not linted.ok:
@@ -121,10 +121,20 @@ def lint_once(plan: ir.Plan, model: nn.Module, world_size: int) -> Linted:
     return linted
 
 
+def _pipeline_order(plan: ir.Plan, model: nn.Module, model_file):
+    """For a pipeline, the order the model's modules run in (compiler.trace), which places the modules outside
+    its stack; None otherwise, or without an example input."""
+    if plan.pipeline is None or model_file is None or model_file.example_input is None:
+        return None
+    from ..compiler.trace import trace_order
+
+    return trace_order(model, model_file.example_input)
+
+
 def _explain_here(plan: ir.Plan, model: nn.Module | None, options: ExplainOptions, model_file) -> Explanation:
     if model is None:
         model = model_file.build_on_meta()
-    linted = lint_once(plan, model, options.world_size)
+    linted = lint_once(plan, model, options.world_size, _pipeline_order(plan, model, model_file))
     simulated = on_cpu(plan)
     world_size, rank = options.world_size, options.rank
     with simulated_world(world_size, rank), warnings.catch_warnings():

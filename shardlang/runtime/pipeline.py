@@ -40,12 +40,14 @@ class PassThrough(torch.nn.Module):
         if self.role == "after" and not self.carry.get("blocks"):  # blocks_begin: the stage's first block
             raise TypeError(
                 f"{self.RUNS_EARLY}: '{self.name}' runs before the blocks, but the model declares it after them, so the "
-                "last stage holds it (the order of declaration places a module); declare it before the stack"
+                "last stage holds it (with no traced order, or where the trace did not run it, the order of "
+                "declaration places a module); give the model file an example_input, or declare it before the stack"
             )
         if self.role == "before" and self.carry.get("blocks"):
             raise TypeError(
                 f"{self.RUNS_EARLY}: '{self.name}' runs after the blocks, but the model declares it before them, so the "
-                "first stage holds it (the order of declaration places a module); declare it after the stack"
+                "first stage holds it (with no traced order, or where the trace did not run it, the order of "
+                "declaration places a module); give the model file an example_input, or declare it after the stack"
             )
         if self.role == "before":
             received = self.carry["received"]
