@@ -555,6 +555,19 @@ def test_a_module_declared_on_the_other_side_of_the_stack_goes_where_it_runs(poo
     assert {c.check: c.status for c in report.checks}["gradients"] == "pass"
 
 
+@pytest.mark.distributed
+def test_explain_places_a_module_where_it_runs_too(tmp_path):
+    """explain traces the order for a pipeline as lint and apply do: OPT's shape is predicted stage by stage
+    (its pipelined step raised at the module before)."""
+    from .conftest import shardlang_cli
+
+    path = tmp_path / "streams.sl"
+    path.write_text(STREAMS_PLAN)
+    done = shardlang_cli("explain", str(path), str(STREAMS.parent / "late.py"), "--world", "4", "--format", "json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "runs after the blocks" not in done.stdout and '"pipeline"' in done.stdout
+
+
 def test_without_the_order_modules_run_in_a_pipeline_places_them_as_declared():
     """No trace (a model file without example_input, or lint called without `order`): the declaration order
     places the modules outside the stack, and the runtime refuses one that runs on the other side
