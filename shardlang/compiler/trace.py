@@ -66,7 +66,8 @@ def _traced(model: nn.Module, example_input: Callable, device: str) -> Order:
         evaluated = _run(model, example_input, device, training=False)
     except Exception:  # noqa: BLE001 - a forward that runs only in training: nothing more to learn
         return Order(modules)
-    return Order(modules, skipped=tuple(m for m in evaluated if m not in set(modules)))
+    ran = set(modules)
+    return Order(modules, skipped=tuple(m for m in evaluated if m not in ran))
 
 
 #: The most parameter and buffer elements a model may hold to be traced on the CPU (1 GiB in float32).

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+import weakref
 
 import attrs
 import torch.distributed as dist
@@ -123,12 +124,19 @@ def lint_once(plan: ir.Plan, model: nn.Module, world_size: int, order=None) -> L
 
 def _pipeline_order(plan: ir.Plan, model: nn.Module, model_file):
     """For a pipeline, the order the model's modules run in (compiler.trace), which places the modules outside
-    its stack; None otherwise, or without an example input."""
+    its stack; None otherwise, or without an example input. Traced once a model (search explains many
+    pipelined candidates of one)."""
     if plan.pipeline is None or model_file is None or model_file.example_input is None:
         return None
-    from ..compiler.trace import trace_order
+    if model not in _ORDERS:
+        from ..compiler.trace import trace_order
 
-    return trace_order(model, model_file.example_input)
+        _ORDERS[model] = trace_order(model, model_file.example_input)
+    return _ORDERS[model]
+
+
+#: The traced order of each model explained with a pipeline (the models are explain's meta models).
+_ORDERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _explain_here(plan: ir.Plan, model: nn.Module | None, options: ExplainOptions, model_file) -> Explanation:

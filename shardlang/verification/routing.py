@@ -152,8 +152,9 @@ class Sequence:
 
 class Record(TorchFunctionMode):
     """While active, the indices of every choice (topk's, max's or min's along a dim), in call order (None
-    for a DTensor's: not replayed); and, by (module, place among its comparisons), the floating comparisons
-    made by the modules that make a choice (`masks`). `model` names the modules as the references do."""
+    for a DTensor's: not replayed); and, by (module, place among its comparisons and draws), the floating
+    comparisons and the random draws of the modules that make a choice (`routed()`). `model` names the
+    modules as the references do."""
 
     def __init__(self, model: torch.nn.Module | None = None):
         super().__init__()
