@@ -231,6 +231,7 @@ def test_a_value_fake_tensors_do_not_hold_is_a_guess_and_float32_grouped_mm_runs
     assert len(stand_ins.float32_grouped_mm) == 3  # the forward's and the backward's two
 
 
+@pytest.mark.filterwarnings("ignore:Accessing the data pointer of FakeTensor")  # the old copy's, asserted below
 def test_a_copy_of_a_fake_model_shares_its_fake_mode_and_copies_no_storage_reference(monkeypatch):
     """copy_model shares the model's fake mode with the copy: a deep copy of the mode copies the storage weak
     references its converter keeps for constants (torch's StorageWeakRef, whose copies free one reference
