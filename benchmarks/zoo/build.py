@@ -106,6 +106,12 @@ for name in ("axk2", "deepseek_v32", "glm_moe_dsa"):
 OVERRIDES["longcat_flash"] = {"head_dim": 8}
 OVERRIDES["dots1"] = {"n_shared_experts": 1}  # its default is None, which its MoE multiplies
 OVERRIDES["lfm2_moe"] = {"layer_types": ["conv", "full_attention"]}  # its default is None
+# transformers 5.25 validates configs strictly: per-layer patterns must fit the shrunk layer count, Mamba2's
+# heads its expanded width, and MPT's attention dropout is an int
+OVERRIDES["gpt_neo"] = {"attention_types": [[["global", "local"], 1]]}
+OVERRIDES["mamba2"] = {"num_heads": 8}
+OVERRIDES["zamba"] = {"num_hidden_layers": 3}  # its hybrid pattern repeats every 3 layers
+OVERRIDES["mpt"] = {"attn_config": {"attn_pdrop": 0}}
 #: Families whose causal-LM class takes a config of its own (the text half of a multimodal model type).
 OWN_CONFIG = frozenset({"qwen3_5_moe", "qwen4_exp"})
 
