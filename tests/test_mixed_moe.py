@@ -236,11 +236,9 @@ def test_a_choice_by_max_along_a_dim_is_replayed():
     assert judged.wrong == 0 and judged.unmatched == 0, judged
 
 
-def _phimoe_routed(replayed: str):
-    """PhiMoE in training (its sparsemixer draws Gumbel noise and Heun's random mask, and masks by a
-    threshold) run in bfloat16 as the 'sharded run', then a float64 truth and a bfloat16 'same' reference
-    replaying `replayed`: "choices" alone (as before masks and draws were replayed) or "all". The judgement,
-    and the truth's router gradients' largest error from the bfloat16 run's, relative."""
+def _phimoe_recorded():
+    """PhiMoE in training, and its bfloat16 copy (the 'sharded run') run forward and backward under Record:
+    the model, its inputs, the copy and what the copy's routing recorded."""
     from examples.families.common import example_input
     from examples.families.phimoe import build_model
 
@@ -251,7 +249,15 @@ def _phimoe_routed(replayed: str):
     record = Record(sharded)
     with record:
         sharded(inputs).logits.float().sum().backward()
-    routed = record.routed()
+    return model, inputs, sharded, record.routed()
+
+
+def _phimoe_routed(replayed: str):
+    """PhiMoE in training (its sparsemixer draws Gumbel noise and Heun's random mask, and masks by a
+    threshold) run in bfloat16 as the 'sharded run', then a float64 truth and a bfloat16 'same' reference
+    replaying `replayed`: "choices" alone (as before masks and draws were replayed) or "all". The judgement,
+    and the truth's router gradients' largest error from the bfloat16 run's, relative."""
+    model, inputs, sharded, routed = _phimoe_recorded()
     replay = Replay()
     truth, same = _references(model, replay)
     replay.start({0: routed if replayed == "all" else Routed(routed.choices)}, 0)
@@ -284,17 +290,7 @@ def test_a_routers_random_draws_and_threshold_masks_are_replayed():
 def test_a_mask_flipped_beyond_rounding_fails_naming_its_router():
     """A replayed comparison the truth makes otherwise by far more than rounding (every threshold mask
     inverted) is a wrong routing of that router, as a wrong choice is."""
-    from examples.families.common import example_input
-    from examples.families.phimoe import build_model
-
-    torch.manual_seed(0)
-    model = build_model().train()
-    inputs = example_input(4, torch.Generator().manual_seed(1))
-    sharded = copy.deepcopy(model).to(torch.bfloat16)
-    record = Record(sharded)
-    with record:
-        sharded(inputs)
-    routed = record.routed()
+    model, inputs, _, routed = _phimoe_recorded()
     replay = Replay()
     truth, same = _references(model, replay)
     inverted = {key: ~mask for key, mask in routed.masks.items()}

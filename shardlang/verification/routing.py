@@ -159,8 +159,7 @@ class Record(TorchFunctionMode):
     def __init__(self, model: torch.nn.Module | None = None):
         super().__init__()
         self.choices: list[torch.Tensor | None] = []
-        self.names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
-        self.stack = Stack(self.names)
+        self.stack = Stack({id(m): n for n, m in model.named_modules()} if model is not None else {})
         self.choosers: set[str] = set()
         self.compared: dict[tuple[str, int], torch.Tensor] = {}
         self.drawn: dict[tuple[str, int], torch.Tensor] = {}
@@ -272,14 +271,15 @@ def _joined(parts: dict[int, Routed], sequence: Sequence) -> Routed:
     ranks = [parts.get(at, Routed([])) for at in range(sequence.layout.ranks)]
     calls = min(len(r.choices) for r in ranks)
     choices = [sequence.join([r.choices[call] for r in ranks]) for call in range(calls)]
-    masks, draws = (
-        {
-            key: sequence.join([getattr(r, kind)[key] for r in ranks])
-            for key in set.intersection(*(set(getattr(r, kind)) for r in ranks))
-        }
-        for kind in ("masks", "draws")
+    return Routed(
+        choices, _joined_by_key([r.masks for r in ranks], sequence), _joined_by_key([r.draws for r in ranks], sequence)
     )
-    return Routed(choices, masks, draws)
+
+
+def _joined_by_key(parts: list[dict], sequence: Sequence) -> dict:
+    """The tensors every part holds under one key (a router's comparison or draw), joined by key."""
+    keys = set.intersection(*(set(part) for part in parts))
+    return {key: sequence.join([part[key] for part in parts]) for key in keys}
 
 
 @frozen
